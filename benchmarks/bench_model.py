@@ -1,0 +1,212 @@
+"""Model-layer benchmark: ReaLModel vs transformers on the same checkpoint, in one run.
+
+Prints JSON lines:
+  * matmul peak of this machine (fp32 and bf16 GFLOP/s, median of repeats)
+  * generation: tokens/s of ReaLModel ``generate`` vs ``transformers`` ``generate`` (greedy,
+    ``--n-prompts`` chat prompts x ``--new-tokens`` new tokens, same dtype), and their ratio
+  * training: tokens/s and achieved FLOP/s (6 * params * tokens + attention) of one fwd+bwd+AdamW
+    step, as a fraction of the measured matmul peak, for both implementations
+  * peak memory (max RSS) of each measurement, each run in its own fresh process
+
+Usage: python benchmarks/bench_model.py [--model smollm2|tiny-llama] [--dtype bfloat16] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import time
+
+
+def _emit(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def _model_path(name: str, dtype: str) -> str:
+    if name == "smollm2":
+        from realhf.impl.model.smollm2 import ensure_smollm2
+
+        return ensure_smollm2(dtype="float32")
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    return ensure_tiny_model("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                             num_attention_heads=8, num_key_value_heads=4)
+
+
+def _prompts(path, n):
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    questions = [
+        f"Tom has {a} apples and buys {b} more. How many apples does Tom have now?" for a, b in
+        [(3, 5), (12, 7), (21, 9), (4, 30), (15, 15), (8, 13), (27, 2), (11, 19)]
+    ]
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": questions[i % len(questions)] + " " * (i // len(questions))}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        out.append(list(ids))
+    return out, tok
+
+
+def _peak_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def matmul_peak(dtype_name, n=2048, reps=7):
+    import torch
+
+    dt = getattr(torch, dtype_name)
+    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+    for _ in range(2):
+        a @ b
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        ts.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(ts) / 1e9
+
+
+def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, q):
+    import torch
+
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype_name)
+    prompts, tok = _prompts(path, n_prompts)
+    if impl == "hf":
+        import transformers
+
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt)
+        tok.padding_side = "left"
+        batch = tok.pad({"input_ids": prompts}, return_tensors="pt")
+
+        def run(k):
+            with torch.no_grad():
+                o = m.generate(**batch, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                               pad_token_id=tok.pad_token_id)
+            return int((o.shape[1] - batch["input_ids"].shape[1]) * o.shape[0])
+    else:
+        from realhf.api.core.model_api import GenerationHyperparameters
+        from realhf.base.topology import single_process_grid
+        from realhf.impl.model.conversion.hf_io import build_from_hf
+        from realhf.impl.model.nn.generation import generate
+
+        model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
+
+        def run(k):
+            g = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, greedy=True)
+            out = generate(model, prompts, g, eos_token_id=tok.eos_token_id)
+            return sum(len(t) for t in out.tokens)
+
+    run(4)  # warm-up
+    t = time.perf_counter()
+    n = run(new_tokens)
+    dt_s = time.perf_counter() - t
+    q.put(dict(impl=impl, tokens=n, seconds=round(dt_s, 3), tok_per_s=round(n / dt_s, 1), peak_rss_mb=round(_peak_mb())))
+
+
+def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
+    import torch
+
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype_name)
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    V = cfg.vocab_size
+    ids = [torch.randint(0, V, (seqlen,)) for _ in range(bs)]
+    if impl == "hf":
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt)
+        m.train()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-6, fused=True)
+        x = torch.stack(ids)
+        n_params = sum(p.numel() for p in m.parameters())
+
+        def step():
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    else:
+        from realhf.api.core.data_api import SequenceSample
+        from realhf.base.topology import single_process_grid
+        from realhf.impl.model.backend.engine import TrainEngine
+        from realhf.impl.model.backend.optim import OptimizerConfig
+        from realhf.impl.model.conversion.hf_io import build_from_hf
+        from realhf.impl.model.utils.functional import packed_logprobs
+
+        model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
+        eng = TrainEngine(model, OptimizerConfig(lr=1e-6), 100)
+        n_params = model.num_params()
+        sample = SequenceSample.from_default(ids=list(range(bs)), seqlens=[seqlen] * bs, data={"packed_input_ids": torch.cat(ids)})
+
+        def loss_fn(out, mb):
+            lp, valid = packed_logprobs(out, mb.data["packed_input_ids"], mb.cu_seqlens())
+            return -lp.sum() / valid.sum(), {}
+
+        def step():
+            eng.train_batch(sample, loss_fn, lambda mb: mb.total_tokens())
+    step()  # warm-up
+    ts = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t)
+    sec = statistics.median(ts)
+    tokens = bs * seqlen
+    L, H = cfg.num_hidden_layers, cfg.hidden_size
+    flops = 6 * n_params * tokens + 6 * L * H * seqlen * tokens  # matmuls + causal attention (fwd+bwd)
+    q.put(dict(impl=impl, tokens=tokens, step_seconds=round(sec, 3), tok_per_s=round(tokens / sec, 1),
+               gflops=round(flops / sec / 1e9, 1), params=n_params, peak_rss_mb=round(_peak_mb())))
+
+
+def _in_process(fn, *args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=fn, args=args + (q,))
+    p.start()
+    r = q.get()
+    p.join()
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny-llama"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--n-prompts", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--train-bs", type=int, default=8)
+    ap.add_argument("--train-seqlen", type=int, default=256)
+    ap.add_argument("--train-steps", type=int, default=3)
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: gen,train")
+    a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(os.cpu_count())
+    path = _model_path(a.model, a.dtype)
+    peak = {d: matmul_peak(d) for d in ("float32", "bfloat16")}
+    _emit(bench="matmul_peak", n=2048, gflops_fp32=round(peak["float32"], 1), gflops_bf16=round(peak["bfloat16"], 1))
+    skip = set(a.skip.split(",")) - {""}
+    if "gen" not in skip:
+        res = {impl: _in_process(gen_worker, impl, path, a.dtype, a.n_prompts, a.new_tokens) for impl in ("hf", "realhf")}
+        for r in res.values():
+            _emit(bench="generate", model=a.model, dtype=a.dtype, prompts=a.n_prompts, new_tokens=a.new_tokens, **r)
+        _emit(bench="generate_ratio", realhf_over_hf=round(res["realhf"]["tok_per_s"] / res["hf"]["tok_per_s"], 2))
+    if "train" not in skip:
+        res = {impl: _in_process(train_worker, impl, path, a.dtype, a.train_bs, a.train_seqlen, a.train_steps) for impl in ("hf", "realhf")}
+        for r in res.values():
+            _emit(bench="train", model=a.model, dtype=a.dtype, bs=a.train_bs, seqlen=a.train_seqlen,
+                  fraction_of_matmul_peak=round(r["gflops"] / peak[a.dtype], 3), **r)
+        _emit(bench="train_ratio", realhf_over_hf=round(res["realhf"]["tok_per_s"] / res["hf"]["tok_per_s"], 2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""realhf: reinforcement learning for LLM reasoning on a dataflow graph of model function calls."""
+
+__version__ = "0.1.0"

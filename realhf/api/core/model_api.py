@@ -1,0 +1,146 @@
+"""Model-level abstractions: the ReaLModel config, generation options and the HF-family registry."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+
+@dataclasses.dataclass
+class ReaLModelConfig:
+    """Architecture of a decoder-only transformer, independent of the HF family it came from."""
+
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    intermediate_dim: int
+    vocab_size: int
+    n_positions: Optional[int] = None  # size of the learned position table (GPT-2 style); None = no table
+    layer_norm_epsilon: float = 1e-5
+    layer_norm_type: str = "rms"  # "rms" | "layer"
+    mlp_type: str = "gated"  # "gated" (SwiGLU-style gate*up) | "plain" (fc_in -> act -> fc_out)
+    activation_function: str = "silu"
+    use_attention_bias: bool = False  # biases on q/k/v projections
+    use_attn_proj_bias: bool = False  # bias on the attention output projection
+    use_mlp_bias: bool = False
+    qk_layernorm: bool = False  # per-head RMSNorm of q and k (Qwen3)
+    apply_rotary: bool = True
+    rotary_base: float = 10000.0
+    rotary_scaling: Optional[Dict[str, Any]] = None
+    tied_embedding: bool = False
+    is_critic: bool = False  # value head [hidden -> 1] instead of the LM head
+    family: str = ""
+    # Token ids carried along for generation defaults.
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        for k in ("n_layers", "n_q_heads", "n_kv_heads", "head_dim", "hidden_dim", "intermediate_dim", "vocab_size"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ReaLModelConfig.{k} must be a positive integer, got {v!r}")
+        if self.n_q_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_q_heads ({self.n_q_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.layer_norm_type not in ("rms", "layer"):
+            raise ValueError(f"layer_norm_type must be 'rms' or 'layer', got {self.layer_norm_type!r}")
+        if self.mlp_type not in ("gated", "plain"):
+            raise ValueError(f"mlp_type must be 'gated' or 'plain', got {self.mlp_type!r}")
+
+    def check_layout(self, tp: int, pp: int):
+        """Raise a ValueError naming every model dimension that the layout does not divide."""
+        problems = []
+        if self.n_q_heads % tp:
+            problems.append(f"{self.n_q_heads} attention heads are not divisible by tensor parallel size {tp}")
+        if self.n_kv_heads % tp:
+            problems.append(f"{self.n_kv_heads} key/value heads are not divisible by tensor parallel size {tp}")
+        if self.intermediate_dim % tp:
+            problems.append(f"MLP width {self.intermediate_dim} is not divisible by tensor parallel size {tp}")
+        if self.vocab_size % tp:
+            problems.append(f"vocabulary size {self.vocab_size} is not divisible by tensor parallel size {tp}")
+        if pp > self.n_layers:
+            problems.append(f"{self.n_layers} layers cannot fill {pp} pipeline stages")
+        if problems:
+            raise ValueError(f"layout m{tp}p{pp} does not fit this model: " + "; ".join(problems))
+
+
+@dataclasses.dataclass
+class GenerationHyperparameters:
+    """Options of one generation call."""
+
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    greedy: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k
+    stop_token_ids: Tuple[int, ...] = ()
+    n: int = 1  # samples per prompt
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature} (use greedy=True)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+# ---------------------------------------------------------------------------------------------------
+# HF family registry
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class HFFamily:
+    """How one Hugging Face model family maps onto ReaLModel.
+
+    ``config_from_hf(hf_config) -> ReaLModelConfig`` and ``config_to_hf(cfg) -> dict`` convert configs;
+    ``to_real(hf_name) -> (real_name, transform)`` / ``from_real(real_name)`` convert parameter names,
+    where a transform may split one HF tensor into several ReaLModel tensors (GPT-2's fused qkv).
+    """
+
+    name: str
+    hf_model_types: Tuple[str, ...]
+    config_from_hf: Callable[[Any], ReaLModelConfig]
+    config_to_hf: Callable[[ReaLModelConfig], Dict[str, Any]]
+    hf_to_real: Callable[[Dict[str, Any], ReaLModelConfig], Dict[str, Any]]
+    real_to_hf: Callable[[Dict[str, Any], ReaLModelConfig], Dict[str, Any]]
+    hf_names_for_real: Callable[[List[str], ReaLModelConfig], List[str]]
+    ignored_hf_keys: Tuple[str, ...] = ()
+
+
+_HF_FAMILIES: Dict[str, HFFamily] = {}
+
+
+def register_hf_family(family: HFFamily):
+    if family.name in _HF_FAMILIES:
+        raise ValueError(f"HF family {family.name!r} registered twice")
+    _HF_FAMILIES[family.name] = family
+
+
+def get_hf_family(name: str) -> HFFamily:
+    if name not in _HF_FAMILIES:
+        raise KeyError(f"unknown HF family {name!r}; registered: {sorted(_HF_FAMILIES)}")
+    return _HF_FAMILIES[name]
+
+
+def hf_family_for_model_type(model_type: str) -> HFFamily:
+    for fam in _HF_FAMILIES.values():
+        if model_type in fam.hf_model_types:
+            return fam
+    supported = sorted(t for f in _HF_FAMILIES.values() for t in f.hf_model_types)
+    raise ValueError(f"unsupported model_type {model_type!r} in config.json; supported: {supported}")

@@ -1,0 +1,100 @@
+"""Run a function on N real processes joined by a gloo process group (tests, benchmarks, demos).
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises
+``torch.distributed`` (gloo, TCP rendezvous on 127.0.0.1) in each, calls ``fn(*args)`` and returns the
+list of per-rank return values. A rank that raises makes the whole call raise with that rank's
+traceback; a rank that dies or hangs is reported after ``timeout`` seconds; no process is left behind.
+``fn`` must be importable by name (module level) because processes are spawned.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, List
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DistributedError(RuntimeError):
+    pass
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, q, threads, timeout):
+    import faulthandler
+
+    # if this rank hangs, its stack shows up in the log before the parent kills it
+    faulthandler.dump_traceback_later(max(1.0, timeout - 3), exit=False)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        os.environ["REALHF_TEST_RANK"] = str(rank)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            try:
+                dist.barrier()
+            except Exception:  # a peer already failed; its error is what matters
+                pass
+            dist.destroy_process_group()
+        # plain pickle: tensors travel by value (torch's queue reducers would share memory that dies with us)
+        q.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # report every failure, including KeyboardInterrupt/SystemExit, to the parent
+        q.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args, timeout: float = 300.0, threads: int = 1, **kwargs
+) -> List[Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, q, threads, timeout), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            try:
+                rank, ok, val = q.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    # give siblings a moment to report their own errors
+                    time.sleep(0.5)
+                    raise DistributedError(
+                        f"rank(s) {dead} of {world_size} died with exit code(s) "
+                        f"{[procs[i].exitcode for i in dead]} before reporting a result"
+                    )
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise DistributedError(f"rank(s) {missing} of {world_size} did not finish within {timeout:.0f} s")
+                continue
+            if not ok:
+                raise DistributedError(f"rank {rank} of {world_size} raised:\n{val}")
+            results[rank] = pickle.loads(val)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(results) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,232 @@
+"""Inference and training engines over a ReaLModel shard, for any dp x tp x pp layout.
+
+Inputs are ``SequenceSample`` batches holding ``packed_input_ids`` (plus whatever a loss needs). A
+batch is cut into micro-batches under ``max_tokens_per_mb``; with pp > 1 the micro-batches flow
+through the pipeline (non-blocking forward for inference, 1F1B for training).
+
+Exact loss normalisation: ``loss_fn(output, mb) -> (loss, stats)`` returns the *mean* loss of a
+micro-batch, ``loss_weight_fn(mb)`` its weight (e.g. its number of loss tokens). The engine
+back-propagates ``loss * weight / total_weight`` where ``total_weight`` is summed over all
+micro-batches of all data-parallel ranks, and sums gradients across data-parallel ranks, so the update
+is that of the whole batch's mean loss however the batch is split.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.base import logging
+from realhf.impl.model.backend.optim import OptimizerConfig, build_adamw, lr_multiplier
+from realhf.impl.model.nn.generation import GenerationOutput, generate
+from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, make_packed_input, tp_shard_dim
+
+logger = logging.getLogger(__name__)
+
+INPUT_KEY = "packed_input_ids"
+
+
+def _mb_inputs(mb: SequenceSample, device) -> Tuple[torch.Tensor, PackedInput]:
+    lens = mb.flat_seqlens(INPUT_KEY)
+    return mb.data[INPUT_KEY].to(device), make_packed_input(lens, device=device)
+
+
+class InferenceEngine:
+    """Forward passes (no grad) in micro-batches; results live on the last pipeline stage."""
+
+    def __init__(self, model: ReaLModel):
+        self.model = model
+        self.grid = model.grid
+        self.device = model.flat.device
+
+    def _comm(self):
+        from realhf.impl.model.parallelism.pipeline import StageComm
+
+        return StageComm(self.grid, self.model.config.hidden_dim, self.model.dtype, self.device)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        sample: SequenceSample,
+        max_tokens_per_mb: int = 2**31 - 1,
+        post_fn: Optional[Callable[[torch.Tensor, SequenceSample], Any]] = None,
+    ) -> Optional[List[Any]]:
+        """Per micro-batch ``post_fn(output, mb)`` (or the raw output) on the last stage; None elsewhere."""
+        mbs = sample.split_mbs(max_tokens_per_mb, min_n_mbs=self.model.pp) if sample.bs > 1 else [sample]
+        inputs = [_mb_inputs(mb, self.device) for mb in mbs]
+        model = self.model
+        if model.pp == 1:
+            outs = [model(ids, inp) for ids, inp in inputs]
+            return [post_fn(o, mb) if post_fn else o for o, mb in zip(outs, mbs)]
+        from realhf.impl.model.parallelism.pipeline import pipeline_forward
+
+        res = pipeline_forward(
+            lambda i, x: model(inputs[i][0] if model.is_first else x, inputs[i][1]),
+            [ids.numel() for ids, _ in inputs],
+            self._comm(),
+            model.is_last,
+            (lambda i, y: post_fn(y, mbs[i])) if post_fn else None,
+        )
+        return res if model.is_last else None
+
+    def generate(
+        self, prompts: List[List[int]], gconfig: GenerationHyperparameters, eos_token_id=None, generator=None
+    ) -> GenerationOutput:
+        return generate(self.model, prompts, gconfig, eos_token_id=eos_token_id, generator=generator)
+
+
+@dataclasses.dataclass
+class TrainStats:
+    loss: float
+    grad_norm: float
+    lr: float
+    n_mbs: int
+    extra: Dict[str, float]
+
+
+class TrainEngine(InferenceEngine):
+    """AdamW training with fp32 master weights (also for bf16 models), gradient accumulation over
+    micro-batches, tied-embedding sync across stages, dp all-reduce, global-norm clipping and an LR schedule."""
+
+    def __init__(self, model: ReaLModel, optim: OptimizerConfig, total_train_steps: int):
+        super().__init__(model)
+        self.optim_cfg = optim
+        self.total_train_steps = total_train_steps
+        self.step_count = 0
+        model.attach_flat_grad()
+        if model.dtype == torch.float32:
+            self.master = model.flat
+            self.master_grad = model.flat_grad
+            named = list(model.named_parameters())
+        else:
+            self.master = model.flat.detach().float().clone()
+            self.master_grad = torch.zeros_like(self.master)
+            named = []
+            for name, (off, shape) in model.param_spec.items():
+                p = torch.nn.Parameter(self.master[off : off + shape.numel()].view(shape))
+                p.grad = self.master_grad[off : off + shape.numel()].view(shape)
+                named.append((name, p))
+        self.optimizer = build_adamw(named, optim)
+        # Which parameters count once in the global grad norm: tp-replicated ones only on tp rank 0,
+        # and the last stage's copy of a tied embedding not at all (the first stage counts it).
+        mask = torch.zeros_like(self.master_grad, dtype=torch.bool)
+        grid = self.grid
+        for name, (off, shape) in model.param_spec.items():
+            if tp_shard_dim(name) is None and grid is not None and grid.tp_rank != 0:
+                continue
+            if name == "head.lm_head.weight" and model.config.tied_embedding and not model.shares_tied_weight:
+                continue
+            mask[off : off + shape.numel()] = True
+        self._norm_mask = mask
+        self._set_lr()
+
+    def _set_lr(self):
+        lr = self.optim_cfg.lr * lr_multiplier(self.step_count, self.total_train_steps, self.optim_cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def train_batch(
+        self,
+        sample: SequenceSample,
+        loss_fn: Callable[[torch.Tensor, SequenceSample], Tuple[torch.Tensor, Dict[str, float]]],
+        loss_weight_fn: Callable[[SequenceSample], float],
+        max_tokens_per_mb: int = 2**31 - 1,
+        n_mbs: int = 1,
+    ) -> TrainStats:
+        model, grid = self.model, self.grid
+        model.train()
+        mbs = sample.split_mbs(max_tokens_per_mb, min_n_mbs=max(n_mbs, model.pp)) if sample.bs > 1 else [sample]
+        weights = [float(loss_weight_fn(mb)) for mb in mbs]
+        total = torch.tensor(sum(weights), dtype=torch.float64)
+        if grid is not None and grid.dp_group is not None:
+            dist.all_reduce(total, group=grid.dp_group)
+        total = float(total)
+        if total <= 0:
+            raise ValueError("total loss weight of the batch is 0: nothing to train on")
+        model.flat_grad.zero_()
+        inputs = [_mb_inputs(mb, self.device) for mb in mbs]
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        stats_sum: Dict[str, float] = {}
+
+        def weighted_loss(i, out):
+            loss, st = loss_fn(out, mbs[i])
+            nonlocal loss_sum
+            loss_sum += loss.detach().double() * weights[i] / total
+            for k, v in st.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
+            return loss * (weights[i] / total)
+
+        if model.pp == 1:
+            for i, (ids, inp) in enumerate(inputs):
+                weighted_loss(i, model(ids, inp)).backward()
+        else:
+            from realhf.impl.model.parallelism.pipeline import pipeline_train_1f1b
+
+            pipeline_train_1f1b(
+                lambda i, x: model(inputs[i][0] if model.is_first else x, inputs[i][1]),
+                weighted_loss,
+                [ids.numel() for ids, _ in inputs],
+                self._comm(),
+                model.pp,
+                model.stage,
+            )
+        grad_norm = self._reduce_and_clip()
+        if self.master is not model.flat:
+            pass
+        self.optimizer.step()
+        if self.master is not model.flat:
+            model.flat.copy_(self.master)
+        self.step_count += 1
+        lr = self.optimizer.param_groups[0]["lr"]
+        self._set_lr()
+        # the loss lives on the last stage: share it (and stats) with the whole replica, then average dp
+        vals = torch.tensor([float(loss_sum)] + [stats_sum[k] for k in sorted(stats_sum)], dtype=torch.float64)
+        if model.pp > 1:
+            n = torch.tensor([vals.numel()], dtype=torch.long)
+            src = grid.global_rank_of(model.pp - 1, grid.dp_rank, grid.tp_rank)
+            dist.broadcast(n, src=src, group=grid.pp_group)
+            if not model.is_last:
+                vals = torch.zeros(int(n), dtype=torch.float64)
+            dist.broadcast(vals, src=src, group=grid.pp_group)
+            keys = [None] if not model.is_last else sorted(stats_sum)
+            obj = [keys]
+            dist.broadcast_object_list(obj, src=src, group=grid.pp_group)
+            keys = obj[0]
+        else:
+            keys = sorted(stats_sum)
+        if grid is not None and grid.dp_group is not None:
+            dist.all_reduce(vals, group=grid.dp_group)
+            vals[1:] /= grid.dp_size
+        return TrainStats(
+            loss=float(vals[0]), grad_norm=grad_norm, lr=lr, n_mbs=len(mbs),
+            extra={k: float(v) for k, v in zip(keys, vals[1:].tolist())},
+        )
+
+    def _reduce_and_clip(self) -> float:
+        model, grid = self.model, self.grid
+        g = model.flat_grad
+        if model.config.tied_embedding and not model.shares_tied_weight and grid is not None and grid.embedding_group is not None:
+            name = "embed.wte.weight" if model.is_first else "head.lm_head.weight"
+            off, shape = model.param_spec[name]
+            dist.all_reduce(g[off : off + shape.numel()], group=grid.embedding_group)
+        if grid is not None and grid.dp_group is not None:
+            dist.all_reduce(g, group=grid.dp_group)
+        if self.master is not model.flat:
+            self.master_grad.copy_(g)
+        mg = self.master_grad
+        sq = mg.float()[self._norm_mask].pow(2).sum().double()
+        if grid is not None:
+            if grid.tp_group is not None:
+                dist.all_reduce(sq, group=grid.tp_group)
+            if grid.pp_group is not None:
+                dist.all_reduce(sq, group=grid.pp_group)
+        norm = float(sq.sqrt())
+        clip = self.optim_cfg.gradient_clipping
+        if clip > 0 and norm > clip:
+            mg.mul_(clip / (norm + 1e-6))
+        return norm

@@ -1,0 +1,205 @@
+"""Load a Hugging Face folder into any layout of ReaLModel, and save a layout back to a HF folder.
+
+Loading: every rank opens the safetensors files lazily and reads only the tensors of the layers its
+pipeline stage holds; tensor-parallel slices are cut from them. Every mismatch (missing tensor,
+unexpected shape) raises with the tensor's name, file and the expected shape.
+
+Saving: tensor-parallel slices are gathered within each stage, and data-parallel rank 0 / tensor rank 0
+of every stage writes one safetensors shard; stage 0 writes the index and config.json. The folder
+loads with ``transformers.AutoModelForCausalLM.from_pretrained`` unchanged.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import realhf.impl.model.conversion.families  # noqa: F401  (registers the families)
+from realhf.api.core.model_api import ReaLModelConfig, hf_family_for_model_type, get_hf_family
+from realhf.base import logging
+from realhf.impl.model.nn.real_model import ReaLModel, tp_shard_dim
+from realhf.impl.model.parallelism.tensor_parallel import shard_range
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json",
+)
+
+
+def read_hf_config(path: str) -> dict:
+    f = os.path.join(path, "config.json")
+    if not os.path.isfile(f):
+        raise FileNotFoundError(f"no config.json in model folder {path!r}")
+    with open(f) as fh:
+        return json.load(fh)
+
+
+def config_from_hf_path(path: str, is_critic: bool = False) -> ReaLModelConfig:
+    hf = read_hf_config(path)
+    if "model_type" not in hf:
+        raise ValueError(f"{path}/config.json has no 'model_type'")
+    fam = hf_family_for_model_type(hf["model_type"])
+    cfg = fam.config_from_hf(hf)
+    cfg.is_critic = is_critic
+    return cfg
+
+
+def _weight_files(path: str) -> Dict[str, str]:
+    """HF tensor name -> file, from the index or the single safetensors file."""
+    idx = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(idx):
+        with open(idx) as f:
+            wm = json.load(f)["weight_map"]
+        return {k: os.path.join(path, v) for k, v in wm.items()}
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, "pt") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(
+        f"no weights in {path!r}: expected model.safetensors or model.safetensors.index.json "
+        "(only safetensors checkpoints are supported)"
+    )
+
+
+def load_hf_into(model: ReaLModel, path: str):
+    """Fill ``model``'s local shard from the HF folder ``path``."""
+    from safetensors import safe_open
+
+    cfg = model.config
+    fam = get_hf_family(cfg.family)
+    files = _weight_files(path)
+    local = list(model.param_spec)
+    # A last stage of a tied model that is not also the first keeps its own copy of the embedding as
+    # its LM head: it reads the embedding tensor for it.
+    tied_copy = cfg.tied_embedding and not cfg.is_critic and model.is_last and not model.shares_tied_weight
+    optional = set()
+    want = [n for n in local if not (tied_copy and n == "head.lm_head.weight")]
+    if cfg.is_critic:
+        optional.add("head.value.weight")  # a fresh critic starts from its random value head
+    hf_names = fam.hf_names_for_real(want, cfg)
+    if tied_copy:
+        hf_names += fam.hf_names_for_real(["embed.wte.weight"], cfg)
+    optional_hf = set(fam.hf_names_for_real(sorted(optional), cfg)) if optional else set()
+    by_file: Dict[str, List[str]] = {}
+    for n in hf_names:
+        if n not in files:
+            if n in optional_hf:
+                continue
+            raise KeyError(
+                f"tensor {n!r} needed by this {cfg.family} model is missing from the checkpoint at {path!r} "
+                f"(is this the right model family? config.json says {cfg.family})"
+            )
+        by_file.setdefault(files[n], []).append(n)
+    hf_sd: Dict[str, torch.Tensor] = {}
+    for fname, names in by_file.items():
+        with safe_open(fname, "pt") as f:
+            for n in names:
+                hf_sd[n] = f.get_tensor(n)
+    real_sd = fam.hf_to_real(hf_sd, cfg)
+    if tied_copy:
+        real_sd["head.lm_head.weight"] = real_sd["embed.wte.weight"]
+        if not model.is_first:
+            real_sd.pop("embed.wte.weight")
+    for k in list(real_sd):
+        if k.startswith("<unknown>"):
+            raise KeyError(f"checkpoint tensor {k[9:]!r} in {path!r} is not part of a {cfg.family} model")
+    missing = [n for n in local if n not in real_sd and n not in optional]
+    if missing:
+        raise KeyError(f"checkpoint at {path!r} lacks tensors for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    for name in local:
+        if name not in real_sd:
+            continue
+        t = real_sd[name]
+        full = model.full_shape(name)
+        if tuple(t.shape) != tuple(full):
+            hf = fam.hf_names_for_real([name], cfg)
+            raise ValueError(
+                f"checkpoint tensor {hf} (for {name}) in {path!r} has shape {tuple(t.shape)}, expected "
+                f"{tuple(full)} from config.json — the weights do not match the config"
+            )
+        d = tp_shard_dim(name)
+        if d is not None and model.tp > 1:
+            s, e = shard_range(full[d], model.tp_group)
+            t = t.narrow(d, s, e - s)
+        model.local_param(name).copy_(t)
+
+
+def build_from_hf(path: str, grid=None, dtype=torch.float32, is_critic: bool = False, device="cpu") -> ReaLModel:
+    cfg = config_from_hf_path(path, is_critic=is_critic)
+    model = ReaLModel(cfg, grid=grid, dtype=dtype, device=device)
+    if is_critic:
+        model.init_random(seed=0)
+    load_hf_into(model, path)
+    return model
+
+
+def gather_full_state(model: ReaLModel) -> Dict[str, torch.Tensor]:
+    """This stage's parameters with tensor-parallel slices concatenated (collective over the tp group)."""
+    out = {}
+    for name in model.param_spec:
+        t = model.local_param(name).detach()
+        d = tp_shard_dim(name)
+        if d is not None and model.tp > 1:
+            parts = [torch.empty_like(t) for _ in range(model.tp)]
+            dist.all_gather(parts, t.contiguous(), group=model.tp_group)
+            t = torch.cat(parts, dim=d)
+        out[name] = t.clone()
+    return out
+
+
+def save_hf(model: ReaLModel, path: str, tokenizer_src: Optional[str] = None, dtype: Optional[torch.dtype] = None):
+    """Write the whole model (collective over its grid) as a HF folder at ``path``."""
+    from safetensors.torch import save_file
+
+    grid = model.grid
+    sd = gather_full_state(model)
+    cfg = model.config
+    if cfg.tied_embedding and not model.shares_tied_weight and not model.is_first:
+        sd.pop("head.lm_head.weight", None)  # the first stage writes the embedding
+    if model.shares_tied_weight:
+        sd.pop("head.lm_head.weight", None)
+    fam = get_hf_family(cfg.family)
+    hf_sd = fam.real_to_hf(sd, cfg)
+    if dtype is not None:
+        hf_sd = {k: v.to(dtype) for k, v in hf_sd.items()}
+    pp = model.pp
+    writer = grid is None or (grid.dp_rank == 0 and grid.tp_rank == 0)
+    fname = "model.safetensors" if pp == 1 else f"model-{model.stage + 1:05d}-of-{pp:05d}.safetensors"
+    if writer:
+        os.makedirs(path, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in hf_sd.items()}, os.path.join(path, fname), metadata={"format": "pt"})
+    names = sorted(hf_sd)
+    if pp > 1:
+        all_names: List = [None] * pp
+        dist.all_gather_object(all_names, (fname, names, sum(v.numel() * v.element_size() for v in hf_sd.values())), group=grid.pp_group)
+    else:
+        all_names = [(fname, names, 0)]
+    if writer and model.stage == 0:
+        if pp > 1:
+            wm = {n: f for f, ns, _ in all_names for n in ns}
+            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": sum(s for _, _, s in all_names)}, "weight_map": wm}, f, indent=1)
+        hf_cfg = fam.config_to_hf(cfg)
+        if dtype is not None:
+            hf_cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf_cfg, f, indent=1)
+        if tokenizer_src:
+            copy_tokenizer(tokenizer_src, path)
+    if grid is not None and grid.all_group is not None:
+        dist.barrier(group=grid.all_group)
+
+
+def copy_tokenizer(src: str, dst: str):
+    for f in _TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), os.path.join(dst, f))

@@ -1,0 +1,150 @@
+"""Attention over packed variable-length sequences, rotary embeddings and norms.
+
+Packed layout: ``x`` is [total_tokens, ...] with sequence boundaries ``cu_seqlens`` (int32, [n+1]).
+No token attends across a boundary. On CUDA with flash-attn installed, ``flash_attn_varlen_func`` is
+used; otherwise the sequences are scattered into a padded [n, max_len] batch and attended with
+``scaled_dot_product_attention`` under a causal + key-padding mask, which is exact.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_attn_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func  # GPU extra, imported lazily
+
+        return flash_attn_varlen_func
+    except ImportError:
+        return None
+
+
+def pad_indices(cu_seqlens: torch.Tensor, max_len: int):
+    """(batch_idx, pos) of every packed token, for scattering into a padded [n, max_len] layout."""
+    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    n = seqlens.numel()
+    batch_idx = torch.repeat_interleave(torch.arange(n, device=seqlens.device), seqlens)
+    pos = torch.arange(int(cu_seqlens[-1]), device=seqlens.device) - cu_seqlens[:-1].long().repeat_interleave(seqlens)
+    return batch_idx, pos, seqlens
+
+
+def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float):
+    """q: [T, hq, d]; k, v: [T, hkv, d] -> [T, hq, d]."""
+    fa = _flash_attn_varlen() if q.is_cuda else None
+    if fa is not None and q.dtype in (torch.float16, torch.bfloat16):
+        cu = cu_seqlens.to(torch.int32)
+        return fa(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
+    n = cu_seqlens.numel() - 1
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    if n == 1:
+        qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+        return out.squeeze(0).transpose(0, 1)
+    batch_idx, pos, seqlens = pad_indices(cu_seqlens, max_seqlen)
+    qp = q.new_zeros(n, max_seqlen, hq, d)
+    kp = k.new_zeros(n, max_seqlen, hkv, d)
+    vp = v.new_zeros(n, max_seqlen, hkv, d)
+    qp[batch_idx, pos] = q
+    kp[batch_idx, pos] = k
+    vp[batch_idx, pos] = v
+    ar = torch.arange(max_seqlen, device=q.device)
+    causal = ar.unsqueeze(0) <= ar.unsqueeze(1)  # [L, L] query i sees key j<=i
+    mask = causal.unsqueeze(0) & (ar.unsqueeze(0) < seqlens.unsqueeze(1)).unsqueeze(1)  # [n, L, L]
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+        attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=hq != hkv,
+    )
+    return out.transpose(1, 2)[batch_idx, pos]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x):
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dt)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim, eps, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def make_norm(kind: str, dim: int, eps: float, dtype=None, device=None) -> nn.Module:
+    return RMSNorm(dim, eps, dtype, device) if kind == "rms" else LayerNorm(dim, eps, dtype, device)
+
+
+def activation(name: str):
+    name = name.lower()
+    if name in ("silu", "swish"):
+        return F.silu
+    if name == "gelu":
+        return F.gelu
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return functools.partial(F.gelu, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    raise ValueError(f"unsupported activation function {name!r}; allowed: silu, gelu, gelu_new, gelu_pytorch_tanh, relu")
+
+
+def rotary_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> torch.Tensor:
+    """Inverse frequencies of rotary embeddings, with 'linear' and 'llama3' scaling."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling type {kind!r}; allowed: default, linear, llama3")
+
+
+class Rotary(nn.Module):
+    """cos/sin tables computed on demand for given positions (non-interleaved, rotate-half form)."""
+
+    def __init__(self, head_dim: int, base: float, scaling: Optional[dict]):
+        super().__init__()
+        self.register_buffer("inv_freq", rotary_inv_freq(head_dim, base, scaling), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype):
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device).unsqueeze(0)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, h, d]; cos/sin: [T, d]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rot * sin.unsqueeze(1)

@@ -1,0 +1,89 @@
+"""KV cache for generation over packed prompts.
+
+Per local layer, keys and values live in [B, h_kv, max_len, d] buffers. Prefill writes the packed
+prompt tokens of every sequence at their positions; each decode step writes one token per sequence at
+``lens[b]`` and attends to positions ``<= lens[b]``. ``keep(rows)`` drops finished sequences so they
+stop costing work.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int, dtype, device="cpu"):
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.k: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_len = max_len
+        self.decoding = False
+        self._prefill_idx = None
+        self._rows = torch.arange(batch, device=device)
+
+    @property
+    def batch(self) -> int:
+        return self.lens.numel()
+
+    def begin_prefill(self, seqlens: torch.Tensor):
+        """Prepare to store packed tokens of ``seqlens`` (one entry per cache row)."""
+        seqlens = seqlens.to(self.lens.device).long()
+        if int(seqlens.max()) > self.max_len:
+            raise ValueError(f"prompt of {int(seqlens.max())} tokens does not fit the cache of {self.max_len}")
+        b = torch.repeat_interleave(torch.arange(seqlens.numel(), device=seqlens.device), seqlens)
+        starts = torch.cumsum(seqlens, 0) - seqlens
+        pos = torch.arange(int(seqlens.sum()), device=seqlens.device) - starts.repeat_interleave(seqlens)
+        self._prefill_idx = (b, pos)
+        self.decoding = False
+        self._pending = seqlens
+
+    def store_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        b, pos = self._prefill_idx
+        self.k[layer][b, :, pos] = k
+        self.v[layer][b, :, pos] = v
+
+    def end_prefill(self):
+        self.lens = self._pending.clone()
+        self.decoding = True
+        self._prefill_idx = None
+
+    def positions(self) -> torch.Tensor:
+        """Position of the token each row decodes next."""
+        return self.lens
+
+    def decode_attention(self, layer: int, q, k, v, scale: float):
+        """q: [B, hq, d]; k, v: [B, hkv, d] of the new token of each row -> [B, hq, d]."""
+        rows = self._rows[: q.shape[0]]
+        K, V = self.k[layer], self.v[layer]
+        K[rows, :, self.lens] = k
+        V[rows, :, self.lens] = v
+        L = int(self.lens.max()) + 1
+        mask = torch.arange(L, device=q.device).unsqueeze(0) <= self.lens.unsqueeze(1)  # [B, L]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), K[:, :, :L], V[:, :, :L], attn_mask=mask[:, None, None, :], scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out.squeeze(2)
+
+    def advance(self):
+        """Every row consumed one more position (after all layers ran a decode step)."""
+        self.lens += 1
+        if int(self.lens.max()) >= self.max_len:
+            raise RuntimeError("KV cache overflow: max_len too small for the requested new tokens")
+
+    def keep(self, rows: torch.Tensor):
+        """Keep only ``rows`` (indices of unfinished sequences), in that order."""
+        if rows.numel() == self.batch:
+            return
+        L = int(self.lens.max()) + 1
+        for i in range(len(self.k)):
+            # copy only the used prefix to new compact buffers
+            nk = torch.zeros((rows.numel(),) + self.k[i].shape[1:], dtype=self.k[i].dtype, device=self.k[i].device)
+            nv = torch.zeros_like(nk)
+            nk[:, :, :L] = self.k[i][rows, :, :L]
+            nv[:, :, :L] = self.v[i][rows, :, :L]
+            self.k[i], self.v[i] = nk, nv
+        self.lens = self.lens[rows]

@@ -1,0 +1,295 @@
+"""ReaLModel: one decoder-only transformer for the HF families, sharded by tensor and pipeline parallelism.
+
+A ``ReaLModel`` instance holds one pipeline stage's layers (a contiguous range of blocks, plus the
+embedding on the first stage and the output head on the last), tensor-parallel slices of every matrix,
+and all of its parameters as views into one contiguous flat buffer (``model.flat``).
+
+Parameter names are layout independent (``blocks.7.attn.q_proj.weight``); ``tp_shard_dim(name)`` says
+along which dimension a parameter is split across tensor-parallel ranks (None = replicated).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from realhf.api.core.model_api import ReaLModelConfig
+from realhf.impl.model.nn.attention import (
+    Rotary,
+    activation,
+    apply_rotary,
+    make_norm,
+    RMSNorm,
+    varlen_causal_attention,
+)
+from realhf.impl.model.nn.kv_cache import KVCache
+from realhf.impl.model.parallelism.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+_SHARD_DIM0 = re.compile(
+    r"(embed\.wte\.weight|attn\.[qkv]_proj\.(weight|bias)|mlp\.(gate_proj|up_proj|fc_in)\.(weight|bias)|head\.lm_head\.weight)$"
+)
+_SHARD_DIM1 = re.compile(r"(attn\.o_proj\.weight|mlp\.(down_proj|fc_out)\.weight)$")
+
+
+def tp_shard_dim(name: str) -> Optional[int]:
+    """Dimension along which parameter ``name`` is split across tensor-parallel ranks, or None."""
+    if _SHARD_DIM0.search(name):
+        return 0
+    if _SHARD_DIM1.search(name):
+        return 1
+    return None
+
+
+def stage_layer_range(n_layers: int, pp: int, stage: int) -> Tuple[int, int]:
+    """[start, end) of the blocks held by pipeline stage ``stage`` (earlier stages take the remainder)."""
+    base, rem = divmod(n_layers, pp)
+    start = stage * base + min(stage, rem)
+    return start, start + base + (1 if stage < rem else 0)
+
+
+@dataclasses.dataclass
+class PackedInput:
+    """What a stage's forward needs besides its input tensor."""
+
+    cu_seqlens: torch.Tensor  # int32 [n+1]
+    max_seqlen: int
+    position_ids: torch.Tensor  # int64 [T]
+    cache: Optional[KVCache] = None
+    # Last stage: apply the output head only to these token rows (e.g. the last token of each prompt).
+    head_rows: Optional[torch.Tensor] = None
+
+
+def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    starts = cu_seqlens[:-1].long().repeat_interleave(seqlens)
+    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+
+
+def make_packed_input(seqlens: List[int], device=None) -> PackedInput:
+    cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int32, device=device), 0)
+    return PackedInput(cu_seqlens=cu, max_seqlen=max(seqlens), position_ids=packed_positions(cu))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, dtype, device):
+        super().__init__()
+        self.hq = cfg.n_q_heads // tp
+        self.hkv = cfg.n_kv_heads // tp
+        self.d = cfg.head_dim
+        H = cfg.hidden_dim
+        b = cfg.use_attention_bias
+        self.q_proj = ColumnParallelLinear(H, cfg.n_q_heads * self.d, b, tp_group, dtype, device)
+        self.k_proj = ColumnParallelLinear(H, cfg.n_kv_heads * self.d, b, tp_group, dtype, device)
+        self.v_proj = ColumnParallelLinear(H, cfg.n_kv_heads * self.d, b, tp_group, dtype, device)
+        self.o_proj = RowParallelLinear(cfg.n_q_heads * self.d, H, cfg.use_attn_proj_bias, tp_group, dtype, device)
+        if cfg.qk_layernorm:
+            self.q_norm = RMSNorm(self.d, cfg.layer_norm_epsilon, dtype, device)
+            self.k_norm = RMSNorm(self.d, cfg.layer_norm_epsilon, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = self.d**-0.5
+
+    def forward(self, x, inp: PackedInput, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], layer: int):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.hq, self.d)
+        k = self.k_proj(x).view(T, self.hkv, self.d)
+        v = self.v_proj(x).view(T, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        cache = inp.cache
+        if cache is not None and cache.decoding:
+            out = cache.decode_attention(layer, q, k, v, self.scale)
+        else:
+            if cache is not None:
+                cache.store_prefill(layer, k, v)
+            out = varlen_causal_attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, self.scale)
+        return self.o_proj(out.reshape(T, self.hq * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, dtype, device):
+        super().__init__()
+        H, I, b = cfg.hidden_dim, cfg.intermediate_dim, cfg.use_mlp_bias
+        self.gated = cfg.mlp_type == "gated"
+        self.act = activation(cfg.activation_function)
+        if self.gated:
+            self.gate_proj = ColumnParallelLinear(H, I, b, tp_group, dtype, device)
+            self.up_proj = ColumnParallelLinear(H, I, b, tp_group, dtype, device)
+            self.down_proj = RowParallelLinear(I, H, b, tp_group, dtype, device)
+        else:
+            self.fc_in = ColumnParallelLinear(H, I, b, tp_group, dtype, device)
+            self.fc_out = RowParallelLinear(I, H, b, tp_group, dtype, device)
+
+    def forward(self, x):
+        if self.gated:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.fc_out(self.act(self.fc_in(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, dtype, device):
+        super().__init__()
+        self.attn_norm = make_norm(cfg.layer_norm_type, cfg.hidden_dim, cfg.layer_norm_epsilon, dtype, device)
+        self.attn = Attention(cfg, tp_group, tp, dtype, device)
+        self.mlp_norm = make_norm(cfg.layer_norm_type, cfg.hidden_dim, cfg.layer_norm_epsilon, dtype, device)
+        self.mlp = MLP(cfg, tp_group, dtype, device)
+
+    def forward(self, x, inp, rope, layer):
+        x = x + self.attn(self.attn_norm(x), inp, rope, layer)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, dtype, device):
+        super().__init__()
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_dim, tp_group, dtype, device)
+        self.wpe = (
+            nn.Embedding(cfg.n_positions, cfg.hidden_dim, dtype=dtype, device=device)
+            if cfg.n_positions
+            else None
+        )
+
+    def forward(self, ids, position_ids):
+        x = self.wte(ids)
+        if self.wpe is not None:
+            x = x + self.wpe(position_ids)
+        return x
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, dtype, device):
+        super().__init__()
+        self.norm = make_norm(cfg.layer_norm_type, cfg.hidden_dim, cfg.layer_norm_epsilon, dtype, device)
+        self.is_critic = cfg.is_critic
+        if cfg.is_critic:
+            self.value = nn.Linear(cfg.hidden_dim, 1, bias=False, dtype=dtype, device=device)
+        else:
+            self.lm_head = ColumnParallelLinear(cfg.hidden_dim, cfg.vocab_size, False, tp_group, dtype, device)
+
+    def forward(self, x):
+        x = self.norm(x)
+        if self.is_critic:
+            return self.value(x).squeeze(-1).float()
+        return self.lm_head(x)
+
+
+class ReaLModel(nn.Module):
+    """One pipeline stage of a (tensor-parallel) decoder-only transformer.
+
+    ``forward(x, inp)``: on the first stage ``x`` is token ids [T]; elsewhere hidden states [T, H].
+    Returns hidden states [T, H] on non-last stages, and on the last stage logits over this rank's
+    vocabulary slice [T, V/tp] (or values [T] for a critic).
+    """
+
+    def __init__(self, config: ReaLModelConfig, grid=None, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.config = config
+        self.grid = grid
+        tp = grid.tp_size if grid is not None else 1
+        pp = grid.pp_size if grid is not None else 1
+        stage = grid.pp_rank if grid is not None else 0
+        config.check_layout(tp, pp)
+        self.tp_group = grid.tp_group if grid is not None else None
+        self.tp, self.pp, self.stage = tp, pp, stage
+        self.dtype = dtype
+        self.is_first = stage == 0
+        self.is_last = stage == pp - 1
+        self.layer_start, self.layer_end = stage_layer_range(config.n_layers, pp, stage)
+        device = torch.device(device)
+        self.embed = Embedding(config, self.tp_group, dtype, device) if self.is_first else None
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(config, self.tp_group, tp, dtype, device) for i in range(self.layer_start, self.layer_end)}
+        )
+        self.head = Head(config, self.tp_group, dtype, device) if self.is_last else None
+        # Tied embeddings inside one stage share the parameter; across stages the last stage keeps a copy
+        # that the train engine keeps in sync by all-reducing its gradient with the first stage's.
+        self.shares_tied_weight = config.tied_embedding and not config.is_critic and pp == 1
+        if self.shares_tied_weight:
+            self.head.lm_head.weight = self.embed.wte.weight
+        self.rotary = Rotary(config.head_dim, config.rotary_base, config.rotary_scaling) if config.apply_rotary else None
+        self._build_flat()
+
+    # ------------------------------------------------------------------ flat parameter buffer
+    def _build_flat(self):
+        """Move every parameter into one contiguous buffer; parameters become views of it."""
+        named = list(self.named_parameters())  # tied parameters appear once
+        total = sum(p.numel() for _, p in named)
+        device = named[0][1].device if named else torch.device("cpu")
+        self.flat = torch.zeros(total, dtype=self.dtype, device=device)
+        self.param_spec: Dict[str, Tuple[int, torch.Size]] = {}
+        off = 0
+        for name, p in named:
+            n = p.numel()
+            view = self.flat[off : off + n].view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+            self.param_spec[name] = (off, p.shape)
+            off += n
+
+    def attach_flat_grad(self) -> torch.Tensor:
+        """Give every parameter a gradient that is a view of one flat buffer (for one-shot reductions)."""
+        if getattr(self, "flat_grad", None) is None:
+            self.flat_grad = torch.zeros_like(self.flat)
+            for name, p in self.named_parameters():
+                off, shape = self.param_spec[name]
+                p.grad = self.flat_grad[off : off + p.numel()].view(shape)
+        return self.flat_grad
+
+    def local_param(self, name: str) -> torch.Tensor:
+        off, shape = self.param_spec[name]
+        return self.flat[off : off + shape.numel()].view(shape)
+
+    def init_random(self, seed: int = 0, std: float = 0.02):
+        """Layout-independent random init: each full tensor is drawn from a generator seeded by its name."""
+        from realhf.impl.model.parallelism.tensor_parallel import shard_range
+
+        for name in self.param_spec:
+            full = list(self.full_shape(name))
+            g = torch.Generator().manual_seed(seed * 1000003 + int(hashlib.md5(name.encode()).hexdigest()[:8], 16))
+            if name.endswith("norm.weight"):
+                t = torch.ones(full)
+            elif name.endswith(".bias") or name.endswith("norm.bias"):
+                t = torch.zeros(full)
+            else:
+                t = torch.randn(full, generator=g) * std
+            d = tp_shard_dim(name)
+            if d is not None and self.tp > 1:
+                s, e = shard_range(full[d], self.tp_group)
+                t = t.narrow(d, s, e - s)
+            self.local_param(name).copy_(t)
+
+    def full_shape(self, name: str) -> torch.Size:
+        shape = list(self.param_spec[name][1])
+        d = tp_shard_dim(name)
+        if d is not None:
+            shape[d] *= self.tp
+        return torch.Size(shape)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, inp: PackedInput) -> torch.Tensor:
+        if self.is_first:
+            x = self.embed(x, inp.position_ids)
+        rope = self.rotary.cos_sin(inp.position_ids, x.dtype) if self.rotary is not None else None
+        for i, blk in self.blocks.items():
+            x = blk(x, inp, rope, int(i) - self.layer_start)
+        if self.is_last:
+            x = self.head(x if inp.head_rows is None else x[inp.head_rows])
+        return x
+
+    @property
+    def n_local_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def num_params(self) -> int:
+        return self.flat.numel()

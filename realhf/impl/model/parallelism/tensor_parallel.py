@@ -1,0 +1,214 @@
+"""Tensor parallelism: column/row-parallel linear layers, a vocab-parallel embedding, and vocab-parallel
+log-probs and entropy computed without gathering full-vocabulary logits.
+
+All layers take the tensor-parallel group explicitly (``None`` means tp = 1 and no communication).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _world(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient in backward (input of a column-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward; identity backward (output of a row-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dim forward; keep this rank's slice in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        world = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        world = dist.get_world_size(ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return g.chunk(world, dim=-1)[rank].contiguous(), None
+
+
+def copy_to_tp(x, group):
+    return x if _world(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x, group):
+    return x if _world(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x, group):
+    return x if _world(group) == 1 else _GatherFromTP.apply(x, group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows across the tp group; output stays split."""
+
+    def __init__(self, in_features, out_features, bias, group=None, dtype=None, device=None):
+        super().__init__()
+        tp = _world(group)
+        assert out_features % tp == 0, f"output size {out_features} not divisible by tp size {tp}"
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features // tp, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, x):
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns; the input is already split, the output is summed."""
+
+    def __init__(self, in_features, out_features, bias, group=None, dtype=None, device=None):
+        super().__init__()
+        tp = _world(group)
+        assert in_features % tp == 0, f"input size {in_features} not divisible by tp size {tp}"
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, x):
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows across the tp group."""
+
+    def __init__(self, vocab_size, dim, group=None, dtype=None, device=None):
+        super().__init__()
+        tp = _world(group)
+        assert vocab_size % tp == 0, f"vocab size {vocab_size} not divisible by tp size {tp}"
+        self.group = group
+        self.vocab_size = vocab_size
+        self.shard = vocab_size // tp
+        self.start = (dist.get_rank(group) if group is not None else 0) * self.shard
+        self.weight = nn.Parameter(torch.empty(self.shard, dim, dtype=dtype, device=device))
+
+    def forward(self, ids):
+        if _world(self.group) == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Vocab-parallel log-probs and entropy
+# ---------------------------------------------------------------------------------------------------
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    """log softmax(logits)[label] where ``logits`` holds this rank's vocab slice [N, V/tp]."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, start):
+        logits = logits.float()
+        lmax = logits.max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - lmax.unsqueeze(-1)
+        exp = shifted.exp()
+        sumexp = exp.sum(-1)
+        local = labels - start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        safe = local.clamp(0, logits.shape[-1] - 1)
+        picked = shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1) * inside
+        if group is not None:
+            both = torch.stack([sumexp, picked])
+            dist.all_reduce(both, group=group)
+            sumexp, picked = both[0], both[1]
+        logprobs = picked - sumexp.log()
+        ctx.save_for_backward(exp, sumexp, safe, inside)
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, g):
+        exp, sumexp, safe, inside = ctx.saved_tensors
+        grad = -(exp / sumexp.unsqueeze(-1))  # -softmax
+        grad.scatter_add_(-1, safe.unsqueeze(-1), inside.to(grad.dtype).unsqueeze(-1))
+        return grad * g.unsqueeze(-1), None, None, None
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """Entropy of softmax(logits) where ``logits`` holds this rank's vocab slice."""
+
+    @staticmethod
+    def forward(ctx, logits, group):
+        logits = logits.float()
+        lmax = logits.max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - lmax.unsqueeze(-1)
+        exp = shifted.exp()
+        both = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
+        if group is not None:
+            dist.all_reduce(both, group=group)
+        sumexp, sum_pz = both[0], both[1]
+        ent = sumexp.log() - sum_pz / sumexp
+        ctx.save_for_backward(shifted, exp, sumexp, ent)
+        ctx.group = group
+        return ent
+
+    @staticmethod
+    def backward(ctx, g):
+        shifted, exp, sumexp, ent = ctx.saved_tensors
+        p = exp / sumexp.unsqueeze(-1)
+        # dH/dz_i = -p_i (z_i - logZ + H) with z shifted, logZ = log sumexp
+        grad = -p * (shifted - sumexp.log().unsqueeze(-1) + ent.unsqueeze(-1))
+        return grad * g.unsqueeze(-1), None
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, group=None) -> torch.Tensor:
+    """Per-row log-probability of ``labels`` under softmax of (possibly vocab-sharded) ``logits``, fp32."""
+    start = (dist.get_rank(group) * logits.shape[-1]) if group is not None and _world(group) > 1 else 0
+    return _VocabParallelLogProbs.apply(logits, labels, group if _world(group) > 1 else None, start)
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
+    return _VocabParallelEntropy.apply(logits, group if _world(group) > 1 else None)
+
+
+def shard_range(full: int, group) -> Tuple[int, int]:
+    """[start, end) of this rank's equal slice of a dimension of size ``full``."""
+    tp = _world(group)
+    r = dist.get_rank(group) if group is not None else 0
+    n = full // tp
+    return r * n, (r + 1) * n
