@@ -144,3 +144,57 @@ def hf_family_for_model_type(model_type: str) -> HFFamily:
             return fam
     supported = sorted(t for f in _HF_FAMILIES.values() for t in f.hf_model_types)
     raise ValueError(f"unsupported model_type {model_type!r} in config.json; supported: {supported}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model interfaces: what a model function call does with a model (generate / inference / train_step)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Model:
+    """What an interface gets: one model role's shard on this worker, with its engine and tokenizer."""
+
+    name: str
+    engine: Any  # realhf.impl.model.backend.engine.InferenceEngine or TrainEngine
+    tokenizer: Any
+    grid: Any  # realhf.base.topology.ParallelGrid
+    path: str
+    version: int = 0  # number of train steps applied
+
+    @property
+    def module(self):
+        return self.engine.model
+
+
+class ModelInterface:
+    """Algorithm-side code of an MFC. Methods run on every worker of the MFC's mesh with this worker's
+    share of the batch (its data-parallel part); outputs returned by the last pipeline stage's tensor
+    rank 0 are kept, the others are discarded."""
+
+    def generate(self, model: Model, data, mb_spec) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement generate")
+
+    def inference(self, model: Model, data, mb_spec) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement inference")
+
+    def train_step(self, model: Model, data, mb_spec) -> Dict[str, float]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement train_step")
+
+    def evaluate(self, model: Model, data_batches) -> Dict[str, float]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement evaluate")
+
+
+_INTERFACES: Dict[str, Callable[..., ModelInterface]] = {}
+
+
+def register_interface(name: str, factory: Callable[..., ModelInterface]):
+    if name in _INTERFACES:
+        raise ValueError(f"interface {name!r} registered twice")
+    _INTERFACES[name] = factory
+
+
+def make_interface(name: str, **kwargs) -> ModelInterface:
+    if name not in _INTERFACES:
+        raise KeyError(f"unknown interface {name!r}; registered: {sorted(_INTERFACES)}")
+    return _INTERFACES[name](**kwargs)

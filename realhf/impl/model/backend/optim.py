@@ -1,40 +1,12 @@
 """Optimizer config, AdamW construction and the learning-rate schedule (warm-up + cosine/linear/constant)."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Dict, List
 
 import torch
 
-
-@dataclasses.dataclass
-class OptimizerConfig:
-    lr: float = dataclasses.field(default=1e-5, metadata={"help": "peak learning rate"})
-    weight_decay: float = dataclasses.field(default=0.0, metadata={"help": "AdamW weight decay (not on norms/biases)"})
-    beta1: float = dataclasses.field(default=0.9, metadata={"help": "AdamW beta1"})
-    beta2: float = dataclasses.field(default=0.999, metadata={"help": "AdamW beta2"})
-    eps: float = dataclasses.field(default=1e-8, metadata={"help": "AdamW epsilon"})
-    lr_scheduler_type: str = dataclasses.field(default="constant", metadata={"help": "constant | cosine | linear"})
-    warmup_steps_proportion: float = dataclasses.field(default=0.0, metadata={"help": "fraction of steps for linear warm-up"})
-    min_lr_ratio: float = dataclasses.field(default=0.0, metadata={"help": "final lr / peak lr for cosine and linear"})
-    gradient_clipping: float = dataclasses.field(default=1.0, metadata={"help": "max global grad norm; <= 0 disables"})
-
-    def __post_init__(self):
-        if not self.lr >= 0:
-            raise ValueError(f"optimizer lr must be >= 0, got {self.lr}")
-        if self.weight_decay < 0:
-            raise ValueError(f"optimizer weight_decay must be >= 0, got {self.weight_decay}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"optimizer betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
-        if self.lr_scheduler_type not in ("constant", "cosine", "linear"):
-            raise ValueError(
-                f"lr_scheduler_type must be one of constant, cosine, linear; got {self.lr_scheduler_type!r}"
-            )
-        if not 0 <= self.warmup_steps_proportion <= 1:
-            raise ValueError(f"warmup_steps_proportion must be in [0, 1], got {self.warmup_steps_proportion}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+from realhf.api.core.config import OptimizerConfig  # noqa: F401  (re-exported)
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
@@ -53,7 +25,9 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
 
 
 def no_decay(name: str) -> bool:
-    return name.endswith(".bias") or "norm" in name.split(".")[-2] if "." in name else False
+    """Biases and norm weights get no weight decay."""
+    parts = name.split(".")
+    return parts[-1] == "bias" or (len(parts) >= 2 and "norm" in parts[-2])
 
 
 def build_adamw(named_params: List[tuple], cfg: OptimizerConfig) -> torch.optim.Optimizer:

@@ -1,0 +1,96 @@
+"""What the runtime executes: an experiment turned into models, layouts, a dataset and a DFG.
+
+An experiment (``realhf/experiments``) builds an :class:`ExperimentSpec` from its user config. The
+master and every model worker build the same spec from the same config file, so nothing but the
+config path travels to the processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+from realhf.api.core.config import OptimizerConfig
+from realhf.api.core.dfg import MFCDef
+from realhf.base.topology import ParallelDims
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """One model role held by a set of workers under one layout."""
+
+    name: str
+    path: str
+    layout: ParallelDims
+    ranks: List[int]  # model-worker ranks of its mesh, in grid order
+    dtype: str = "float32"
+    is_critic: bool = False
+    optimizer: Optional[OptimizerConfig] = None  # None: inference/generation only
+    total_train_steps: int = 1
+    tokenizer_path: Optional[str] = None
+
+    def __post_init__(self):
+        if len(self.ranks) != self.layout.world_size:
+            raise ValueError(
+                f"model {self.name!r}: layout {self.layout} needs {self.layout.world_size} workers, "
+                f"got ranks {self.ranks}"
+            )
+
+
+@dataclasses.dataclass
+class DatasetSpec:
+    """A dataset loaded by the data-parallel heads of ``holder_model``'s layout (one shard each)."""
+
+    kind: str  # registered dataset name
+    args: Dict[str, Any]
+    batch_size: int  # sequences per step, over all data-parallel ranks
+    holder_model: str
+    shuffle: bool = True
+
+
+@dataclasses.dataclass
+class ExperimentSpec:
+    experiment_name: str
+    trial_name: str
+    n_workers: int
+    models: List[ModelSpec]
+    mfcs: List[MFCDef]
+    dataset: DatasetSpec
+    total_train_epochs: int
+    seed: int
+    log_dir: str
+    save_dir: str
+    recover_dir: str
+    valid_dataset: Optional[DatasetSpec] = None
+    # frequencies (None = never)
+    save_freq_epochs: Optional[int] = None
+    save_freq_steps: Optional[int] = None
+    save_freq_secs: Optional[int] = None
+    ckpt_freq_epochs: Optional[int] = None
+    ckpt_freq_steps: Optional[int] = None
+    ckpt_freq_secs: Optional[int] = None
+    eval_freq_epochs: Optional[int] = None
+    eval_freq_steps: Optional[int] = None
+    benchmark_steps: Optional[int] = None
+    threads_per_worker: int = 1
+    worker_timeout_secs: float = 10.0
+    # a hook that runs on the master at the end (e.g. merging generated outputs); name of a function
+    # registered by the experiment
+    final_hook: Optional[str] = None
+
+    def model(self, name: str) -> ModelSpec:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(f"no model named {name!r}; models: {[m.name for m in self.models]}")
+
+    def __post_init__(self):
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        for m in self.models:
+            bad = [r for r in m.ranks if not 0 <= r < self.n_workers]
+            if bad:
+                raise ValueError(f"model {m.name!r} uses worker ranks {bad} outside [0, {self.n_workers})")
+        for mfc in self.mfcs:
+            self.model(mfc.model_name.role)
+        self.model(self.dataset.holder_model)

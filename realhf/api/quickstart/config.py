@@ -1,0 +1,486 @@
+"""User-facing experiment configs of the quickstart CLI.
+
+Every field carries ``metadata={"help": ...}`` (shown by ``--help``) and every dataclass checks its
+values in ``__post_init__``, raising ``ValueError`` that names the key, the value and what is
+allowed. Nested sections check only their own fields (their messages name the field; the CLI adds
+the dotted path); cross-field checks live in the experiment configs and name full dotted keys.
+
+Types are restricted to what OmegaConf structured configs support (str/int/float/bool, Optional,
+nested dataclasses, lists of primitives); choices are plain strings checked in ``__post_init__``.
+
+Required strings (model and dataset paths) default to ``""`` so that sections can be built with
+defaults; the experiment config that needs them says so when they are empty.
+"""
+import dataclasses
+import os
+import re
+from typing import List, Optional, Sequence
+
+from realhf.api.core.config import OptimizerConfig
+from realhf.api.core.dfg import MicroBatchSpec
+from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.api.quickstart.allocation import AllocationError, AllocationMode, parse_allocation_mode
+from realhf.base import logging
+
+logger = logging.getLogger(__name__)
+
+MODES = ("local", "ray", "slurm")
+IMPLEMENTED_MODES = ("local",)
+RECOVER_MODES = ("disabled", "auto", "resume")
+WANDB_MODES = ("disabled", "offline", "online")
+DTYPES = ("float32", "bfloat16")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+def _field(default=dataclasses.MISSING, help: str = "", factory=dataclasses.MISSING):
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _default_fileroot() -> str:
+    return os.environ.get("REALHF_FILEROOT") or os.path.join("~", ".cache", "realhf", "experiments")
+
+
+# ----------------------------------------------------------------------------- value checks
+def _choice(key: str, value, allowed: Sequence) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def _int_at_least(key: str, value, lo: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        none = " or null (never)" if optional else ""
+        raise ValueError(f"{key}={value!r} is not allowed; expected an integer >= {lo}{none}")
+
+
+def _num_in(key: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value < hi if hi_open else value <= hi
+    if not ok:
+        lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo}"
+        hi_s = "" if hi is None else f"{'<' if hi_open else '<='} {hi}"
+        rng = " and ".join(x for x in (lo_s, hi_s) if x)
+        raise ValueError(f"{key}={value!r} is not allowed; expected a number {rng}")
+
+
+def _require_dir(key: str, path: str, what: str) -> None:
+    if not path:
+        raise ValueError(f"{key} is required: set {key}=<path to {what}>")
+    p = os.path.expanduser(path)
+    if not os.path.isdir(p):
+        raise ValueError(f"{key}={path!r}: no such folder; expected {what}")
+
+
+def _require_file(key: str, path: Optional[str], what: str, optional: bool = False) -> None:
+    if optional and path is None:
+        return
+    if not path:
+        raise ValueError(f"{key} is required: set {key}=<path to {what}>")
+    if not os.path.isfile(os.path.expanduser(path)):
+        raise ValueError(f"{key}={path!r}: no such file; expected {what}")
+
+
+# ----------------------------------------------------------------------------- sections
+@dataclasses.dataclass
+class ExperimentSaveEvalControl:
+    """When to stop, save, checkpoint for recovery and evaluate. ``null`` frequencies mean never;
+    several frequencies of one kind trigger on whichever comes first."""
+
+    total_train_epochs: int = _field(1, "number of passes over the training data")
+    save_freq_epochs: Optional[int] = _field(None, "save a HF checkpoint every N epochs (null = never)")
+    save_freq_steps: Optional[int] = _field(None, "save a HF checkpoint every N steps (null = never)")
+    save_freq_secs: Optional[int] = _field(None, "save a HF checkpoint every N seconds (null = never)")
+    ckpt_freq_epochs: Optional[int] = _field(None, "write a recover checkpoint every N epochs (null = never)")
+    ckpt_freq_steps: Optional[int] = _field(None, "write a recover checkpoint every N steps (null = never)")
+    ckpt_freq_secs: Optional[int] = _field(None, "write a recover checkpoint every N seconds (null = never)")
+    eval_freq_epochs: Optional[int] = _field(None, "evaluate every N epochs (null = never)")
+    eval_freq_steps: Optional[int] = _field(None, "evaluate every N steps (null = never)")
+    benchmark_steps: Optional[int] = _field(None, "stop after N steps, e.g. for benchmarking (null = run all epochs)")
+
+    def __post_init__(self):
+        _int_at_least("total_train_epochs", self.total_train_epochs, 1)
+        for f in dataclasses.fields(self):
+            if f.name != "total_train_epochs":
+                _int_at_least(f.name, getattr(self, f.name), 1, optional=True)
+
+
+@dataclasses.dataclass
+class WandBConfig:
+    """Weights & Biases logging."""
+
+    mode: str = _field("disabled", "disabled | offline | online")
+    entity: Optional[str] = _field(None, "wandb entity (team or user)")
+    project: Optional[str] = _field(None, "wandb project (default: the experiment name)")
+    name: Optional[str] = _field(None, "run name (default: the trial name)")
+    group: Optional[str] = _field(None, "run group")
+    job_type: Optional[str] = _field(None, "job type")
+    notes: Optional[str] = _field(None, "free-text notes")
+    tags: Optional[List[str]] = _field(None, "list of run tags")
+
+    def __post_init__(self):
+        _choice("mode", self.mode, WANDB_MODES)
+
+
+@dataclasses.dataclass
+class TensorBoardConfig:
+    """TensorBoard logging."""
+
+    path: Optional[str] = _field(None, "folder for TensorBoard event files (null = no TensorBoard)")
+
+
+@dataclasses.dataclass
+class MicroBatchConfig:
+    """How one MFC cuts its per-rank batch into micro-batches (see ``MicroBatchSpec``)."""
+
+    n_mbs: int = _field(1, "minimum number of micro-batches per rank")
+    max_tokens_per_mb: int = _field(2**31 - 1, "maximum tokens in one micro-batch (a longer single sample goes alone)")
+
+    def __post_init__(self):
+        _int_at_least("n_mbs", self.n_mbs, 1)
+        _int_at_least("max_tokens_per_mb", self.max_tokens_per_mb, 1)
+
+    def to_spec(self) -> MicroBatchSpec:
+        return MicroBatchSpec(n_mbs=self.n_mbs, max_tokens_per_mb=self.max_tokens_per_mb)
+
+
+@dataclasses.dataclass
+class MFCConfig:
+    """Per-MFC execution options."""
+
+    mb_spec: MicroBatchConfig = _field(help="micro-batching of this MFC", factory=MicroBatchConfig)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """A model loaded from a Hugging Face folder."""
+
+    path: str = _field("", "Hugging Face model folder (config.json + safetensors + tokenizer)")
+    dtype: str = _field("float32", "parameter dtype: float32 (CPU) | bfloat16 (GPU)")
+
+    def __post_init__(self):
+        _choice("dtype", self.dtype, DTYPES)
+
+
+@dataclasses.dataclass
+class ModelTrainEvalConfig(ModelConfig):
+    """A model that is trained (and evaluated)."""
+
+    optimizer: OptimizerConfig = _field(help="optimizer and learning-rate schedule", factory=OptimizerConfig)
+    is_critic: bool = _field(False, "load with a value head [hidden -> 1] instead of the LM head")
+
+
+@dataclasses.dataclass
+class PromptAnswerDatasetConfig:
+    """JSONL rows ``{"prompt": str, "answer": str}`` for supervised fine-tuning."""
+
+    train_path: str = _field("", "training JSONL file")
+    valid_path: Optional[str] = _field(None, "validation JSONL file (null = no validation)")
+    max_seqlen: int = _field(1024, "prompt + answer tokens are truncated to this length")
+    train_bs_n_seqs: int = _field(16, "sequences per training step (global, over all data-parallel ranks)")
+    valid_bs_n_seqs: int = _field(16, "sequences per validation batch (global)")
+    fill_to_max_length: bool = _field(False, "pad every sequence to max_seqlen (for benchmarking memory)")
+
+    def __post_init__(self):
+        _int_at_least("max_seqlen", self.max_seqlen, 2)
+        _int_at_least("train_bs_n_seqs", self.train_bs_n_seqs, 1)
+        _int_at_least("valid_bs_n_seqs", self.valid_bs_n_seqs, 1)
+
+
+@dataclasses.dataclass
+class PromptOnlyDatasetConfig:
+    """JSONL rows with a ``prompt`` (and for math, ``query_id`` + ``solutions``)."""
+
+    path: str = _field("", "prompt JSONL file")
+    max_prompt_len: int = _field(256, "prompts longer than this many tokens are skipped (with a warning)")
+    train_bs_n_seqs: int = _field(16, "prompts per step (global, over all data-parallel ranks)")
+
+    def __post_init__(self):
+        _int_at_least("max_prompt_len", self.max_prompt_len, 1)
+        _int_at_least("train_bs_n_seqs", self.train_bs_n_seqs, 1)
+
+
+@dataclasses.dataclass
+class GenConfig:
+    """Sampling options; mirrors ``GenerationHyperparameters``."""
+
+    max_new_tokens: int = _field(256, "maximum generated tokens per answer")
+    min_new_tokens: int = _field(0, "minimum generated tokens before EOS may be sampled")
+    greedy: bool = _field(False, "greedy decoding instead of sampling")
+    temperature: float = _field(1.0, "sampling temperature (> 0 unless greedy)")
+    top_p: float = _field(1.0, "nucleus sampling probability mass, in (0, 1]")
+    top_k: int = _field(0, "sample among the k most likely tokens (0 = no limit)")
+    n: int = _field(1, "samples per prompt")
+    stop_token_ids: List[int] = _field(help="extra token ids that end an answer (EOS always does)", factory=list)
+    seed: Optional[int] = _field(None, "sampling seed (null = derived from the experiment seed)")
+
+    def __post_init__(self):
+        self.to_hyperparameters()  # its checks name the fields
+
+    def to_hyperparameters(self) -> GenerationHyperparameters:
+        return GenerationHyperparameters(
+            max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens, greedy=self.greedy,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            stop_token_ids=tuple(self.stop_token_ids), n=self.n, seed=self.seed,
+        )
+
+
+# ----------------------------------------------------------------------------- experiments
+@dataclasses.dataclass
+class BaseExperimentConfig:
+    """Options shared by every quickstart experiment."""
+
+    experiment_name: str = _field("quickstart", "experiment name (letters, digits, '_', '-', '.')")
+    trial_name: str = _field("trial0", "trial name; one experiment may have several trials")
+    mode: str = _field("local", "launcher: local (implemented) | ray | slurm")
+    fileroot: str = _field(help="root folder of logs and checkpoints (default $REALHF_FILEROOT or "
+                                "~/.cache/realhf/experiments)", factory=_default_fileroot)
+    seed: int = _field(1, "random seed")
+    recover_mode: str = _field("disabled", "disabled | auto (resume if a recover checkpoint exists) | resume (must exist)")
+    recover_retries: int = _field(1, "times to relaunch after a failure when recover_mode is auto")
+    n_nodes: int = _field(1, "number of nodes")
+    n_devices_per_node: int = _field(1, "devices per node: GPUs, or model worker processes on CPU")
+    cpus_per_worker: int = _field(1, "CPU threads of each worker process")
+    allocation_mode: str = _field("d1m1p1", "device allocation and parallel layouts, e.g. d2m1p1, "
+                                            "'actor_gen:d2m1p1,*:d1m2p1', 'vllm.d2m1p1+d2m1p1', manual, heuristic")
+    worker_timeout_secs: float = _field(10.0, "seconds without a heartbeat before a worker is declared lost")
+    exp_ctrl: ExperimentSaveEvalControl = _field(help="stopping, saving, recover checkpoints, evaluation",
+                                                 factory=ExperimentSaveEvalControl)
+    wandb: WandBConfig = _field(help="Weights & Biases logging", factory=WandBConfig)
+    tensorboard: TensorBoardConfig = _field(help="TensorBoard logging", factory=TensorBoardConfig)
+
+    def __post_init__(self):
+        for key in ("experiment_name", "trial_name"):
+            v = getattr(self, key)
+            if not isinstance(v, str) or not _NAME_RE.fullmatch(v):
+                raise ValueError(f"{key}={v!r} is not allowed; use letters, digits, '_', '-' and '.', "
+                                 "starting with a letter or digit")
+        _choice("mode", self.mode, MODES)
+        _choice("recover_mode", self.recover_mode, RECOVER_MODES)
+        if not self.fileroot:
+            raise ValueError("fileroot is empty; set fileroot=<folder for logs and checkpoints>")
+        _int_at_least("seed", self.seed, 0)
+        _int_at_least("recover_retries", self.recover_retries, 0)
+        _int_at_least("n_nodes", self.n_nodes, 1)
+        _int_at_least("n_devices_per_node", self.n_devices_per_node, 1)
+        _int_at_least("cpus_per_worker", self.cpus_per_worker, 1)
+        _num_in("worker_timeout_secs", self.worker_timeout_secs, lo=0, lo_open=True)
+        self.allocation()  # validates the grammar, MFC names and device counts
+
+    # --------------------------------------------------------------- derived values
+    @property
+    def n_devices(self) -> int:
+        """All device slots of the experiment (``n_nodes * n_devices_per_node``)."""
+        return self.n_nodes * self.n_devices_per_node
+
+    def mfc_names(self) -> Optional[List[str]]:
+        """The experiment's MFC names (for allocation checks); None = not known here."""
+        return None
+
+    def allocation(self) -> AllocationMode:
+        """The parsed, validated ``allocation_mode`` (``heuristic`` resolved for ``n_devices``)."""
+        try:
+            mode = parse_allocation_mode(self.allocation_mode, self.mfc_names(), self.n_devices)
+        except AllocationError as e:
+            raise ValueError(f"allocation_mode={self.allocation_mode!r} is not valid: {e}") from None
+        return mode.resolve_heuristic(self.n_devices)
+
+    def _dp_of(self, mfc_name: str) -> Optional[int]:
+        mode = self.allocation()
+        if mode.kind == "manual":
+            return None
+        return mode.layout_of(mfc_name).dp
+
+    def _check_bs(self, bs_key: str, bs: int, mfc_name: str, per_rank: int = 1, what: str = "sequence") -> None:
+        dp = self._dp_of(mfc_name)
+        if dp is not None and bs < dp * per_rank:
+            need = f"{per_rank} {what}s" if per_rank > 1 else f"one {what}"
+            raise ValueError(
+                f"{bs_key}={bs} is too small for MFC {mfc_name!r}, which has data-parallel size {dp} under "
+                f"allocation_mode={self.allocation_mode!r}: every data-parallel rank needs at least {need} "
+                f"per step, so {bs_key} must be >= {dp * per_rank} (or lower the 'd' of that layout)"
+            )
+
+    def run_dir(self) -> str:
+        return os.path.join(os.path.abspath(os.path.expanduser(self.fileroot)), self.experiment_name, self.trial_name)
+
+    def log_dir(self) -> str:
+        return os.path.join(self.run_dir(), "logs")
+
+    def ckpt_dir(self) -> str:
+        return os.path.join(self.run_dir(), "checkpoints")
+
+    def recover_dir(self) -> str:
+        return os.path.join(self.run_dir(), "recover")
+
+
+@dataclasses.dataclass
+class SFTConfig(BaseExperimentConfig):
+    """Supervised fine-tuning on prompt/answer pairs (loss on answer tokens)."""
+
+    MFC_NAMES = ("trainDefault",)
+
+    model: ModelTrainEvalConfig = _field(help="the model to fine-tune", factory=ModelTrainEvalConfig)
+    dataset: PromptAnswerDatasetConfig = _field(help="training and validation data", factory=PromptAnswerDatasetConfig)
+    mb_spec: MicroBatchConfig = _field(help="micro-batching of the training step", factory=MicroBatchConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require_dir("model.path", self.model.path, "a Hugging Face model folder")
+        if self.model.is_critic:
+            raise ValueError("model.is_critic=True is not allowed for SFT; it trains a language model head")
+        _require_file("dataset.train_path", self.dataset.train_path, "a JSONL file of {prompt, answer} rows")
+        _require_file("dataset.valid_path", self.dataset.valid_path, "a JSONL file of {prompt, answer} rows",
+                      optional=True)
+        self._check_bs("dataset.train_bs_n_seqs", self.dataset.train_bs_n_seqs, "trainDefault")
+        if self.dataset.valid_path is not None:
+            self._check_bs("dataset.valid_bs_n_seqs", self.dataset.valid_bs_n_seqs, "trainDefault")
+
+    def mfc_names(self) -> List[str]:
+        return list(self.MFC_NAMES)
+
+
+@dataclasses.dataclass
+class GenerationExpConfig(BaseExperimentConfig):
+    """Generate answers for a prompt file and write them as JSONL."""
+
+    MFC_NAMES = ("gen",)
+
+    model: ModelConfig = _field(help="the model that generates", factory=ModelConfig)
+    dataset: PromptOnlyDatasetConfig = _field(help="prompts", factory=PromptOnlyDatasetConfig)
+    gen: GenConfig = _field(help="sampling options", factory=GenConfig)
+    mb_spec: MicroBatchConfig = _field(help="micro-batching of generation", factory=MicroBatchConfig)
+    output_file: Optional[str] = _field(None, "output JSONL (null = <log_dir>/generated.jsonl)")
+    use_chat_template: bool = _field(True, "wrap each prompt in the tokenizer's chat template")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require_dir("model.path", self.model.path, "a Hugging Face model folder")
+        _require_file("dataset.path", self.dataset.path, "a JSONL file of {prompt} rows")
+        self._check_bs("dataset.train_bs_n_seqs", self.dataset.train_bs_n_seqs, "gen", what="prompt")
+
+    def mfc_names(self) -> List[str]:
+        return list(self.MFC_NAMES)
+
+    def output_path(self) -> str:
+        return os.path.expanduser(self.output_file) if self.output_file else os.path.join(self.log_dir(), "generated.jsonl")
+
+
+@dataclasses.dataclass
+class PPOHyperparameters:
+    """PPO / GRPO algorithm options."""
+
+    gen: GenConfig = _field(help="sampling options of actor_gen", factory=GenConfig)
+    ppo_n_minibatches: int = _field(4, "PPO minibatches (optimizer steps) per training step")
+    kl_ctl: float = _field(0.1, "coefficient of the KL penalty added to the reward (0 = none)")
+    kl_loss_coef: float = _field(0.0, "coefficient of KL(actor || ref) as a loss term (0 = none)")
+    discount: float = _field(1.0, "reward discount factor gamma, in [0, 1]")
+    gae_lambda: float = _field(1.0, "GAE lambda, in [0, 1]")
+    eps_clip: float = _field(0.2, "PPO ratio clip epsilon (> 0)")
+    c_clip: Optional[float] = _field(None, "dual-clip constant (> 1; null = no dual clip)")
+    value_eps_clip: float = _field(0.2, "value clip epsilon (> 0)")
+    max_reward_clip: float = _field(20.0, "rewards are clipped to [-max_reward_clip, max_reward_clip]")
+    reward_output_scaling: float = _field(1.0, "reward = (raw + reward_output_bias) * reward_output_scaling")
+    reward_output_bias: float = _field(0.0, "added to the raw reward before scaling")
+    value_norm: bool = _field(True, "normalise value targets with running statistics")
+    entropy_coef: float = _field(0.0, "entropy bonus coefficient (>= 0)")
+    mask_too_long: bool = _field(False, "drop answers cut at max_new_tokens from the loss")
+    adv_norm: bool = _field(True, "normalise advantages over the batch")
+    group_adv_norm: bool = _field(False, "normalise advantages within each prompt's group (GRPO)")
+
+    def __post_init__(self):
+        _int_at_least("ppo_n_minibatches", self.ppo_n_minibatches, 1)
+        _num_in("kl_ctl", self.kl_ctl, lo=0)
+        _num_in("kl_loss_coef", self.kl_loss_coef, lo=0)
+        _num_in("discount", self.discount, lo=0, hi=1)
+        _num_in("gae_lambda", self.gae_lambda, lo=0, hi=1)
+        _num_in("eps_clip", self.eps_clip, lo=0, lo_open=True)
+        if self.c_clip is not None:
+            _num_in("c_clip", self.c_clip, lo=1, lo_open=True)
+        _num_in("value_eps_clip", self.value_eps_clip, lo=0, lo_open=True)
+        _num_in("max_reward_clip", self.max_reward_clip, lo=0, lo_open=True)
+        _num_in("reward_output_scaling", self.reward_output_scaling)
+        _num_in("reward_output_bias", self.reward_output_bias)
+        _num_in("entropy_coef", self.entropy_coef, lo=0)
+
+
+@dataclasses.dataclass
+class PPOMathConfig(BaseExperimentConfig):
+    """PPO (or GRPO with use_critic=false) on math prompts with a rule-based correctness reward."""
+
+    actor: ModelTrainEvalConfig = _field(help="the policy", factory=ModelTrainEvalConfig)
+    critic: ModelTrainEvalConfig = _field(help="the value model (path '' = initialise from actor.path)",
+                                          factory=lambda: ModelTrainEvalConfig(is_critic=True))
+    ref: ModelConfig = _field(help="the KL reference model (path '' = actor.path)", factory=ModelConfig)
+    use_critic: bool = _field(True, "train a critic (PPO with GAE); false = critic-free (GRPO-style)")
+    dataset: PromptOnlyDatasetConfig = _field(help="math prompts {query_id, prompt, solutions}",
+                                              factory=PromptOnlyDatasetConfig)
+    use_chat_template: bool = _field(True, "wrap each prompt in the tokenizer's chat template")
+    group_size: int = _field(1, "answers generated per prompt")
+    ppo: PPOHyperparameters = _field(help="PPO hyperparameters", factory=PPOHyperparameters)
+    actor_gen: MFCConfig = _field(help="actor generation MFC", factory=MFCConfig)
+    actor_train: MFCConfig = _field(help="actor training MFC", factory=MFCConfig)
+    ref_inf: MFCConfig = _field(help="reference log-prob MFC", factory=MFCConfig)
+    rew_inf: MFCConfig = _field(help="reward MFC", factory=MFCConfig)
+    critic_inf: MFCConfig = _field(help="critic value MFC", factory=MFCConfig)
+    critic_train: MFCConfig = _field(help="critic training MFC", factory=MFCConfig)
+    correct_reward: float = _field(5.0, "reward of a correct final answer")
+    wrong_reward: float = _field(-5.0, "reward of a wrong or missing final answer")
+    reward_timeout_secs: float = _field(5.0, "time limit of grading one answer (a timeout counts as wrong)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require_dir("actor.path", self.actor.path, "a Hugging Face model folder")
+        if self.actor.is_critic:
+            raise ValueError("actor.is_critic=True is not allowed; the actor needs its language model head")
+        if self.use_critic:
+            if not self.critic.is_critic:
+                raise ValueError("critic.is_critic=False is not allowed; the critic needs a value head")
+            if self.critic.path:
+                _require_dir("critic.path", self.critic.path, "a Hugging Face model folder")
+        if self.use_ref() and self.ref.path:
+            _require_dir("ref.path", self.ref.path, "a Hugging Face model folder")
+        _require_file("dataset.path", self.dataset.path, "a JSONL file of {query_id, prompt, solutions} rows")
+        _int_at_least("group_size", self.group_size, 1)
+        if self.ppo.gen.n not in (1, self.group_size):
+            raise ValueError(f"ppo.gen.n={self.ppo.gen.n} conflicts with group_size={self.group_size}; "
+                             "group_size sets the answers per prompt, leave ppo.gen.n at 1 or set it equal")
+        if self.ppo.group_adv_norm and self.group_size < 2:
+            raise ValueError("ppo.group_adv_norm=True needs group_size >= 2 (a group of one has no spread); "
+                             f"got group_size={self.group_size}")
+        _num_in("reward_timeout_secs", self.reward_timeout_secs, lo=0, lo_open=True)
+        _num_in("correct_reward", self.correct_reward)
+        _num_in("wrong_reward", self.wrong_reward)
+        bs = self.dataset.train_bs_n_seqs
+        self._check_bs("dataset.train_bs_n_seqs", bs, "actor_gen", what="prompt")
+        n_seqs = bs * self.group_size
+        key = "dataset.train_bs_n_seqs * group_size"
+        for name in self.mfc_names():
+            if name == "actor_gen":
+                continue
+            per_rank = self.ppo.ppo_n_minibatches if name.endswith("_train") else 1
+            self._check_bs(key, n_seqs, name, per_rank=per_rank)
+
+    def use_ref(self) -> bool:
+        """A reference model is needed when a KL term is on."""
+        return self.ppo.kl_ctl > 0 or self.ppo.kl_loss_coef > 0
+
+    def mfc_names(self) -> List[str]:
+        names = ["actor_gen", "rew_inf"]
+        if self.use_ref():
+            names.append("ref_inf")
+        if self.use_critic:
+            names += ["critic_inf", "critic_train"]
+        names.append("actor_train")
+        return names
+
+    def ref_path(self) -> str:
+        return self.ref.path or self.actor.path
+
+    def critic_path(self) -> str:
+        return self.critic.path or self.actor.path

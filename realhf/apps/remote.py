@@ -1,0 +1,89 @@
+"""Entry point of one experiment process: ``--role master`` or ``--role model_worker --rank i``.
+
+Every process rebuilds the same experiment spec from the config file the launcher wrote.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from realhf.base import logging
+
+logger = logging.getLogger("realhf.remote")
+
+
+def load_config(exp_name: str, path: str):
+    from realhf.api.quickstart.entry import load_config as load
+    from realhf.experiments import config_class
+
+    return load(config_class(exp_name), [path])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", choices=["master", "model_worker"], required=True)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--exp", required=True)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--resume", type=int, default=0)
+    a = ap.parse_args(argv)
+    from realhf.apps.main import name_resolve_root
+    from realhf.base import name_resolve
+    from realhf.experiments import build_spec
+    from realhf.system.request_reply_stream import run_secret_from_env
+
+    config = load_config(a.exp, a.config)
+    spec = build_spec(a.exp, config)
+    secret = run_secret_from_env()
+    nr = name_resolve.make_repository("file", root=name_resolve_root(config))
+    if a.role == "model_worker":
+        from realhf.system.model_worker import ModelWorker
+
+        w = ModelWorker(spec, a.rank, secret, nr, resume=bool(a.resume))
+        try:
+            w.setup()
+            return w.run()
+        finally:
+            w.close()
+    return run_master(spec, secret, nr, bool(a.resume))
+
+
+def run_master(spec, secret, nr, resume: bool) -> int:
+    from realhf.base.name_resolve import names
+    from realhf.experiments import final_hook
+    from realhf.system.heartbeat import HeartbeatMonitor
+    from realhf.system.master_worker import MasterWorker
+    from realhf.system.model_worker import worker_name
+    from realhf.system.request_reply_stream import MasterClient, WorkerError, WorkerLostError
+
+    exp, trial = spec.experiment_name, spec.trial_name
+    monitor = HeartbeatMonitor(secret, host="127.0.0.1", name_resolve=nr, key=names.master_heartbeat(exp, trial))
+    addrs = {worker_name(r): nr.wait(names.worker_address(exp, trial, worker_name(r)), timeout=600)
+             for r in range(spec.n_workers)}
+    client = MasterClient(secret, addrs, heartbeat=monitor, lost_after=spec.worker_timeout_secs)
+    try:
+        code = MasterWorker(spec, client, resume).run()
+        if code == 0 and spec.final_hook:
+            final_hook(spec.final_hook)(spec)
+        return code
+    except WorkerError as e:
+        logger.error(f"model worker {e.worker} failed:\n{e.traceback}")
+        return 1
+    except WorkerLostError as e:
+        logger.error(f"model worker {e.worker} is lost ({e.reason}); stopping the run")
+        return 1
+    finally:
+        client.close()
+        monitor.close()
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SystemExit:
+        raise
+    except BaseException:  # make sure the launcher sees a non-zero code and the traceback in the log
+        traceback.print_exc()
+        sys.exit(1)

@@ -1,0 +1,72 @@
+"""`gen`: batch generation over a JSONL of prompts; writes `generated.jsonl` (one row per prompt x sample)."""
+from __future__ import annotations
+
+import json
+import glob
+import os
+
+from realhf.api.core.dfg import MFCDef
+from realhf.api.core.system_api import DatasetSpec, ExperimentSpec, ModelSpec
+from realhf.api.quickstart.config import GenerationExpConfig
+from realhf.base import logging
+from realhf.experiments import register_experiment, register_final_hook
+from realhf.experiments.common import check_model_fits, single_layout
+
+logger = logging.getLogger(__name__)
+
+
+def build_gen(cfg: GenerationExpConfig) -> ExperimentSpec:
+    from realhf.impl.dataset import PromptDataset, validate_jsonl
+
+    layout = single_layout(cfg, "gen")
+    check_model_fits(cfg.model.path, layout, "model.path")
+    validate_jsonl(cfg.dataset.path, PromptDataset.REQUIRED, PromptDataset.OPTIONAL)
+    n = layout.world_size
+    g = cfg.gen.to_hyperparameters()
+    out = cfg.output_path()
+    model = ModelSpec(name="default", path=cfg.model.path, layout=layout, ranks=list(range(n)), dtype=cfg.model.dtype)
+    gen_args = dict(max_new_tokens=g.max_new_tokens, min_new_tokens=g.min_new_tokens, greedy=g.greedy,
+                    temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, n=g.n, stop_token_ids=list(g.stop_token_ids))
+    mfc = MFCDef(name="gen", model_name="default", interface_type="generate", interface_impl="generation",
+                 interface_args=dict(generation_config=gen_args, output_file=out + ".part",
+                                     seed=g.seed if g.seed is not None else cfg.seed),
+                 input_keys=("packed_prompts",), output_keys=("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask"),
+                 n_seqs=cfg.dataset.train_bs_n_seqs, mb_spec=cfg.mb_spec.to_spec())
+    ds = DatasetSpec(kind="prompt", args=dict(path=cfg.dataset.path, max_prompt_len=cfg.dataset.max_prompt_len,
+                                              use_chat_template=cfg.use_chat_template),
+                     batch_size=cfg.dataset.train_bs_n_seqs, holder_model="default", shuffle=False)
+    c = cfg.exp_ctrl
+    for f in glob.glob(out + ".part.*"):  # partial outputs of an earlier run
+        os.remove(f)
+    return ExperimentSpec(
+        experiment_name=cfg.experiment_name, trial_name=cfg.trial_name, n_workers=n, models=[model], mfcs=[mfc],
+        dataset=ds, total_train_epochs=1, seed=cfg.seed, log_dir=cfg.log_dir(), save_dir=cfg.ckpt_dir(),
+        recover_dir=cfg.recover_dir(), benchmark_steps=c.benchmark_steps, threads_per_worker=cfg.cpus_per_worker,
+        worker_timeout_secs=cfg.worker_timeout_secs, final_hook="gen_merge:" + out,
+    )
+
+
+def merge_outputs(spec: ExperimentSpec, out: str):
+    """Concatenate the per-worker part files into ``out`` in (query order of the dataset, sample index)."""
+    rows = []
+    for f in sorted(glob.glob(out + ".part.*")):
+        with open(f) as fh:
+            rows.extend(json.loads(l) for l in fh if l.strip())
+    order = {}
+    from realhf.impl.dataset import read_jsonl
+
+    path = spec.dataset.args["path"]
+    for i, (_, row) in enumerate(read_jsonl(path, {"prompt": str}, {"query_id": (str, int)})):
+        order[str(row["query_id"]) if row.get("query_id") is not None else str(i)] = i
+    rows.sort(key=lambda r: (order.get(str(r["query_id"]), 1 << 30), r["sample_idx"]))
+    tmp = out + ".tmp"
+    with open(tmp, "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    os.replace(tmp, out)
+    for f in glob.glob(out + ".part.*"):
+        os.remove(f)
+    logger.info(f"wrote {len(rows)} generated rows to {out}")
+
+
+register_experiment("gen", GenerationExpConfig, build_gen)

@@ -1,0 +1,398 @@
+"""JSONL datasets: checked reading, SFT prompt/answer and prompt-only datasets, epoch iteration.
+
+Every row problem (bad JSON, a missing or ill-typed field, an empty prompt) raises
+:class:`DatasetError` naming ``file:line``, what is wrong and what is allowed; an empty file is an
+error too. :func:`validate_jsonl` scans a whole file so that experiments can check their data before
+any worker starts.
+
+Datasets return plain Python items (``__getitem__``) and pack a list of items into a
+:class:`~realhf.api.core.data_api.SequenceSample` (``collate``). :class:`EpochIterator` cuts a
+dataset into global batches in a deterministic order per epoch and gives each data-parallel rank
+its share; its state (epoch, position) resumes exactly.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from realhf.api.core.data_api import SequenceSample
+from realhf.base import logging
+
+logger = logging.getLogger(__name__)
+
+TypeSpec = Union[type, Tuple[type, ...]]
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be used; the message names ``file:line`` where it applies."""
+
+
+# ----------------------------------------------------------------------------- reading
+def _types(t: TypeSpec) -> Tuple[type, ...]:
+    return t if isinstance(t, tuple) else (t,)
+
+
+def _type_names(t: TypeSpec) -> str:
+    names = {str: "string", int: "integer", float: "number", bool: "boolean", list: "list", dict: "object"}
+    return " or ".join(names.get(x, x.__name__) for x in _types(t))
+
+
+def _type_ok(value: Any, t: TypeSpec) -> bool:
+    ts = _types(t)
+    if isinstance(value, bool) and bool not in ts:
+        return False
+    if isinstance(value, int) and not isinstance(value, bool) and float in ts:
+        return True
+    return isinstance(value, ts)
+
+
+def _describe(required: Dict[str, TypeSpec], optional: Optional[Dict[str, TypeSpec]] = None) -> str:
+    req = ", ".join(f"{k!r} ({_type_names(t)})" for k, t in required.items())
+    opt = ", ".join(f"{k!r} ({_type_names(t)})" for k, t in (optional or {}).items())
+    return f"required fields {req}" + (f"; optional {opt}" if opt else "")
+
+
+def read_jsonl(path: str, required: Dict[str, TypeSpec], optional: Optional[Dict[str, TypeSpec]] = None,
+               nonempty: Sequence[str] = ("prompt",)) -> Iterator[Tuple[int, dict]]:
+    """Yield ``(line_no, row)`` for every non-blank line of ``path`` (1-based line numbers).
+
+    ``required`` / ``optional`` map field names to a type or tuple of types (``bool`` is never
+    taken for an ``int``; an ``int`` is accepted for ``float``); an optional field set to null
+    counts as absent. String fields named in ``nonempty`` must not be blank.
+    """
+    if not os.path.isfile(path):
+        raise DatasetError(f"{path}: no such file")
+    optional = optional or {}
+    n = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(
+                    f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object "
+                    f"with {_describe(required, optional)}"
+                ) from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}; "
+                                   f"each line needs {_describe(required, optional)}")
+            for key, t in required.items():
+                if key not in row:
+                    raise DatasetError(f"{where}: missing field {key!r}; each row needs {_describe(required, optional)}")
+                if not _type_ok(row[key], t):
+                    raise DatasetError(f"{where}: field {key!r} must be a {_type_names(t)}, got "
+                                       f"{type(row[key]).__name__} {_short(row[key])}")
+            for key, t in optional.items():
+                if row.get(key) is not None and not _type_ok(row[key], t):
+                    raise DatasetError(f"{where}: field {key!r} must be a {_type_names(t)} (or absent), got "
+                                       f"{type(row[key]).__name__} {_short(row[key])}")
+            for key in nonempty:
+                v = row.get(key)
+                if isinstance(v, str) and not v.strip():
+                    raise DatasetError(f"{where}: field {key!r} is empty; it must be a non-empty string")
+            n += 1
+            yield line_no, row
+    if n == 0:
+        raise DatasetError(f"{path} is empty: expected one JSON object per line with {_describe(required, optional)}")
+
+
+def _short(v: Any, n: int = 60) -> str:
+    s = json.dumps(v, ensure_ascii=False) if not isinstance(v, str) else repr(v)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def validate_jsonl(path: str, required: Dict[str, TypeSpec], optional: Optional[Dict[str, TypeSpec]] = None,
+                   nonempty: Sequence[str] = ("prompt",)) -> int:
+    """Check every row of ``path`` (see :func:`read_jsonl`); returns the number of rows."""
+    return sum(1 for _ in read_jsonl(path, required, optional, nonempty))
+
+
+def _eos_id(tokenizer) -> int:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise DatasetError("the tokenizer has no eos token (eos_token_id is None); set one in tokenizer_config.json")
+    return int(eos)
+
+
+def _encode(tokenizer, texts: List[str], add_special_tokens: bool) -> List[List[int]]:
+    if not texts:
+        return []
+    return [list(map(int, ids)) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+
+
+def _warn_dropped(path: str, what: str, lines: List[int], total: int) -> None:
+    if lines:
+        shown = ", ".join(map(str, lines[:5])) + (", ..." if len(lines) > 5 else "")
+        logger.warning("%s: skipped %d of %d rows %s (lines %s)", path, len(lines), total, what, shown)
+
+
+# ----------------------------------------------------------------------------- SFT
+class PromptAnswerDataset:
+    """SFT rows ``{"prompt": str, "answer": str}`` (optional ``"id"``).
+
+    Tokens are ``prompt + answer + [eos]`` (the prompt tokenized with the tokenizer's special
+    tokens, e.g. a BOS, the answer without), truncated to ``max_seqlen``; ``prompt_mask`` is True on
+    prompt tokens. Rows whose prompt alone fills ``max_seqlen`` (no answer token left to learn) are
+    skipped with a warning. A sample's id is its ``id`` field, else its 0-based row index, as str.
+    """
+
+    REQUIRED: Dict[str, TypeSpec] = {"prompt": str, "answer": str}
+    OPTIONAL: Dict[str, TypeSpec] = {"id": (str, int)}
+
+    def __init__(self, path: str, tokenizer, max_seqlen: int):
+        if max_seqlen < 2:
+            raise ValueError(f"max_seqlen must be >= 2, got {max_seqlen}")
+        rows = list(read_jsonl(path, self.REQUIRED, self.OPTIONAL))
+        eos = _eos_id(tokenizer)
+        prompts = _encode(tokenizer, [r["prompt"] for _, r in rows], True)
+        answers = _encode(tokenizer, [r["answer"] for _, r in rows], False)
+        self.items: List[dict] = []
+        dropped, n_trunc, seen = [], 0, {}
+        for idx, ((line_no, row), p, a) in enumerate(zip(rows, prompts, answers)):
+            if len(p) >= max_seqlen:
+                dropped.append(line_no)
+                continue
+            ids = p + a + [eos]
+            if len(ids) > max_seqlen:
+                n_trunc += 1
+                ids = ids[:max_seqlen]
+            rid = str(row["id"]) if row.get("id") is not None else str(idx)
+            if rid in seen:
+                raise DatasetError(f"{path}:{line_no}: id {rid!r} repeats the one on line {seen[rid]}; ids must be unique")
+            seen[rid] = line_no
+            self.items.append({"id": rid, "input_ids": ids, "prompt_mask": [True] * len(p) + [False] * (len(ids) - len(p))})
+        _warn_dropped(path, f"whose prompt has >= max_seqlen={max_seqlen} tokens", dropped, len(rows))
+        if n_trunc:
+            logger.info("%s: truncated %d of %d sequences to max_seqlen=%d", path, n_trunc, len(rows), max_seqlen)
+        if not self.items:
+            raise DatasetError(f"{path}: every prompt has >= max_seqlen={max_seqlen} tokens; raise max_seqlen")
+        logger.info("Loaded %d SFT rows from %s", len(self.items), path)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+    @staticmethod
+    def collate(items: Sequence[dict]) -> SequenceSample:
+        if not items:
+            raise ValueError("cannot collate an empty list of items")
+        ids = [x for it in items for x in it["input_ids"]]
+        mask = [x for it in items for x in it["prompt_mask"]]
+        return SequenceSample.from_default(
+            ids=[it["id"] for it in items],
+            seqlens=[len(it["input_ids"]) for it in items],
+            data={"packed_input_ids": torch.tensor(ids, dtype=torch.int64),
+                  "prompt_mask": torch.tensor(mask, dtype=torch.bool)},
+        )
+
+
+# ----------------------------------------------------------------------------- prompts
+class PromptDataset:
+    """Prompt rows ``{"prompt": str}`` (optional ``"query_id"``, the sample id; default the 0-based
+    row index). With ``use_chat_template`` each prompt becomes a user turn of the tokenizer's chat
+    template followed by the assistant header. Prompts over ``max_prompt_len`` tokens are skipped
+    with a warning. ``collate`` gives key ``packed_prompts`` and metadata ``query_id``, ``prompt``
+    (the original text) and any extra keys in ``META_KEYS``.
+    """
+
+    REQUIRED: Dict[str, TypeSpec] = {"prompt": str}
+    OPTIONAL: Dict[str, TypeSpec] = {"query_id": (str, int)}
+    META_KEYS: Tuple[str, ...] = ("query_id", "prompt")
+
+    def __init__(self, path: str, tokenizer, max_prompt_len: int, use_chat_template: bool = False):
+        if max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
+        self.path = path
+        self.tokenizer = tokenizer
+        self.use_chat_template = use_chat_template
+        if use_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise DatasetError(f"use_chat_template=True but the tokenizer has no chat template (for {path}); "
+                               "set use_chat_template=false or use a chat model's tokenizer")
+        rows = list(read_jsonl(path, self.REQUIRED, self.OPTIONAL))
+        extras = [self._row_extra(f"{path}:{ln}", row) for ln, row in rows]
+        texts = [self.format_prompt(row["prompt"]) for _, row in rows]
+        encoded = _encode(tokenizer, texts, add_special_tokens=not use_chat_template)
+        self.items: List[dict] = []
+        dropped, seen = [], {}
+        for idx, ((line_no, row), extra, ids) in enumerate(zip(rows, extras, encoded)):
+            qid = str(row["query_id"]) if row.get("query_id") is not None else str(idx)
+            if qid in seen:
+                raise DatasetError(f"{path}:{line_no}: query_id {qid!r} repeats the one on line {seen[qid]}; "
+                                   "query ids must be unique")
+            seen[qid] = line_no
+            if len(ids) > max_prompt_len:
+                dropped.append(line_no)
+                continue
+            self.items.append({"id": qid, "query_id": qid, "prompt": row["prompt"], "prompt_ids": ids, **extra})
+        _warn_dropped(path, f"with more than max_prompt_len={max_prompt_len} tokens", dropped, len(rows))
+        if not self.items:
+            raise DatasetError(f"{path}: every prompt has more than max_prompt_len={max_prompt_len} tokens; "
+                               "raise max_prompt_len")
+        logger.info("Loaded %d prompts from %s", len(self.items), path)
+
+    # hooks for subclasses
+    def _row_extra(self, where: str, row: dict) -> dict:
+        return {}
+
+    def format_prompt(self, text: str) -> str:
+        if not self.use_chat_template:
+            return text
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+    def collate(self, items: Sequence[dict]) -> SequenceSample:
+        if not items:
+            raise ValueError("cannot collate an empty list of items")
+        ids = [x for it in items for x in it["prompt_ids"]]
+        return SequenceSample.from_default(
+            ids=[it["id"] for it in items],
+            seqlens=[len(it["prompt_ids"]) for it in items],
+            data={"packed_prompts": torch.tensor(ids, dtype=torch.int64)},
+            metadata={k: [it[k] for it in items] for k in self.META_KEYS},
+        )
+
+
+# ----------------------------------------------------------------------------- iteration
+class EpochIterator:
+    """Global batches of ``batch_size`` samples, each split over ``dp_size`` data-parallel ranks.
+
+    * Order: epoch ``e`` visits the samples in a permutation drawn from ``(seed, e)`` (identity
+      when ``shuffle=False``), the same on every rank and independent of ``dp_size``.
+    * Global batch ``s`` of an epoch is ``order[s*batch_size:(s+1)*batch_size]``; rank ``r`` gets a
+      contiguous slice of it, sizes differing by at most one (lower ranks get the extra ones).
+    * ``drop_last=True`` (default): the last ``len % batch_size`` samples of each epoch's order are
+      not used that epoch (every step has exactly ``batch_size`` samples; with shuffling, different
+      samples are left out each epoch). ``drop_last=False``: the remainder forms a smaller last batch,
+      unless it has fewer samples than ``dp_size`` (some rank would get none), in which case it is
+      dropped too.
+    * State: ``(epoch, position)`` = the next global batch to produce. After the last batch of an
+      epoch the state is ``(epoch + 1, 0)``. :meth:`state_dict` / :meth:`load_state_dict` resume
+      exactly, with the same or a different ``dp_size``.
+    """
+
+    def __init__(self, dataset, batch_size: int, seed: int = 1, dp_rank: int = 0, dp_size: int = 1,
+                 shuffle: bool = True, drop_last: bool = True):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
+        if batch_size < dp_size:
+            raise ValueError(f"batch_size={batch_size} is smaller than dp_size={dp_size}; every data-parallel "
+                             "rank needs at least one sample per batch")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.dataset = dataset
+        self.n_samples = len(dataset)
+        self.batch_size, self.seed = int(batch_size), int(seed)
+        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        self.epoch = 0
+        self.position = 0
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"the dataset has {self.n_samples} samples, fewer than one batch of {batch_size}"
+                             + (" (drop_last=True)" if drop_last else f" for {dp_size} ranks"))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.n_samples, self.batch_size)
+        return full + (1 if not self.drop_last and rest >= self.dp_size else 0)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def epoch_order(self, epoch: int) -> List[int]:
+        if not self.shuffle:
+            return list(range(self.n_samples))
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_samples).tolist()
+
+    def global_batch_indices(self, epoch: int, step: int) -> List[int]:
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} out of range [0, {self.steps_per_epoch})")
+        return self.epoch_order(epoch)[step * self.batch_size:(step + 1) * self.batch_size]
+
+    def rank_share(self, global_indices: Sequence[int], dp_rank: Optional[int] = None) -> List[int]:
+        r = self.dp_rank if dp_rank is None else dp_rank
+        q, rem = divmod(len(global_indices), self.dp_size)
+        start = r * q + min(r, rem)
+        return list(global_indices[start:start + q + (1 if r < rem else 0)])
+
+    def next_indices(self) -> List[int]:
+        """This rank's dataset indices of the next batch; advances the state."""
+        idx = self.rank_share(self.global_batch_indices(self.epoch, self.position))
+        self.position += 1
+        if self.position == self.steps_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        return idx
+
+    def next_batch(self):
+        """The next batch of this rank, collated by ``dataset.collate`` (a list of items if it has none)."""
+        items = [self.dataset[i] for i in self.next_indices()]
+        collate = getattr(self.dataset, "collate", None)
+        return collate(items) if collate is not None else items
+
+    def __iter__(self):
+        """The remaining batches of the current epoch (the state then points at the next epoch)."""
+        epoch = self.epoch
+        while self.epoch == epoch:
+            yield self.next_batch()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n_samples": self.n_samples,
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for k in ("seed", "n_samples", "batch_size", "shuffle", "drop_last"):
+            if k in state and state[k] != getattr(self, k):
+                raise ValueError(f"cannot resume: the saved iterator has {k}={state[k]!r} but this one has "
+                                 f"{k}={getattr(self, k)!r}; the sample order would differ")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < self.steps_per_epoch:
+            raise ValueError(f"cannot resume at epoch={epoch}, position={position}: position must be in "
+                             f"[0, {self.steps_per_epoch})")
+        self.epoch, self.position = epoch, position
+
+
+# ----------------------------------------------------------------------------- registry
+_DATASETS: Dict[str, type] = {}
+
+
+def register_dataset(name: str, cls: type) -> None:
+    """Register a dataset class under ``name`` (re-registering the same class is a no-op)."""
+    if name in _DATASETS and _DATASETS[name] is not cls:
+        raise ValueError(f"dataset {name!r} is already registered as {_DATASETS[name].__name__}")
+    _DATASETS[name] = cls
+
+
+def make_dataset(name: str, **kwargs):
+    """Build the dataset registered as ``name`` with ``kwargs``."""
+    if name not in _DATASETS:
+        close = difflib.get_close_matches(name, list(_DATASETS), n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise KeyError(f"unknown dataset {name!r}{hint} registered: {sorted(_DATASETS)}")
+    return _DATASETS[name](**kwargs)
+
+
+def registered_datasets() -> List[str]:
+    return sorted(_DATASETS)
+
+
+register_dataset("prompt_answer", PromptAnswerDataset)
+register_dataset("prompt", PromptDataset)

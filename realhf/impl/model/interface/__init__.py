@@ -1,0 +1,3 @@
+"""Model interfaces (register themselves on import)."""
+import realhf.impl.model.interface.gen_interface  # noqa: F401
+import realhf.impl.model.interface.sft_interface  # noqa: F401

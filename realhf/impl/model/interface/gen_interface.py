@@ -1,0 +1,99 @@
+"""Generation interface: prompts in, sampled continuations (token ids + log-probs) out.
+
+Output keys per prompt sample (``n`` sequences each): ``packed_input_ids`` (prompt + answer),
+``packed_logprobs`` (one per next-token position: 0 on prompt positions), ``prompt_mask`` (True on
+prompt tokens), ``seq_no_eos_mask`` (one bool per sequence: hit max_new_tokens without a stop token).
+With ``output_file`` set, rows ``{query_id, prompt, output_ids, output_text, logprobs}`` are appended
+to ``<output_file>.<rank>`` by the worker that owns the outputs.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
+
+import torch
+
+from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.model_api import GenerationHyperparameters, Model, ModelInterface, register_interface
+
+
+class GenerationInterface(ModelInterface):
+    def __init__(self, generation_config: Optional[dict] = None, output_file: Optional[str] = None, seed: int = 1):
+        self.gconfig = GenerationHyperparameters(**(generation_config or {}))
+        self.output_file = output_file
+        self.seed = seed
+
+    @torch.no_grad()
+    def generate(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
+        prompts_flat = data.data["packed_prompts"]
+        lens = data.flat_seqlens("packed_prompts")
+        prompts: List[List[int]] = []
+        off = 0
+        for n in lens:
+            prompts.append(prompts_flat[off : off + n].tolist())
+            off += n
+        # the seed depends on the samples, not on which worker generates them: same outputs in any layout
+        seed = self.seed * 1000003 + model.version * 7919 + sum(hash_id(i) for i in data.ids) % (2**31)
+        gen = torch.Generator().manual_seed(seed % (2**63))
+        tok = model.tokenizer
+        eos = tok.eos_token_id if tok is not None else None
+        out = model.engine.generate(prompts, self.gconfig, eos_token_id=eos, generator=gen)
+        n = self.gconfig.n
+        ids, lps, pms, no_eos, seqlens = [], [], [], [], []
+        for i, p in enumerate(prompts):
+            per_sample = []
+            for j in range(n):
+                k = i * n + j
+                toks = out.tokens[k]
+                seq = p + toks
+                ids.append(torch.tensor(seq, dtype=torch.long))
+                lp = torch.zeros(len(seq), dtype=torch.float32)
+                lp[len(p) - 1 : len(seq) - 1] = torch.tensor(out.logprobs[k], dtype=torch.float32)
+                lps.append(lp)
+                pm = torch.zeros(len(seq), dtype=torch.bool)
+                pm[: len(p)] = True
+                pms.append(pm)
+                no_eos.append(out.no_eos[k])
+                per_sample.append(len(seq))
+            seqlens.append(per_sample)
+        result = SequenceSample(
+            keys={"packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask"},
+            ids=list(data.ids),
+            seqlens={"packed_input_ids": seqlens, "packed_logprobs": seqlens, "prompt_mask": seqlens,
+                     "seq_no_eos_mask": [[1] * n for _ in prompts]},
+            trailing_shapes={k: () for k in ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask")},
+            dtypes={"packed_input_ids": torch.long, "packed_logprobs": torch.float32, "prompt_mask": torch.bool,
+                    "seq_no_eos_mask": torch.bool},
+            data={"packed_input_ids": torch.cat(ids), "packed_logprobs": torch.cat(lps), "prompt_mask": torch.cat(pms),
+                  "seq_no_eos_mask": torch.tensor(no_eos, dtype=torch.bool)},
+        )
+        if self.output_file and model.module.is_last and model.grid.tp_rank == 0:
+            self._write(model, data, prompts, out)
+        return result
+
+    def _write(self, model: Model, data: SequenceSample, prompts, out):
+        n = self.gconfig.n
+        qids = data.metadata.get("query_id", [str(i) for i in data.ids])
+        texts = data.metadata.get("prompt", [None] * data.bs)
+        path = f"{self.output_file}.{model.grid.global_rank}"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a") as f:
+            for i, p in enumerate(prompts):
+                for j in range(n):
+                    k = i * n + j
+                    text = model.tokenizer.decode(out.tokens[k], skip_special_tokens=True) if model.tokenizer else None
+                    f.write(json.dumps({"query_id": qids[i], "sample_idx": j, "prompt": texts[i],
+                                        "output_ids": out.tokens[k], "output_text": text,
+                                        "logprobs": [round(x, 6) for x in out.logprobs[k]],
+                                        "no_eos": out.no_eos[k]}) + "\n")
+
+
+def hash_id(i) -> int:
+    """A stable (process-independent) hash of a sample id."""
+    import zlib
+
+    return zlib.crc32(str(i).encode())
+
+
+register_interface("generation", GenerationInterface)

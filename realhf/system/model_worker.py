@@ -1,0 +1,306 @@
+"""Model worker: holds the shards of every (model, layout) it takes part in and serves the master.
+
+One process per device slot. It joins the model workers' torch.distributed world, builds the grid of
+every model (collectively, in spec order), loads its shards, and then answers requests from the
+master over an authenticated ZMQ socket: ``fetch`` (next dataset batch, kept here), ``mfc`` (move the
+inputs the plan says, then run the interface method), ``evaluate``, ``save``, ``ckpt``, ``clear``,
+``exit``. A request that raises is answered with the traceback, after which the worker exits: its
+collective state can no longer be trusted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import traceback
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.dfg import MicroBatchSpec
+from realhf.api.core.model_api import Model, make_interface
+from realhf.api.core.system_api import ExperimentSpec, ModelSpec
+import realhf.impl.model.interface  # noqa: F401  (registers the interfaces)
+from realhf.base import logging, name_resolve, network
+from realhf.base.name_resolve import names
+from realhf.base.topology import ParallelGrid
+from realhf.system.data_manager import DataManager
+from realhf.system.heartbeat import HeartbeatSender
+from realhf.system.request_reply_stream import Payload, WorkerServer
+
+logger = logging.getLogger(__name__)
+
+RECOVER_INFO = "recover_info.json"
+
+
+def worker_name(rank: int) -> str:
+    return f"model_worker_{rank}"
+
+
+def owner_rank(grid: ParallelGrid, dp_rank: int) -> int:
+    """The worker that keeps the outputs of data-parallel rank ``dp_rank``: last stage, tensor rank 0."""
+    return grid.global_rank_of(grid.pp_size - 1, dp_rank, 0)
+
+
+def recover_info_path(spec: ExperimentSpec) -> str:
+    return os.path.join(spec.recover_dir, RECOVER_INFO)
+
+
+def load_recover_info(spec: ExperimentSpec) -> Optional[dict]:
+    p = recover_info_path(spec)
+    if not os.path.isfile(p):
+        return None
+    with open(p) as f:
+        return json.load(f)
+
+
+class ModelWorker:
+    def __init__(self, spec: ExperimentSpec, rank: int, secret: bytes, nr, resume: bool):
+        self.spec, self.rank, self.secret, self.nr = spec, rank, secret, nr
+        self.name = worker_name(rank)
+        self.resume_info = load_recover_info(spec) if resume else None
+        self.data = DataManager(rank)
+        self.models: Dict[str, Model] = {}
+        self.grids: Dict[str, ParallelGrid] = {}
+        self.interfaces = {m.name: make_interface(m.interface_impl, **m.interface_args) for m in spec.mfcs}
+        self.data_iter = None
+        self.valid_batches = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self):
+        spec = self.spec
+        torch.set_num_threads(spec.threads_per_worker)
+        seed = spec.seed * 1000 + self.rank
+        random.seed(seed)
+        np.random.seed(seed % (2**32))
+        torch.manual_seed(seed)
+        key = names.distributed_init(spec.experiment_name, spec.trial_name)
+        if self.rank == 0:
+            self.nr.add(key, f"tcp://127.0.0.1:{network.find_free_port()}", replace=True)
+        addr = self.nr.wait(key, timeout=120)
+        import datetime
+
+        dist.init_process_group("gloo", init_method=addr, rank=self.rank, world_size=spec.n_workers,
+                                timeout=datetime.timedelta(seconds=1800))
+        for m in spec.models:  # collective: every worker builds every grid in the same order
+            self.grids[m.name] = ParallelGrid(m.layout, ranks=m.ranks)
+        for m in spec.models:
+            if self.grids[m.name].is_member:
+                self.models[m.name] = self._load_model(m)
+        self._setup_data()
+        if self.resume_info is not None:
+            self._load_ckpt()
+        self.server = WorkerServer(self.name, self.secret, host="127.0.0.1", name_resolve=self.nr,
+                                   key=names.worker_address(spec.experiment_name, spec.trial_name, self.name))
+        hb_addr = self.nr.wait(names.master_heartbeat(spec.experiment_name, spec.trial_name), timeout=120)
+        self.heartbeat = HeartbeatSender(self.name, self.secret, hb_addr)
+        self.heartbeat.start()
+        logger.info(f"{self.name} ready: models {sorted(self.models)}")
+
+    def _load_model(self, m: ModelSpec) -> Model:
+        from realhf.impl.model.backend.engine import InferenceEngine, TrainEngine
+        from realhf.impl.model.conversion.hf_io import build_from_hf
+
+        path = m.path
+        if self.resume_info is not None and m.optimizer is not None:
+            path = os.path.join(self.spec.recover_dir, m.name)
+        dtype = getattr(torch, m.dtype)
+        module = build_from_hf(path, grid=self.grids[m.name], dtype=dtype, is_critic=m.is_critic)
+        engine = TrainEngine(module, m.optimizer, m.total_train_steps) if m.optimizer is not None else InferenceEngine(module)
+        tok = None
+        try:
+            import transformers
+
+            tok = transformers.AutoTokenizer.from_pretrained(m.tokenizer_path or m.path)
+        except (OSError, ValueError) as e:
+            logger.warning(f"no tokenizer for model {m.name} at {m.tokenizer_path or m.path}: {e}")
+        return Model(name=m.name, engine=engine, tokenizer=tok, grid=self.grids[m.name], path=m.path)
+
+    def _is_data_holder(self, model_name: str) -> Optional[ParallelGrid]:
+        g = self.grids[model_name]
+        if g.is_member and g.tp_rank == 0 and g.pp_rank == 0:
+            return g
+        return None
+
+    def _setup_data(self):
+        from realhf.impl.dataset import EpochIterator, make_dataset
+
+        ds = self.spec.dataset
+        g = self._is_data_holder(ds.holder_model)
+        if g is not None:
+            tok = self.models[ds.holder_model].tokenizer
+            self.dataset = make_dataset(ds.kind, tokenizer=tok, **ds.args)
+            self.data_iter = EpochIterator(self.dataset, ds.batch_size, seed=self.spec.seed, dp_rank=g.dp_rank,
+                                           dp_size=g.dp_size, shuffle=ds.shuffle)
+        vs = self.spec.valid_dataset
+        if vs is not None and self.grids[vs.holder_model].is_member:
+            g = self.grids[vs.holder_model]
+            tok = self.models[vs.holder_model].tokenizer
+            vds = make_dataset(vs.kind, tokenizer=tok, **vs.args)
+            it = EpochIterator(vds, vs.batch_size, seed=0, dp_rank=g.dp_rank, dp_size=g.dp_size, shuffle=False,
+                               drop_last=False)
+            batches = [vds.collate([vds[i] for i in it.rank_share(it.global_batch_indices(0, s))])
+                       for s in range(it.steps_per_epoch)]
+            self.valid_batches = lambda: batches
+
+    # ------------------------------------------------------------------ serving
+    def run(self) -> int:
+        while True:
+            got = self.server.poll(timeout=0.5)
+            if got is None:
+                continue
+            peer, req = got
+            self.heartbeat.set_status(req.handle_name)
+            try:
+                data, tensors = self.handle(req)
+                self.server.reply(peer, Payload(handler="master", handle_name=req.handle_name,
+                                                request_id=req.request_id, data=data or {}, tensors=tensors or []))
+            except Exception:  # report any failure to the master, then stop: collectives may be broken
+                tb = traceback.format_exc()
+                logger.error(f"{self.name} failed on {req.handle_name}:\n{tb}")
+                self.server.reply(peer, Payload(handler="master", handle_name=req.handle_name,
+                                                request_id=req.request_id, error=tb))
+                time.sleep(0.5)
+                return 1
+            finally:
+                self.heartbeat.set_status("idle")
+            if req.handle_name == "exit":
+                return 0
+
+    def handle(self, req: Payload):
+        h = getattr(self, f"_h_{req.handle_name}", None)
+        if h is None:
+            raise ValueError(f"unknown request {req.handle_name!r}")
+        return h(req.data)
+
+    def _h_exit(self, data):
+        return {}, []
+
+    def _h_dataset_info(self, data):
+        if self.data_iter is None:
+            return {"holder": False}, []
+        return {"holder": True, "steps_per_epoch": self.data_iter.steps_per_epoch, "n_samples": len(self.dataset),
+                "dp_rank": self.grids[self.spec.dataset.holder_model].dp_rank}, []
+
+    def _h_fetch(self, data):
+        it = self.data_iter
+        info = {"epoch": it.epoch, "epoch_step": it.position, "is_epoch_last": it.position == it.steps_per_epoch - 1}
+        batch = it.next_batch()
+        self.data.put(batch)
+        header, _ = batch.meta().to_wire()
+        return {"sample": header, **info}, []
+
+    def _h_mfc(self, data):
+        mfc = next(m for m in self.spec.mfcs if m.name == data["mfc"])
+        self.data.execute([tuple(x) for x in data["plan"]], data["metas"])
+        role = mfc.model_name.role
+        grid = self.grids[role]
+        if not grid.is_member:
+            return {}, []
+        ids = data["ids_by_dp"][str(grid.dp_rank)]
+        meta = data.get("metadata", {})
+        md = {k: [meta[str(i)].get(k) for i in ids] for k in (meta[str(ids[0])] if ids and meta else {})}
+        inp = self.data.get(ids, list(mfc.buffer_input_keys), metadata=md)
+        inp = inp.remap_keys(mfc.input_buffer_to_interface())
+        model = self.models[role]
+        iface = self.interfaces[mfc.name]
+        mb_spec = MicroBatchSpec(**data.get("mb_spec", {})) if data.get("mb_spec") else mfc.mb_spec
+        t0 = time.perf_counter()
+        if mfc.is_train:
+            res = iface.train_step(model, inp, mb_spec)
+            model.version += 1
+        elif mfc.is_generate:
+            res = iface.generate(model, inp, mb_spec)
+        elif mfc.is_inference:
+            res = iface.inference(model, inp, mb_spec)
+        else:
+            raise ValueError(f"MFC {mfc.name}: {mfc.interface_type} is not run through 'mfc' requests")
+        reply = {"seconds": time.perf_counter() - t0}
+        is_owner = self.rank == owner_rank(grid, grid.dp_rank)
+        if isinstance(res, SequenceSample):
+            if is_owner:
+                out = res.remap_keys(mfc.output_interface_to_buffer())
+                self.data.put(out)
+                reply["output"] = out.meta().to_wire()[0]
+        elif isinstance(res, dict) and is_owner and grid.dp_rank == 0:
+            reply["stats"] = {k: float(v) for k, v in res.items()}
+        return reply, []
+
+    def _h_evaluate(self, data):
+        role = data["model"]
+        if role not in self.models or self.valid_batches is None:
+            return {}, []
+        mfc = next(m for m in self.spec.mfcs if m.name == data["mfc"])
+        stats = self.interfaces[mfc.name].evaluate(self.models[role], self.valid_batches())
+        g = self.grids[role]
+        return ({"stats": stats} if g.dp_rank == 0 and self.rank == owner_rank(g, 0) else {}), []
+
+    def _h_save(self, data):
+        from realhf.impl.model.conversion.hf_io import save_hf
+
+        role = data["model"]
+        if role in self.models:
+            m = self.models[role]
+            save_hf(m.module, data["path"], tokenizer_src=self.spec.model(role).tokenizer_path or m.path)
+        return {}, []
+
+    def _h_ckpt(self, data):
+        """Recover checkpoint of everything this worker holds (models, optimizer, data position, RNG)."""
+        from realhf.impl.model.conversion.hf_io import save_hf
+
+        d = data["dir"]
+        for name, m in self.models.items():
+            spec = self.spec.model(name)
+            if spec.optimizer is None:
+                continue
+            save_hf(m.module, os.path.join(d, name), tokenizer_src=spec.tokenizer_path or spec.path)
+            eng = m.engine
+            st = {"optimizer": eng.optimizer.state_dict(), "step_count": eng.step_count, "version": m.version}
+            if eng.master is not m.module.flat:
+                st["master"] = eng.master
+            torch.save(st, os.path.join(d, name, f"engine_rank{self.rank}.pt"))
+        st = {"rng": torch.get_rng_state(), "py": random.getstate(), "np": np.random.get_state()}
+        if self.data_iter is not None:
+            st["data_iter"] = self.data_iter.state_dict()
+        torch.save(st, os.path.join(d, f"worker_rank{self.rank}.pt"))
+        dist.barrier()
+        return {}, []
+
+    def _load_ckpt(self):
+        d = self.spec.recover_dir
+        for name, m in self.models.items():
+            spec = self.spec.model(name)
+            if spec.optimizer is None:
+                continue
+            st = torch.load(os.path.join(d, name, f"engine_rank{self.rank}.pt"), weights_only=False)
+            eng = m.engine
+            if "master" in st:
+                eng.master.copy_(st["master"])
+            eng.optimizer.load_state_dict(st["optimizer"])
+            eng.step_count = st["step_count"]
+            eng._set_lr()
+            m.version = st["version"]
+        st = torch.load(os.path.join(d, f"worker_rank{self.rank}.pt"), weights_only=False)
+        torch.set_rng_state(st["rng"])
+        random.setstate(st["py"])
+        np.random.set_state(st["np"])
+        if self.data_iter is not None:
+            self.data_iter.load_state_dict(st["data_iter"])
+        logger.info(f"{self.name} resumed from {d}")
+
+    def _h_clear(self, data):
+        self.data.drop(data["ids"])
+        return {}, []
+
+    def close(self):
+        for x in ("heartbeat",):
+            if hasattr(self, x):
+                getattr(self, x).stop()
+        if hasattr(self, "server"):
+            self.server.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,660 @@
+"""Authenticated request/reply between the master and the model workers over ZMQ.
+
+Wire format (no pickle anywhere), one ZMQ multipart message per payload::
+
+    [b"RHF1", signature, header_json, tensor_0_bytes, tensor_1_bytes, ...]
+
+``signature`` is HMAC-SHA256 under the per-run secret over the number of following frames and
+every following frame, each prefixed with its 8-byte length, so frames can be neither altered,
+re-split, dropped nor appended. A receiver checks the magic and the signature (constant-time)
+before it parses anything; a message that fails is dropped, counted in ``n_rejected`` and logged
+as a warning naming the sender — never deserialised.
+
+The header is UTF-8 JSON ``{"handler", "handle_name", "request_id", "data", "tensors":
+[{"dtype", "shape"}, ...], "error"}``; ``data`` must be plain JSON (checked on send). Tensors travel
+as raw little-endian bytes of an allow-listed dtype, always to/from CPU.
+
+Threading: a :class:`WorkerServer` is used from one thread (the worker's main loop). A
+:class:`MasterClient` owns its sockets in one background I/O thread; ``send``/``gather``/``call``
+may be used from any number of threads.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import hmac
+import json
+import math
+import os
+import secrets
+import threading
+import time
+import traceback as _traceback
+import uuid
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import zmq
+
+from realhf.base import logging
+from realhf.base.network import gethostip
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"RHF1"
+SIGNATURE_BYTES = 32
+RUN_SECRET_ENV = "REALHF_RUN_SECRET"
+MIN_SECRET_BYTES = 16
+
+_DTYPES: Dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_MAX_DIMS = 64
+
+
+# ----------------------------------------------------------------------------------------- secrets
+def new_run_secret() -> bytes:
+    """A fresh random 32-byte secret for one run (the launcher hex-encodes it into the env)."""
+    return secrets.token_bytes(32)
+
+
+def run_secret_from_env(env: Optional[Dict[str, str]] = None) -> bytes:
+    """The run secret from ``$REALHF_RUN_SECRET`` (hex); a clear error when missing or malformed."""
+    env = os.environ if env is None else env
+    value = env.get(RUN_SECRET_ENV)
+    if not value:
+        raise RuntimeError(
+            f"${RUN_SECRET_ENV} is not set: the launcher must pass the run secret (hex) to every worker; "
+            f"generate one with realhf.system.request_reply_stream.new_run_secret().hex()"
+        )
+    try:
+        secret = bytes.fromhex(value.strip())
+    except ValueError:
+        raise RuntimeError(f"${RUN_SECRET_ENV} must be a hex string, got {len(value)} non-hex characters") from None
+    _check_secret(secret)
+    return secret
+
+
+def _check_secret(secret: bytes) -> bytes:
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError(f"run secret must be bytes, got {type(secret).__name__}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"run secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+    return bytes(secret)
+
+
+# -------------------------------------------------------------------------------------- signing
+def _as_buffer(frame) -> memoryview:
+    if isinstance(frame, zmq.Frame):
+        return frame.buffer
+    return memoryview(frame)
+
+
+def _signature(secret: bytes, frames: List[memoryview]) -> bytes:
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    mac.update(len(frames).to_bytes(8, "big"))
+    for f in frames:
+        mac.update(f.nbytes.to_bytes(8, "big"))
+        mac.update(f)
+    return mac.digest()
+
+
+def sign_frames(secret: bytes, frames: List[Any]) -> List[Any]:
+    """``[MAGIC, signature, *frames]`` for frames that are bytes or byte buffers."""
+    bufs = []
+    for f in frames:
+        mv = _as_buffer(f)
+        bufs.append(mv if (mv.ndim == 1 and mv.format == "B") else mv.cast("B"))
+    return [MAGIC, _signature(secret, bufs), *bufs]
+
+
+class RejectedMessage(ValueError):
+    """A received message that is not authentic or not well formed (never raised to users)."""
+
+
+def verify_frames(secret: bytes, frames: List[Any]) -> List[memoryview]:
+    """The authenticated frames after the signature; RejectedMessage (nothing parsed) otherwise."""
+    bufs = [_as_buffer(f) for f in frames]
+    if not bufs or bufs[0].nbytes != len(MAGIC) or bytes(bufs[0]) != MAGIC:
+        raise RejectedMessage("bad magic")
+    if len(bufs) < 3:
+        raise RejectedMessage(f"expected at least 3 frames (magic, signature, header), got {len(bufs)}")
+    if bufs[1].nbytes != SIGNATURE_BYTES:
+        raise RejectedMessage(f"signature frame has {bufs[1].nbytes} bytes, expected {SIGNATURE_BYTES}")
+    body = bufs[2:]
+    if not hmac.compare_digest(bytes(bufs[1]), _signature(secret, body)):
+        raise RejectedMessage("bad signature (wrong secret or tampered message)")
+    return body
+
+
+# ---------------------------------------------------------------------------------------- JSON
+def check_plain_json(obj: Any, path: str = "data") -> None:
+    """Raises TypeError naming the first path in ``obj`` that is not plain JSON
+    (dict with str keys, list, str, int, float, bool, None)."""
+    if obj is None or isinstance(obj, (str, bool, int, float)):
+        return
+    if isinstance(obj, list):
+        for i, v in enumerate(obj):
+            check_plain_json(v, f"{path}[{i}]")
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{path}: dict key {k!r} is a {type(k).__name__}; plain JSON needs str keys")
+            check_plain_json(v, f"{path}[{k!r}]")
+        return
+    raise TypeError(
+        f"{path} is a {type(obj).__name__}, which is not plain JSON "
+        f"(use dict/list/str/int/float/bool/None; send tensors through Payload.tensors)"
+    )
+
+
+# -------------------------------------------------------------------------------------- payload
+@dataclasses.dataclass
+class Payload:
+    """One request or reply."""
+
+    handler: str  # destination worker name, or "master"
+    handle_name: str  # e.g. "generate", "train_step", "fetch", "data_transfer", "save", "exit"
+    data: dict = dataclasses.field(default_factory=dict)  # plain JSON
+    tensors: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    error: Optional[str] = None  # a worker's traceback when the request failed
+
+    def make_reply(self, data: Optional[dict] = None, tensors: Optional[List[torch.Tensor]] = None,
+                   error: Optional[str] = None) -> "Payload":
+        """The reply to this request (same ``request_id`` and ``handle_name``, addressed to the master)."""
+        return Payload(handler="master", handle_name=self.handle_name, data={} if data is None else data,
+                       tensors=[] if tensors is None else list(tensors), request_id=self.request_id, error=error)
+
+
+def _tensor_frame(t: torch.Tensor, where: str) -> Tuple[dict, memoryview]:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where} is a {type(t).__name__}, expected a torch.Tensor")
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise TypeError(f"{where} has dtype {t.dtype}, which cannot be sent; allowed: {sorted(_DTYPES)}")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    shape = list(t.shape)
+    flat = t.contiguous().reshape(-1)
+    if t.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)
+    raw = flat.numpy().view("uint8")  # 1-D byte view, no copy
+    return {"dtype": name, "shape": shape}, memoryview(raw)
+
+
+def encode_payload(secret: bytes, payload: Payload) -> List[Any]:
+    """The signed frames of ``payload``; TypeError naming what cannot be sent."""
+    for field in ("handler", "handle_name", "request_id"):
+        if not isinstance(getattr(payload, field), str):
+            raise TypeError(f"Payload.{field} must be a str, got {type(getattr(payload, field)).__name__}")
+    if payload.error is not None and not isinstance(payload.error, str):
+        raise TypeError(f"Payload.error must be a str or None, got {type(payload.error).__name__}")
+    if not isinstance(payload.data, dict):
+        raise TypeError(f"Payload.data must be a dict, got {type(payload.data).__name__}")
+    check_plain_json(payload.data, "data")
+    if not isinstance(payload.tensors, (list, tuple)):
+        raise TypeError(f"Payload.tensors must be a list of tensors, got {type(payload.tensors).__name__}")
+    metas, bufs = [], []
+    for i, t in enumerate(payload.tensors):
+        meta, buf = _tensor_frame(t, f"tensors[{i}]")
+        metas.append(meta)
+        bufs.append(buf)
+    header = {
+        "handler": payload.handler,
+        "handle_name": payload.handle_name,
+        "request_id": payload.request_id,
+        "data": payload.data,
+        "tensors": metas,
+        "error": payload.error,
+    }
+    header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return sign_frames(secret, [header_bytes, *bufs])
+
+
+def _parse_header(raw: memoryview) -> dict:
+    try:
+        header = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RejectedMessage(f"header is not UTF-8 JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise RejectedMessage("header is not a JSON object")
+    return header
+
+
+def _decode_tensor(meta: Any, buf: memoryview, i: int) -> torch.Tensor:
+    if not isinstance(meta, dict) or set(meta) != {"dtype", "shape"}:
+        raise RejectedMessage(f"tensors[{i}] meta must be {{'dtype', 'shape'}}, got {meta!r:.200}")
+    dtype = _DTYPES.get(meta["dtype"]) if isinstance(meta["dtype"], str) else None
+    if dtype is None:
+        raise RejectedMessage(f"tensors[{i}] dtype {meta['dtype']!r:.50} is not allowed")
+    shape = meta["shape"]
+    if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
+        raise RejectedMessage(f"tensors[{i}] shape {shape!r:.200} is not a list of non-negative ints")
+    storage = torch.int16 if dtype == torch.bfloat16 else dtype
+    itemsize = torch.empty((), dtype=storage).element_size()
+    numel = math.prod(shape)
+    if buf.nbytes != numel * itemsize:
+        raise RejectedMessage(f"tensors[{i}] has {buf.nbytes} bytes, expected {numel * itemsize} for {shape} {meta['dtype']}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    t = torch.frombuffer(bytearray(buf), dtype=storage).reshape(shape)  # own, writable copy
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def decode_payload(secret: bytes, frames: List[Any]) -> Payload:
+    """Verifies and decodes a received message; RejectedMessage (nothing parsed before the
+    signature check) when it is not authentic or not well formed."""
+    body = verify_frames(secret, frames)
+    header = _parse_header(body[0])
+    expected = {"handler", "handle_name", "request_id", "data", "tensors", "error"}
+    if set(header) != expected:
+        raise RejectedMessage(f"header keys {sorted(header)} != {sorted(expected)}")
+    for k in ("handler", "handle_name", "request_id"):
+        if not isinstance(header[k], str):
+            raise RejectedMessage(f"header[{k!r}] is not a str")
+    if not isinstance(header["data"], dict):
+        raise RejectedMessage("header['data'] is not an object")
+    if header["error"] is not None and not isinstance(header["error"], str):
+        raise RejectedMessage("header['error'] is not a str or null")
+    metas = header["tensors"]
+    if not isinstance(metas, list) or len(metas) != len(body) - 1:
+        raise RejectedMessage(f"header lists {len(metas) if isinstance(metas, list) else '?'} tensors, message has {len(body) - 1}")
+    tensors = [_decode_tensor(m, b, i) for i, (m, b) in enumerate(zip(metas, body[1:]))]
+    return Payload(handler=header["handler"], handle_name=header["handle_name"], data=header["data"],
+                   tensors=tensors, request_id=header["request_id"], error=header["error"])
+
+
+def _peer_address(frame) -> str:
+    try:
+        return frame.get("Peer-Address") if isinstance(frame, zmq.Frame) else "?"
+    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+        return "?"
+
+
+# ---------------------------------------------------------------------------------- worker side
+def _bind_address(host: str) -> Tuple[str, str]:
+    """(host to bind, host to advertise)."""
+    if host in ("*", "0.0.0.0", ""):
+        return "*", gethostip()
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]", f"[{host}]"
+    return host, host
+
+
+def _bind(sock: zmq.Socket, host: str, port: Optional[int]) -> str:
+    bind_host, adv_host = _bind_address(host)
+    if ":" in bind_host:
+        sock.setsockopt(zmq.IPV6, 1)
+    if port is None:
+        port = sock.bind_to_random_port(f"tcp://{bind_host}")
+    else:
+        sock.bind(f"tcp://{bind_host}:{port}")
+    return f"tcp://{adv_host}:{port}"
+
+
+class WorkerServer:
+    """The model worker's end: a ROUTER socket that receives requests and sends replies.
+
+    Not thread-safe: call ``poll``/``reply`` from one thread (the worker's main loop).
+    """
+
+    def __init__(self, name: str, secret: bytes, host: str = "127.0.0.1", port: Optional[int] = None,
+                 name_resolve=None, key: Optional[str] = None):
+        self.name = name
+        self._secret = _check_secret(secret)
+        self.n_rejected = 0
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self.address = _bind(self._sock, host, port)
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            raise RuntimeError(f"worker {name!r}: cannot bind ROUTER on host {host!r} port {port}: {e}") from e
+        if name_resolve is not None and key is not None:
+            name_resolve.add(key, self.address, replace=True)
+        logger.debug("worker %r serving on %s", name, self.address)
+
+    def poll(self, timeout: float) -> Optional[Tuple[bytes, Payload]]:
+        """The next authentic request as ``(peer identity, payload)``, or None after ``timeout`` s."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            left = deadline - time.monotonic()
+            if not self._sock.poll(max(0, int(left * 1000))):
+                return None
+            frames = self._sock.recv_multipart(copy=False)
+            peer = frames[0].bytes
+            try:
+                return peer, decode_payload(self._secret, frames[1:])
+            except RejectedMessage as e:
+                self.n_rejected += 1
+                addr = _peer_address(frames[1]) if len(frames) > 1 else "?"
+                logger.warning("worker %r rejected a message from peer %r (%s): %s [%d rejected so far]",
+                               self.name, peer, addr, e, self.n_rejected)
+            if time.monotonic() >= deadline:
+                return None
+
+    def reply(self, peer: bytes, payload: Payload) -> None:
+        """Sends ``payload`` to the peer a request came from."""
+        self._sock.send_multipart([peer, *encode_payload(self._secret, payload)], copy=False)
+
+    def handle(self, peer: bytes, request: Payload, fn: Callable[[Payload], Any]) -> bool:
+        """Runs ``fn(request)`` and replies with its result — a Payload, a dict, or
+        ``(dict, tensors)`` — or with the traceback when it raises. True when ``fn`` succeeded."""
+        try:
+            out = fn(request)
+            if isinstance(out, Payload):
+                reply = out
+            elif isinstance(out, tuple):
+                reply = request.make_reply(data=out[0], tensors=out[1])
+            else:
+                reply = request.make_reply(data={} if out is None else out)
+            encoded = encode_payload(self._secret, reply)  # an unsendable result is an error too
+        except Exception:  # the master gets the traceback; the worker keeps serving
+            tb = _traceback.format_exc()
+            logger.error("worker %r: request %r (%s) failed:\n%s", self.name, request.handle_name, request.request_id, tb)
+            self.reply(peer, request.make_reply(error=tb))
+            return False
+        self._sock.send_multipart([peer, *encoded], copy=False)
+        return True
+
+    def close(self) -> None:
+        if not self._sock.closed:
+            self._sock.close(linger=0)
+
+
+# ---------------------------------------------------------------------------------- master side
+class WorkerError(RuntimeError):
+    """A worker's handler raised; carries the worker's name and traceback."""
+
+    def __init__(self, worker: str, traceback: str, handle_name: str = "?"):
+        super().__init__(f"worker {worker!r} failed to handle {handle_name!r}:\n{traceback}")
+        self.worker = worker
+        self.traceback = traceback
+        self.handle_name = handle_name
+
+
+class WorkerLostError(RuntimeError):
+    """A worker that owed a reply died or stopped sending heartbeats."""
+
+    def __init__(self, worker: str, reason: str):
+        super().__init__(f"worker {worker!r} lost: {reason}")
+        self.worker = worker
+        self.reason = reason
+
+
+class MasterClient:
+    """The master's end: one DEALER per worker, all owned by one background I/O thread.
+
+    ``send`` encodes in the caller's thread and hands the frames to the I/O thread through a queue
+    (woken by an inproc socket); the I/O thread receives replies, verifies them, and files them by
+    request id under a condition variable that ``gather`` waits on. Any number of threads may
+    ``send``/``gather``/``call`` concurrently.
+    """
+
+    def __init__(self, secret: bytes, addresses: Dict[str, str], heartbeat=None, lost_after: float = 10.0):
+        self._secret = _check_secret(secret)
+        self.addresses = dict(addresses)
+        self._heartbeat = heartbeat
+        self.lost_after = lost_after
+        self.n_rejected = 0
+        self._ctx = zmq.Context.instance()
+        self._send_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._owner: Dict[str, str] = {}  # request id -> worker, until the reply is gathered
+        self._replies: Dict[str, Payload] = {}
+        self._abandoned: set = set()
+        self._dead: Dict[str, str] = {}  # worker -> reason, from mark_dead
+        self._outbox: collections.deque = collections.deque()
+        self._io_error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._closed = False
+
+        wake_addr = f"inproc://realhf-master-client-{uuid.uuid4().hex}"
+        self._wake_pull = self._ctx.socket(zmq.PULL)
+        self._wake_pull.setsockopt(zmq.LINGER, 0)
+        self._wake_pull.bind(wake_addr)
+        self._wake_push = self._ctx.socket(zmq.PUSH)
+        self._wake_push.setsockopt(zmq.LINGER, 0)
+        self._wake_push.connect(wake_addr)
+        self._dealers: Dict[str, zmq.Socket] = {}
+        try:
+            for worker, addr in self.addresses.items():
+                s = self._ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, 0)  # never drop; a dead worker is detected by heartbeats
+                s.setsockopt(zmq.RCVHWM, 0)
+                self._dealers[worker] = s
+                s.connect(addr)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            self._wake_push.close(linger=0)
+            raise RuntimeError(f"MasterClient: cannot connect to worker {worker!r} at {addr!r}: {e}") from e
+        # sockets are handed to the I/O thread here; Thread.start is a memory barrier
+        self._thread = threading.Thread(target=self._io_loop, name="realhf-master-client-io", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- I/O thread
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_pull, zmq.POLLIN)
+        by_socket = {}
+        for worker, s in self._dealers.items():
+            poller.register(s, zmq.POLLIN)
+            by_socket[s] = worker
+        backlog: Dict[str, collections.deque] = {w: collections.deque() for w in self._dealers}
+        try:
+            while not self._stop.is_set():
+                waiting = any(backlog.values())
+                events = dict(poller.poll(5 if waiting else 100))
+                if self._wake_pull in events:
+                    while True:
+                        try:
+                            self._wake_pull.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                while True:
+                    try:
+                        worker, frames = self._outbox.popleft()
+                    except IndexError:
+                        break
+                    backlog[worker].append(frames)
+                for worker, q in backlog.items():
+                    while q:
+                        try:
+                            self._dealers[worker].send_multipart(q[0], flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        q.popleft()
+                for s, worker in by_socket.items():
+                    if s not in events:
+                        continue
+                    while True:
+                        try:
+                            frames = s.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_reply(worker, frames)
+        except Exception as e:  # surfaced to every gather; nothing else can make progress
+            logger.exception("MasterClient I/O thread failed")
+            with self._cv:
+                self._io_error = e
+                self._cv.notify_all()
+        finally:
+            self._close_sockets()
+
+    def _on_reply(self, worker: str, frames) -> None:
+        try:
+            payload = decode_payload(self._secret, frames)
+        except RejectedMessage as e:
+            self.n_rejected += 1
+            logger.warning("master rejected a message on the connection to worker %r (%s): %s [%d rejected so far]",
+                           worker, _peer_address(frames[0]) if frames else "?", e, self.n_rejected)
+            return
+        rid = payload.request_id
+        with self._cv:
+            if rid in self._abandoned:
+                self._abandoned.discard(rid)
+                self._owner.pop(rid, None)
+                logger.debug("dropping late reply %s from %r to an abandoned request", rid, worker)
+                return
+            owner = self._owner.get(rid)
+            if owner != worker or rid in self._replies:
+                logger.warning("master dropped a reply from worker %r to request %r that it does not owe (owner: %r)",
+                               worker, rid, owner)
+                return
+            self._replies[rid] = payload
+            self._cv.notify_all()
+
+    def _close_sockets(self) -> None:
+        for s in [self._wake_pull, *self._dealers.values()]:
+            if not s.closed:
+                s.close(linger=0)
+
+    # ---------------------------------------------------------------- public API
+    def send(self, payloads: List[Payload]) -> None:
+        """Sends the payloads in order; a list sent together keeps its relative order on every worker
+        (other threads' lists go entirely before or after it)."""
+        if self._closed:
+            raise RuntimeError("MasterClient is closed")
+        encoded = []
+        for p in payloads:
+            if p.handler not in self._dealers:
+                raise ValueError(f"payload {p.handle_name!r} addressed to unknown worker {p.handler!r}; "
+                                 f"known workers: {sorted(self._dealers)}")
+            encoded.append((p.handler, p.request_id, encode_payload(self._secret, p)))
+        ids = [rid for _, rid, _ in encoded]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate request_id in one send")
+        with self._send_lock:
+            with self._cv:
+                for _, rid, _ in encoded:
+                    if rid in self._owner:
+                        raise ValueError(f"request_id {rid!r} is already in flight")
+                for worker, rid, _ in encoded:
+                    self._owner[rid] = worker
+            self._outbox.extend((worker, frames) for worker, _, frames in encoded)
+            try:
+                self._wake_push.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # the I/O thread has unread wake-ups already
+                pass
+
+    def mark_dead(self, worker: str, reason: str) -> None:
+        """Tells the client a worker's process is known dead (e.g. by the scheduler); gathers that
+        wait on it raise WorkerLostError at once."""
+        with self._cv:
+            self._dead[worker] = reason
+            self._cv.notify_all()
+
+    def _lost(self, workers: List[str]) -> Optional[WorkerLostError]:
+        for w in workers:
+            if w in self._dead:
+                return WorkerLostError(w, self._dead[w])
+        if self._heartbeat is not None and workers:
+            dead = self._heartbeat.dead_workers(sorted(set(workers)), self.lost_after)
+            if dead:
+                w = dead[0]
+                return WorkerLostError(w, self._heartbeat.describe(w, self.lost_after)
+                                       if hasattr(self._heartbeat, "describe") else f"no heartbeat for {self.lost_after} s")
+        return None
+
+    def _abandon(self, request_ids: List[str]) -> None:
+        for rid in request_ids:
+            if self._replies.pop(rid, None) is not None:
+                self._owner.pop(rid, None)
+            elif rid in self._owner:
+                self._abandoned.add(rid)
+
+    def gather(self, request_ids: List[str], timeout: Optional[float] = None) -> Dict[str, Payload]:
+        """Waits for the replies to ``request_ids`` and returns them by id.
+
+        Raises WorkerError (a reply carries an error), WorkerLostError (a worker owing a reply is
+        dead) — both abandon these ids, late replies are dropped — or TimeoutError naming the
+        workers still owing replies (the ids stay gatherable).
+        """
+        ids = list(request_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            unknown = [rid for rid in ids if rid not in self._owner]
+            if unknown:
+                raise KeyError(f"gather: request ids {unknown} were never sent (or were already gathered)")
+            while True:
+                if self._io_error is not None:
+                    raise RuntimeError(f"MasterClient I/O thread failed: {self._io_error!r}") from self._io_error
+                for rid in ids:
+                    p = self._replies.get(rid)
+                    if p is not None and p.error is not None:
+                        worker = self._owner[rid]
+                        self._abandon(ids)
+                        raise WorkerError(worker, p.error, p.handle_name)
+                owing = sorted({self._owner[rid] for rid in ids if rid not in self._replies})
+                if not owing:
+                    out = {rid: self._replies.pop(rid) for rid in ids}
+                    for rid in ids:
+                        self._owner.pop(rid, None)
+                    return out
+                lost = self._lost(owing)
+                if lost is not None:
+                    self._abandon(ids)
+                    raise lost
+                if self._closed:
+                    raise RuntimeError("MasterClient was closed while gathering")
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"gather: no reply within {timeout} s from workers {owing}")
+                    self._cv.wait(min(0.2, left))
+                else:
+                    self._cv.wait(0.2)
+
+    def call(self, handle_name: str, data_by_worker: Dict[str, dict],
+             tensors_by_worker: Optional[Dict[str, List[torch.Tensor]]] = None,
+             timeout: Optional[float] = None) -> Dict[str, Payload]:
+        """Sends ``handle_name`` to every worker in ``data_by_worker`` and returns replies by worker."""
+        tensors_by_worker = tensors_by_worker or {}
+        extra = set(tensors_by_worker) - set(data_by_worker)
+        if extra:
+            raise ValueError(f"call({handle_name!r}): tensors for workers {sorted(extra)} that get no data")
+        payloads = [Payload(handler=w, handle_name=handle_name, data=d, tensors=list(tensors_by_worker.get(w, [])))
+                    for w, d in data_by_worker.items()]
+        self.send(payloads)
+        replies = self.gather([p.request_id for p in payloads], timeout=timeout)
+        return {p.handler: replies[p.request_id] for p in payloads}
+
+    def close(self) -> None:
+        """Stops the I/O thread and closes every socket (LINGER 0: nothing blocks)."""
+        if self._closed:
+            return
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._stop.set()
+        with self._send_lock:
+            try:
+                self._wake_push.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            self._wake_push.close(linger=0)
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            logger.warning("MasterClient I/O thread did not stop within 5 s")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
