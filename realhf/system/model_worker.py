@@ -105,6 +105,11 @@ class ModelWorker:
         from realhf.impl.model.backend.engine import InferenceEngine, TrainEngine
         from realhf.impl.model.conversion.hf_io import build_from_hf
 
+        if not m.path:  # a model without weights (e.g. a rule-based reward): only the tokenizer
+            import transformers
+
+            tok = transformers.AutoTokenizer.from_pretrained(m.tokenizer_path)
+            return Model(name=m.name, engine=None, tokenizer=tok, grid=self.grids[m.name], path="")
         path = m.path
         if self.resume_info is not None and m.optimizer is not None:
             path = os.path.join(self.spec.recover_dir, m.name)

@@ -421,6 +421,10 @@ class PPOMathConfig(BaseExperimentConfig):
     dataset: PromptOnlyDatasetConfig = _field(help="math prompts {query_id, prompt, solutions}",
                                               factory=PromptOnlyDatasetConfig)
     use_chat_template: bool = _field(True, "wrap each prompt in the tokenizer's chat template")
+    prompt_template: str = _field("{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+                                  "text around each prompt before the chat template; '{prompt}' is replaced")
+    reward_allow_last_number: bool = _field(False, "grade the last number of an answer when it has no \\boxed{} "
+                                                   "or 'The answer is' (a lenient format for small models)")
     group_size: int = _field(1, "answers generated per prompt")
     ppo: PPOHyperparameters = _field(help="PPO hyperparameters", factory=PPOHyperparameters)
     actor_gen: MFCConfig = _field(help="actor generation MFC", factory=MFCConfig)

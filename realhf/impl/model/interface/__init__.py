@@ -1,3 +1,5 @@
 """Model interfaces (register themselves on import)."""
 import realhf.impl.model.interface.gen_interface  # noqa: F401
+import realhf.impl.model.interface.math_reward_interface  # noqa: F401
+import realhf.impl.model.interface.ppo_interface  # noqa: F401
 import realhf.impl.model.interface.sft_interface  # noqa: F401

@@ -1,0 +1,128 @@
+"""`ppo-math`: PPO (with a critic) or GRPO (critic-free, group-normalised rewards) on math prompts.
+
+DFG (keys infer the edges):
+  actor_gen   (actor,  generate)   packed_prompts -> packed_input_ids, packed_logprobs, prompt_mask, seq_no_eos_mask
+  rew_inf     (reward, inference)  packed_input_ids, prompt_mask -> rewards
+  ref_inf     (ref,    inference)  packed_input_ids, prompt_mask -> packed_ref_logprobs        [KL on]
+  critic_inf  (critic, inference)  packed_input_ids, prompt_mask -> values                     [critic on]
+  actor_train (actor,  train_step) all of the above
+  critic_train(critic, train_step) all of the above                                           [critic on]
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from realhf.api.core.dfg import MFCDef
+from realhf.api.core.system_api import DatasetSpec, ExperimentSpec, ModelSpec
+from realhf.api.quickstart.config import PPOMathConfig
+from realhf.base.topology import ParallelDims
+from realhf.experiments import register_experiment
+from realhf.experiments.common import check_model_fits
+
+GEN_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask")
+
+
+def _model_layout(mode, mfc_names: List[str], model: str) -> ParallelDims:
+    layouts = {n: mode.layout_of(n) for n in mfc_names}
+    distinct = set(layouts.values())
+    if len(distinct) > 1:
+        raise ValueError(
+            f"the MFCs of model {model!r} ({', '.join(f'{n}:{l}' for n, l in layouts.items())}) use different layouts; "
+            "moving parameters between layouts (reallocation) is not supported yet: give them one layout"
+        )
+    return distinct.pop()
+
+
+def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
+    from realhf.impl.dataset import MathPromptDataset, validate_jsonl
+    from realhf.impl.dataset.math import MATH_OPTIONAL, MATH_REQUIRED
+
+    mode = cfg.allocation()
+    if mode.kind == "manual":
+        raise ValueError("allocation_mode=manual is not supported by ppo-math yet; give e.g. d2m1p1")
+    if mode.kind == "decoupled":
+        raise ValueError(f"allocation_mode={cfg.allocation_mode!r}: separate generation devices (sglang./vllm./gen.) "
+                         "are not supported yet; give one layout such as d2m1p1")
+    use_ref = cfg.use_ref()
+    use_critic = cfg.use_critic
+    mfc_of: Dict[str, List[str]] = {"actor": ["actor_gen", "actor_train"], "reward": ["rew_inf"]}
+    if use_ref:
+        mfc_of["ref"] = ["ref_inf"]
+    if use_critic:
+        mfc_of["critic"] = ["critic_inf", "critic_train"]
+    layouts = {m: _model_layout(mode, names, m) for m, names in mfc_of.items()}
+    check_model_fits(cfg.actor.path, layouts["actor"], "actor.path")
+    if use_ref:
+        check_model_fits(cfg.ref_path(), layouts["ref"], "ref.path")
+    if use_critic:
+        check_model_fits(cfg.critic_path(), layouts["critic"], "critic.path")
+    n_samples = validate_jsonl(cfg.dataset.path, MATH_REQUIRED, MATH_OPTIONAL)
+    bs = cfg.dataset.train_bs_n_seqs
+    steps = max(1, n_samples // bs) * cfg.exp_ctrl.total_train_epochs
+    if cfg.exp_ctrl.benchmark_steps:
+        steps = min(steps, cfg.exp_ctrl.benchmark_steps)
+    p = cfg.ppo
+    n_workers = max(l.world_size for l in layouts.values())
+    tok = cfg.actor.path
+    models = [ModelSpec("actor", cfg.actor.path, layouts["actor"], list(range(layouts["actor"].world_size)),
+                        dtype=cfg.actor.dtype, optimizer=cfg.actor.optimizer, total_train_steps=steps * p.ppo_n_minibatches)]
+    if use_ref:
+        models.append(ModelSpec("ref", cfg.ref_path(), layouts["ref"], list(range(layouts["ref"].world_size)),
+                                dtype=cfg.ref.dtype, tokenizer_path=tok))
+    if use_critic:
+        models.append(ModelSpec("critic", cfg.critic_path(), layouts["critic"], list(range(layouts["critic"].world_size)),
+                                dtype=cfg.critic.dtype, is_critic=True, optimizer=cfg.critic.optimizer,
+                                total_train_steps=steps * p.ppo_n_minibatches, tokenizer_path=tok))
+    models.append(ModelSpec("reward", "", layouts["reward"], list(range(layouts["reward"].world_size)), tokenizer_path=tok))
+
+    g = p.gen.to_hyperparameters()
+    gen_cfg = dict(max_new_tokens=g.max_new_tokens, min_new_tokens=g.min_new_tokens, greedy=g.greedy,
+                   temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, n=cfg.group_size,
+                   stop_token_ids=list(g.stop_token_ids))
+    ppo_args = dict(n_minibatches=p.ppo_n_minibatches, eps_clip=p.eps_clip, c_clip=p.c_clip, kl_ctl=p.kl_ctl,
+                    kl_loss_coef=p.kl_loss_coef, discount=p.discount, gae_lambda=p.gae_lambda,
+                    max_reward_clip=p.max_reward_clip, adv_norm=p.adv_norm, group_adv_norm=p.group_adv_norm,
+                    group_size=cfg.group_size, entropy_coef=p.entropy_coef, mask_too_long=p.mask_too_long,
+                    temperature=1.0 if g.greedy else g.temperature, use_critic=use_critic)
+    actor_args = dict(generation_config=gen_cfg, seed=g.seed if g.seed is not None else cfg.seed, **ppo_args)
+    train_inputs = list(GEN_KEYS) + ["rewards"]
+    mfcs = [
+        MFCDef("actor_gen", "actor", "generate", "ppo_actor", actor_args, input_keys=("packed_prompts",),
+               output_keys=GEN_KEYS, n_seqs=bs, mb_spec=cfg.actor_gen.mb_spec.to_spec()),
+        MFCDef("rew_inf", "reward", "inference", "rw-math",
+               dict(correct_reward=cfg.correct_reward, wrong_reward=cfg.wrong_reward,
+                    reward_output_scaling=p.reward_output_scaling, reward_output_bias=p.reward_output_bias,
+                    timeout=cfg.reward_timeout_secs, allow_last_number=cfg.reward_allow_last_number),
+               input_keys=("packed_input_ids", "prompt_mask"), output_keys=("rewards",), n_seqs=bs,
+               mb_spec=cfg.rew_inf.mb_spec.to_spec()),
+    ]
+    if use_ref:
+        mfcs.append(MFCDef("ref_inf", "ref", "inference", "ppo_actor", dict(ppo_args), input_keys=("packed_input_ids",),
+                           output_keys=("logprobs",), output_key_remap={"logprobs": "packed_ref_logprobs"}, n_seqs=bs,
+                           mb_spec=cfg.ref_inf.mb_spec.to_spec()))
+        train_inputs.append("packed_ref_logprobs")
+    if use_critic:
+        mfcs.append(MFCDef("critic_inf", "critic", "inference", "ppo_critic", dict(ppo_args, value_norm=p.value_norm),
+                           input_keys=("packed_input_ids",), output_keys=("values",), n_seqs=bs,
+                           mb_spec=cfg.critic_inf.mb_spec.to_spec()))
+        train_inputs.append("values")
+        mfcs.append(MFCDef("critic_train", "critic", "train_step", "ppo_critic", dict(ppo_args, value_norm=p.value_norm),
+                           input_keys=tuple(train_inputs), n_seqs=bs, mb_spec=cfg.critic_train.mb_spec.to_spec()))
+    mfcs.append(MFCDef("actor_train", "actor", "train_step", "ppo_actor", actor_args, input_keys=tuple(train_inputs),
+                       n_seqs=bs, mb_spec=cfg.actor_train.mb_spec.to_spec()))
+    c = cfg.exp_ctrl
+    ds = DatasetSpec(kind="math_prompt", args=dict(path=cfg.dataset.path, max_prompt_len=cfg.dataset.max_prompt_len,
+                                                   use_chat_template=cfg.use_chat_template, prompt_template=cfg.prompt_template),
+                     batch_size=bs, holder_model="actor")
+    del MathPromptDataset
+    return ExperimentSpec(
+        experiment_name=cfg.experiment_name, trial_name=cfg.trial_name, n_workers=n_workers, models=models, mfcs=mfcs,
+        dataset=ds, total_train_epochs=c.total_train_epochs, seed=cfg.seed, log_dir=cfg.log_dir(), save_dir=cfg.ckpt_dir(),
+        recover_dir=cfg.recover_dir(), save_freq_epochs=c.save_freq_epochs, save_freq_steps=c.save_freq_steps,
+        save_freq_secs=c.save_freq_secs, ckpt_freq_epochs=c.ckpt_freq_epochs, ckpt_freq_steps=c.ckpt_freq_steps,
+        ckpt_freq_secs=c.ckpt_freq_secs, benchmark_steps=c.benchmark_steps, threads_per_worker=cfg.cpus_per_worker,
+        worker_timeout_secs=cfg.worker_timeout_secs,
+    )
+
+
+register_experiment("ppo-math", PPOMathConfig, build_ppo_math)

@@ -1,0 +1,76 @@
+"""`rw-math`: rule-based reward of math answers, graded by ``realhf.reward`` (safe and time-bounded).
+
+Input: ``packed_input_ids`` + ``prompt_mask`` (several answers per prompt sample) and the sample
+metadata ``solutions``. Output: ``rewards``, one float per answer:
+``(correct_reward if correct else wrong_reward + reward_output_bias) * reward_output_scaling``.
+Verification timeouts and errors score as wrong and are counted in the stats.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.model_api import Model, ModelInterface, register_interface
+from realhf.base import logging
+
+logger = logging.getLogger(__name__)
+
+
+class MathRewardInterface(ModelInterface):
+    def __init__(self, correct_reward: float = 5.0, wrong_reward: float = -5.0, reward_output_scaling: float = 1.0,
+                 reward_output_bias: float = 0.0, timeout: float = 5.0, allow_last_number: bool = False,
+                 max_workers: int = 2):
+        self.correct, self.wrong = correct_reward, wrong_reward
+        self.scaling, self.bias = reward_output_scaling, reward_output_bias
+        self.timeout = timeout
+        self.allow_last_number = allow_last_number
+        self.max_workers = max_workers
+        self._verifier = None
+
+    @property
+    def verifier(self):
+        if self._verifier is None:
+            from realhf.reward import MathVerifier
+
+            self._verifier = MathVerifier(timeout=self.timeout, max_workers=self.max_workers)
+        return self._verifier
+
+    def answers(self, model: Model, data: SequenceSample) -> List[str]:
+        ids = data.data["packed_input_ids"]
+        pm = data.data["prompt_mask"].bool()
+        texts, off = [], 0
+        for n in data.flat_seqlens("packed_input_ids"):
+            seq, m = ids[off : off + n], pm[off : off + n]
+            texts.append(model.tokenizer.decode(seq[~m].tolist(), skip_special_tokens=True))
+            off += n
+        return texts
+
+    @torch.no_grad()
+    def inference(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
+        from realhf.reward import extract_answer
+
+        texts = self.answers(model, data)
+        sols = data.metadata.get("solutions")
+        if sols is None:
+            raise KeyError("rw-math needs the sample metadata 'solutions' (a math dataset provides it)")
+        per_sample = [len(x) for x in data.seqlens["packed_input_ids"]]
+        sol_per_answer = [s for s, k in zip(sols, per_sample) for _ in range(k)]
+        if self.allow_last_number:  # lenient format: the last number counts as the answer
+            texts = [t if extract_answer(t) is not None else (f"\\boxed{{{a}}}" if (a := extract_answer(t, allow_last_number=True)) else t)
+                     for t in texts]
+        results = self.verifier.verify_batch(texts, [list(map(str, s)) for s in sol_per_answer], timeout=self.timeout)
+        raw = torch.tensor([self.correct if ok else self.wrong for ok, _ in results], dtype=torch.float32)
+        rewards = (raw + self.bias) * self.scaling
+        n_to = sum(1 for _, st in results if st == "timeout")
+        n_err = sum(1 for _, st in results if st == "error")
+        if n_to or n_err:
+            logger.info(f"rw-math: {n_to} verification timeout(s), {n_err} error(s) scored as wrong")
+        out = SequenceSample(keys={"rewards"}, ids=list(data.ids), seqlens={"rewards": [[1] * k for k in per_sample]},
+                             trailing_shapes={"rewards": ()}, dtypes={"rewards": torch.float32}, data={"rewards": rewards})
+        self.last_stats = {"n_verify_timeout": float(n_to), "n_verify_error": float(n_err)}
+        return out
+
+
+register_interface("rw-math", MathRewardInterface)

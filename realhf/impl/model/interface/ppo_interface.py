@@ -1,0 +1,258 @@
+"""PPO / GRPO actor and critic interfaces.
+
+Per-token tensors are aligned with ``packed_input_ids``: entry ``t`` of a sequence scores token ``t+1``
+(the last entry of each sequence is unused). The loss mask is True where token ``t+1`` is an answer
+token. Data a step sees (one sample = one prompt with its ``group_size`` answers):
+``packed_input_ids``, ``packed_logprobs`` (behaviour policy, from generation), ``prompt_mask``,
+``seq_no_eos_mask``, ``rewards`` (one per answer), optionally ``packed_ref_logprobs`` and ``values``.
+
+* Critic-free (GRPO): advantages are the group-normalised task rewards, the same on every answer token.
+* With a critic (PPO): per-token rewards = KL penalty + task reward at the last answer token, GAE with
+  the critic's values; returns train the critic (clipped value loss, optional value normalisation).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.model_api import Model, ModelInterface, register_interface
+from realhf.base import logging
+from realhf.impl.model.interface.gen_interface import GenerationInterface
+from realhf.impl.model.utils import ppo_functional as F
+from realhf.impl.model.utils.functional import packed_entropy, packed_logprobs
+from realhf.impl.model.utils.gae import gae_packed
+
+logger = logging.getLogger(__name__)
+
+
+def answer_loss_mask(sample: SequenceSample) -> torch.Tensor:
+    """True at packed positions whose next token is an answer token of the same sequence."""
+    pm = sample.data["prompt_mask"].bool()
+    nxt = torch.roll(~pm, -1)
+    cu = sample.cu_seqlens("packed_input_ids")
+    nxt[(cu[1:] - 1).long()] = False
+    return nxt
+
+
+def _per_token(sample: SequenceSample, tensors: Dict[str, torch.Tensor]) -> SequenceSample:
+    """``sample`` plus per-token float keys aligned with packed_input_ids."""
+    seqlens = sample.seqlens["packed_input_ids"]
+    extra = SequenceSample(
+        keys=set(tensors), ids=list(sample.ids), seqlens={k: seqlens for k in tensors},
+        trailing_shapes={k: () for k in tensors}, dtypes={k: v.dtype for k, v in tensors.items()}, data=dict(tensors),
+    )
+    out = SequenceSample(keys=set(sample.keys), ids=list(sample.ids), seqlens=dict(sample.seqlens),
+                         trailing_shapes=dict(sample.trailing_shapes), dtypes=dict(sample.dtypes),
+                         data=dict(sample.data), metadata=dict(sample.metadata))
+    out.update_(extra)
+    return out
+
+
+def _dp_mean(x: float, count: float, grid) -> float:
+    t = torch.tensor([x * count, count], dtype=torch.float64)
+    if grid is not None and grid.dp_group is not None:
+        dist.all_reduce(t, group=grid.dp_group)
+    return float(t[0] / max(t[1], 1.0))
+
+
+@dataclasses.dataclass
+class PPOConfig:
+    n_minibatches: int = 4
+    eps_clip: float = 0.2
+    c_clip: Optional[float] = None
+    kl_ctl: float = 0.0
+    kl_loss_coef: float = 0.0
+    discount: float = 1.0
+    gae_lambda: float = 1.0
+    max_reward_clip: float = 20.0
+    adv_norm: bool = True
+    group_adv_norm: bool = False
+    group_size: int = 1
+    entropy_coef: float = 0.0
+    mask_too_long: bool = False
+    temperature: float = 1.0
+    value_eps_clip: float = 0.2
+    value_norm: bool = False
+    use_critic: bool = False
+
+
+def compute_advantages(sample: SequenceSample, cfg: PPOConfig, grid) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """(loss_mask, advantages, returns) per token, and stats. Same on every rank of a dp group."""
+    mask = answer_loss_mask(sample)
+    cu = sample.cu_seqlens("packed_input_ids")
+    no_eos = sample.data["seq_no_eos_mask"].bool()
+    if cfg.mask_too_long:
+        mask = F.length_limit_mask(no_eos, cu, mask)
+    rewards = sample.data["rewards"].float().reshape(-1)
+    old_lp = sample.data["packed_logprobs"].float()
+    ref_lp = sample.data.get("packed_ref_logprobs")
+    stats = {}
+    if ref_lp is not None and cfg.kl_ctl > 0:
+        token_rewards, kl_rewards = F.kl_reward_shaping(rewards, old_lp, ref_lp.float(), cfg.kl_ctl, cu, mask,
+                                                        cfg.max_reward_clip)
+    else:  # no KL penalty: the task reward alone, at the last answer token
+        token_rewards, kl_rewards = F.kl_reward_shaping(rewards, old_lp, old_lp, 0.0, cu, mask, cfg.max_reward_clip)
+    n_valid = float(mask.sum())
+    stats["kl_reward"] = float((kl_rewards * mask).sum()) / max(n_valid, 1.0)
+    stats["final_reward"] = float((token_rewards * mask).sum()) / max(1, rewards.numel())
+    if cfg.use_critic:
+        values = sample.data["values"].float()
+        # GAE over answer positions: rewards at t in [P-1, L-2], values at t in [P-1, L-1] (bootstrap last)
+        r_list, v_list, seg = [], [], []
+        lens = (cu[1:] - cu[:-1]).tolist()
+        pm = sample.data["prompt_mask"].bool()
+        for i, (s, L) in enumerate(zip(cu[:-1].tolist(), lens)):
+            P = int(pm[s : s + L].sum())
+            a, b = s + P - 1, s + L - 1
+            r_list.append(token_rewards[a:b])
+            v_list.append(values[a : b + 1])
+            seg.append((a, b))
+        seqlens = torch.tensor([b - a for a, b in seg])
+        gcu = torch.zeros(len(seg) + 1, dtype=torch.int32)
+        gcu[1:] = torch.cumsum(seqlens, 0)
+        adv_s, ret_s = gae_packed(torch.cat(r_list), torch.cat(v_list), gcu, no_eos, cfg.discount, cfg.gae_lambda)
+        adv = torch.zeros_like(old_lp)
+        ret = torch.zeros_like(old_lp)
+        for (a, b), lo, hi in zip(seg, gcu[:-1].tolist(), gcu[1:].tolist()):
+            adv[a:b] = adv_s[lo:hi]
+            ret[a:b] = ret_s[lo:hi]
+    else:
+        seq_adv = F.group_normalized_advantages(rewards, cfg.group_size, std_norm=cfg.group_adv_norm) \
+            if cfg.group_size > 1 else rewards - rewards.mean()
+        adv = F.broadcast_sequence_advantages(seq_adv, cu, mask)
+        ret = torch.zeros_like(old_lp)
+    if cfg.adv_norm:
+        adv = F.masked_normalization(adv, mask, all_reduce_group=grid.dp_group if grid is not None else None)
+    stats["advantage"] = float((adv * mask).sum()) / max(n_valid, 1.0)
+    return mask, adv * mask, ret, stats
+
+
+class PPOActorInterface(GenerationInterface):
+    """generate (from GenerationInterface), inference (log-probs, e.g. as the reference) and train_step."""
+
+    def __init__(self, generation_config: Optional[dict] = None, seed: int = 1, **ppo):
+        super().__init__(generation_config=generation_config, seed=seed)
+        self.cfg = PPOConfig(**ppo)
+
+    @torch.no_grad()
+    def inference(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
+        tp = model.module.tp_group
+        temp = self.cfg.temperature
+
+        def post(out, mb):
+            lp, _ = packed_logprobs(out, mb.data["packed_input_ids"], mb.cu_seqlens("packed_input_ids"), tp, temp)
+            return lp
+
+        res = model.engine.forward(data, max_tokens_per_mb=mb_spec.max_tokens_per_mb, post_fn=post)
+        if res is None:
+            return None
+        lp = torch.cat(res).float()
+        seqlens = data.seqlens["packed_input_ids"]
+        return SequenceSample(keys={"logprobs"}, ids=list(data.ids), seqlens={"logprobs": seqlens},
+                              trailing_shapes={"logprobs": ()}, dtypes={"logprobs": torch.float32}, data={"logprobs": lp})
+
+    def train_step(self, model: Model, data: SequenceSample, mb_spec) -> Dict[str, float]:
+        cfg, grid = self.cfg, model.grid
+        mask, adv, _, adv_stats = compute_advantages(data, cfg, grid)
+        sample = _per_token(data, {"advantages": adv.float(), "loss_mask": mask})
+        tp = model.module.tp_group
+        use_ref = cfg.kl_loss_coef > 0 and "packed_ref_logprobs" in sample.keys
+
+        def loss_fn(out, mb):
+            ids = mb.data["packed_input_ids"]
+            lp, _ = packed_logprobs(out, ids, mb.cu_seqlens("packed_input_ids"), tp, cfg.temperature)
+            m = mb.data["loss_mask"]
+            loss, st = F.actor_loss(lp, mb.data["packed_logprobs"].float(), mb.data["advantages"], cfg.eps_clip, m, cfg.c_clip)
+            if cfg.entropy_coef > 0:
+                ent = packed_entropy(out if cfg.temperature == 1.0 else out.float() / cfg.temperature, tp)
+                loss = loss - cfg.entropy_coef * F.entropy_bonus(ent, m)
+            if use_ref:
+                kl = F.kl_k3(lp, mb.data["packed_ref_logprobs"].float())
+                loss = loss + cfg.kl_loss_coef * F.masked_mean(kl, m)
+            return loss, {"actor_loss": float(st["loss"]) * float(m.sum()), "importance_weight": float(st["importance_weight"]) * float(m.sum()),
+                          "actor_clip_ratio": float(st["clip_ratio"]) * float(m.sum()), "ppo_approx_kl": float(st["approx_kl"]) * float(m.sum()),
+                          "n_loss_tokens": float(m.sum())}
+
+        n_mb = min(cfg.n_minibatches, data.bs)
+        sums: Dict[str, float] = {}
+        grad_norms = []
+        for part in sample.split(n_mb):
+            st = model.engine.train_batch(part, loss_fn, lambda mb: float(mb.data["loss_mask"].sum()),
+                                          max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs)
+            grad_norms.append(st.grad_norm)
+            for k, v in st.extra.items():
+                sums[k] = sums.get(k, 0.0) + v
+        n_tok = max(sums.get("n_loss_tokens", 0.0), 1.0)
+        stats = {k: sums[k] / n_tok for k in ("actor_loss", "importance_weight", "actor_clip_ratio", "ppo_approx_kl")}
+        stats["actor_grad_norm"] = sum(grad_norms) / len(grad_norms)
+        # batch statistics (data-parallel averages)
+        lens = data.flat_seqlens("packed_input_ids")
+        plen = [int(x) for x in torch.segment_reduce(data.data["prompt_mask"].float(), "sum", lengths=torch.tensor(lens)).tolist()]
+        n = len(lens)
+        rewards = data.data["rewards"].float()
+        stats["task_reward"] = _dp_mean(float(rewards.mean()), n, grid)
+        stats["avg_seq_len"] = _dp_mean(sum(lens) / n, n, grid)
+        stats["avg_prompt_len"] = _dp_mean(sum(plen) / n, n, grid)
+        stats["no_eos_ratio"] = _dp_mean(float(data.data["seq_no_eos_mask"].float().mean()), n, grid)
+        tot = torch.tensor([sum(lens), float(mask.sum()), n], dtype=torch.float64)
+        if grid.dp_group is not None:
+            dist.all_reduce(tot, group=grid.dp_group)
+        stats["n_tokens"], stats["n_valid_tokens"], stats["n_seqs"] = [float(x) for x in tot]
+        for k, v in adv_stats.items():
+            stats[k] = _dp_mean(v, n, grid)
+        stats["actor_lr"] = model.engine.optimizer.param_groups[0]["lr"]
+        return stats
+
+
+class PPOCriticInterface(ModelInterface):
+    def __init__(self, **ppo):
+        self.cfg = PPOConfig(**{**ppo, "use_critic": True})
+        self.value_normalizer = F.ValueNormalizer() if self.cfg.value_norm else None
+
+    @torch.no_grad()
+    def inference(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
+        res = model.engine.forward(data, max_tokens_per_mb=mb_spec.max_tokens_per_mb, post_fn=lambda out, mb: out.float())
+        if res is None:
+            return None
+        v = torch.cat(res)
+        if self.value_normalizer is not None:
+            v = self.value_normalizer.denormalize(v)
+        seqlens = data.seqlens["packed_input_ids"]
+        return SequenceSample(keys={"values"}, ids=list(data.ids), seqlens={"values": seqlens},
+                              trailing_shapes={"values": ()}, dtypes={"values": torch.float32}, data={"values": v})
+
+    def train_step(self, model: Model, data: SequenceSample, mb_spec) -> Dict[str, float]:
+        cfg, grid = self.cfg, model.grid
+        mask, _, ret, _ = compute_advantages(data, dataclasses.replace(cfg, adv_norm=False), grid)
+        # value targets live on answer positions and their predecessor state
+        old_v = data.data["values"].float()
+        if self.value_normalizer is not None:
+            self.value_normalizer.update(ret, mask)
+            ret_n = self.value_normalizer.normalize(ret)
+            old_n = self.value_normalizer.normalize(old_v)
+        else:
+            ret_n, old_n = ret, old_v
+        sample = _per_token(data, {"returns": ret_n.float(), "old_values": old_n.float(), "loss_mask": mask})
+
+        def loss_fn(out, mb):
+            m = mb.data["loss_mask"]
+            loss, st = F.critic_loss(out.float(), mb.data["old_values"], mb.data["returns"], cfg.value_eps_clip, m)
+            return loss, {"critic_loss": float(st["loss"]) * float(m.sum()), "value_clip_ratio": float(st["value_clip_ratio"]) * float(m.sum()),
+                          "n_loss_tokens": float(m.sum())}
+
+        sums: Dict[str, float] = {}
+        for part in sample.split(min(cfg.n_minibatches, data.bs)):
+            st = model.engine.train_batch(part, loss_fn, lambda mb: float(mb.data["loss_mask"].sum()),
+                                          max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs)
+            for k, v in st.extra.items():
+                sums[k] = sums.get(k, 0.0) + v
+        n_tok = max(sums.get("n_loss_tokens", 0.0), 1.0)
+        return {"critic_loss": sums.get("critic_loss", 0.0) / n_tok, "value_clip_ratio": sums.get("value_clip_ratio", 0.0) / n_tok}
+
+
+register_interface("ppo_actor", PPOActorInterface)
+register_interface("ppo_critic", PPOCriticInterface)
