@@ -38,6 +38,7 @@ setup(
         "gpu": ["flash-attn>=2.5", "vllm", "megatron-core>=0.8"],
         "sglang": ["sglang"],
         "ray": ["ray>=2.9"],
+        "wandb": ["wandb"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

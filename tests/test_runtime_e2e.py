@@ -81,6 +81,8 @@ def test_sft_learns_and_layouts_agree(model, data, tmp_path):
     assert len(losses) == 18 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
     evals = [s["eval_loss"] for s in st if "eval_loss" in s]
     assert len(evals) == 3 and evals[-1] < evals[0], evals
+    events = glob.glob(os.path.join(root, "d2", "trial0", "logs", "tensorboard", "events.out.tfevents.*"))
+    assert events and os.path.getsize(events[0]) > 0, "TensorBoard event file missing"
     saved = glob.glob(os.path.join(root, "d2", "trial0", "checkpoints", "default", "*"))
     assert len(saved) == 1
     m = transformers.AutoModelForCausalLM.from_pretrained(saved[0])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from realhf.reward.extract import _scan_group
+
 # Unit words stripped after a number (plain text or inside \text{}). Single letters and short
 # ambiguous words ("m", "in", "s") are only stripped inside \text{...}.
 _UNIT_WORDS = [
@@ -43,20 +45,9 @@ _IN_RE = re.compile(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)\\in(?![a-zA-Z])")
 
 
 def _matching_brace(s: str, i: int) -> int:
-    depth = 0
-    while i < len(s):
-        c = s[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return -1
+    """Index of the ``}`` closing the group opened at ``s[i]``, or -1 when it is never closed."""
+    close = _scan_group(s, i)
+    return -1 if close is None else close
 
 
 def _is_unit_phrase(content: str) -> bool:

@@ -55,8 +55,9 @@ class Buffer:
                 md = self.metadata.setdefault(sid, {})
                 for k, v in s.metadata.items():
                     md[k] = v[i]
-                if sid not in self.tokens:
-                    self.tokens[sid] = sum(sum(x) for x in s.seqlens[s.main_key()][i:i + 1])
+                # the cost of a sample for data-parallel balancing: its longest-known sequences
+                if sid not in self.tokens or "packed_input_ids" in s.keys:
+                    self.tokens[sid] = sum(s.seqlens[s.main_key()][i])
 
     def ids(self) -> List[str]:
         return list(self.owners)

@@ -35,6 +35,8 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from realhf.base.plain_json import check_plain_json  # noqa: F401  (re-exported)
 import zmq
 
 from realhf.base import logging
@@ -139,27 +141,6 @@ def verify_frames(secret: bytes, frames: List[Any]) -> List[memoryview]:
 
 
 # ---------------------------------------------------------------------------------------- JSON
-def check_plain_json(obj: Any, path: str = "data") -> None:
-    """Raises TypeError naming the first path in ``obj`` that is not plain JSON
-    (dict with str keys, list, str, int, float, bool, None)."""
-    if obj is None or isinstance(obj, (str, bool, int, float)):
-        return
-    if isinstance(obj, list):
-        for i, v in enumerate(obj):
-            check_plain_json(v, f"{path}[{i}]")
-        return
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if not isinstance(k, str):
-                raise TypeError(f"{path}: dict key {k!r} is a {type(k).__name__}; plain JSON needs str keys")
-            check_plain_json(v, f"{path}[{k!r}]")
-        return
-    raise TypeError(
-        f"{path} is a {type(obj).__name__}, which is not plain JSON "
-        f"(use dict/list/str/int/float/bool/None; send tensors through Payload.tensors)"
-    )
-
-
 # -------------------------------------------------------------------------------------- payload
 @dataclasses.dataclass
 class Payload:

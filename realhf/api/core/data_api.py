@@ -25,6 +25,7 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from realhf.base import logging
+from realhf.base.plain_json import check_plain_json
 
 logger = logging.getLogger(__name__)
 
@@ -143,23 +144,6 @@ def merge_by_partition(partition: Sequence[Sequence[int]], per_part: Sequence[Se
 # ----------------------------------------------------------------------------------------------
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_plain(obj: Any, where: str) -> None:
-    """Reject anything that is not str/int/float/bool/None/list/dict-with-str-keys."""
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return
-    if isinstance(obj, list):
-        for i, v in enumerate(obj):
-            _check_plain(v, f"{where}[{i}]")
-        return
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if not isinstance(k, str):
-                raise ValueError(f"header field {where} has a non-str key {k!r}")
-            _check_plain(v, f"{where}.{k}")
-        return
-    raise ValueError(f"header field {where} has a value of type {type(obj).__name__}; only plain JSON types are allowed")
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -571,7 +555,7 @@ class SequenceSample:
             "tensor_keys": tensor_keys,
         }
         try:
-            _check_plain(header["metadata"], "metadata")
+            check_plain_json(header["metadata"], "metadata")
         except ValueError as e:
             raise ValueError(f"metadata cannot go on the wire: {e}") from e
         tensors = [] if tensor_keys is None else [self.data[k] for k in tensor_keys]
@@ -581,7 +565,7 @@ class SequenceSample:
     def from_wire(cls, header: dict, tensors: Sequence[torch.Tensor]) -> "SequenceSample":
         if not isinstance(header, dict):
             raise ValueError(f"wire header must be a dict, got {type(header).__name__}")
-        _check_plain(header, "header")
+        check_plain_json(header, "header")
         if header.get("format") != WIRE_FORMAT or header.get("version") != WIRE_VERSION:
             raise ValueError(
                 f"not a {WIRE_FORMAT} v{WIRE_VERSION} header: format={header.get('format')!r}, "

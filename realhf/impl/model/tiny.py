@@ -466,3 +466,21 @@ def ensure_tiny_model(family: str, seed: int = 1, **kw) -> str:
     with atomic_dir(d, _model_complete) as tmp:
         build_tiny_hf_model(family, tmp, seed=seed, tokenizer=tokenizer, dtype=dt, **kw)
     return d
+
+
+def main(argv=None) -> int:
+    """``python -m realhf.impl.model.tiny --family qwen2 --out DIR``: write a tiny random-weight model."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m realhf.impl.model.tiny", description=main.__doc__)
+    p.add_argument("--family", choices=FAMILIES, default="qwen2")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--tokenizer", choices=["bpe", "qwen2.5"], default="bpe")
+    a = p.parse_args(argv)
+    print(build_tiny_hf_model(a.family, a.out, seed=a.seed, tokenizer=a.tokenizer))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

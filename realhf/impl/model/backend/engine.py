@@ -74,9 +74,9 @@ class InferenceEngine:
         return res if model.is_last else None
 
     def generate(
-        self, prompts: List[List[int]], gconfig: GenerationHyperparameters, eos_token_id=None, generator=None
+        self, prompts: List[List[int]], gconfig: GenerationHyperparameters, eos_token_id=None, generator=None, seeds=None
     ) -> GenerationOutput:
-        return generate(self.model, prompts, gconfig, eos_token_id=eos_token_id, generator=generator)
+        return generate(self.model, prompts, gconfig, eos_token_id=eos_token_id, generator=generator, seeds=seeds)
 
 
 @dataclasses.dataclass
@@ -176,8 +176,6 @@ class TrainEngine(InferenceEngine):
                 model.stage,
             )
         grad_norm = self._reduce_and_clip()
-        if self.master is not model.flat:
-            pass
         self.optimizer.step()
         if self.master is not model.flat:
             model.flat.copy_(self.master)

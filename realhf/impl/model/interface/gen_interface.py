@@ -33,12 +33,11 @@ class GenerationInterface(ModelInterface):
         for n in lens:
             prompts.append(prompts_flat[off : off + n].tolist())
             off += n
-        # the seed depends on the samples, not on which worker generates them: same outputs in any layout
-        seed = self.seed * 1000003 + model.version * 7919 + sum(hash_id(i) for i in data.ids) % (2**31)
-        gen = torch.Generator().manual_seed(seed % (2**63))
+        # one random stream per sample, from (seed, model version, sample id): the same outputs in any layout
+        seeds = [(self.seed * 1000003 + model.version * 7919 + hash_id(i)) % (2**62) for i in data.ids]
         tok = model.tokenizer
         eos = tok.eos_token_id if tok is not None else None
-        out = model.engine.generate(prompts, self.gconfig, eos_token_id=eos, generator=gen)
+        out = model.engine.generate(prompts, self.gconfig, eos_token_id=eos, seeds=seeds)
         n = self.gconfig.n
         ids, lps, pms, no_eos, seqlens = [], [], [], [], []
         for i, p in enumerate(prompts):

@@ -23,6 +23,7 @@ from realhf.api.core.model_api import Model, ModelInterface, register_interface
 from realhf.base import logging
 from realhf.impl.model.interface.gen_interface import GenerationInterface
 from realhf.impl.model.utils import ppo_functional as F
+from realhf.impl.model.utils.functional import answer_loss_mask as answer_mask
 from realhf.impl.model.utils.functional import packed_entropy, packed_logprobs
 from realhf.impl.model.utils.gae import gae_packed
 
@@ -30,12 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 def answer_loss_mask(sample: SequenceSample) -> torch.Tensor:
-    """True at packed positions whose next token is an answer token of the same sequence."""
-    pm = sample.data["prompt_mask"].bool()
-    nxt = torch.roll(~pm, -1)
-    cu = sample.cu_seqlens("packed_input_ids")
-    nxt[(cu[1:] - 1).long()] = False
-    return nxt
+    return answer_mask(sample.data["prompt_mask"], sample.cu_seqlens("packed_input_ids"))
 
 
 def _per_token(sample: SequenceSample, tensors: Dict[str, torch.Tensor]) -> SequenceSample:
@@ -50,6 +46,15 @@ def _per_token(sample: SequenceSample, tensors: Dict[str, torch.Tensor]) -> Sequ
                          data=dict(sample.data), metadata=dict(sample.metadata))
     out.update_(extra)
     return out
+
+
+def n_minibatches(requested: int, local_bs: int, grid) -> int:
+    """Minibatches per step, identical on every data-parallel rank (each needs >= 1 sample per minibatch):
+    every rank must run the same number of optimizer steps, or their collectives would not match."""
+    t = torch.tensor([min(requested, local_bs)], dtype=torch.long)
+    if grid is not None and grid.dp_group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=grid.dp_group)
+    return int(t)
 
 
 def _dp_mean(x: float, count: float, grid) -> float:
@@ -177,7 +182,7 @@ class PPOActorInterface(GenerationInterface):
                           "actor_clip_ratio": float(st["clip_ratio"]) * float(m.sum()), "ppo_approx_kl": float(st["approx_kl"]) * float(m.sum()),
                           "n_loss_tokens": float(m.sum())}
 
-        n_mb = min(cfg.n_minibatches, data.bs)
+        n_mb = n_minibatches(cfg.n_minibatches, data.bs, grid)
         sums: Dict[str, float] = {}
         grad_norms = []
         for part in sample.split(n_mb):
@@ -245,7 +250,7 @@ class PPOCriticInterface(ModelInterface):
                           "n_loss_tokens": float(m.sum())}
 
         sums: Dict[str, float] = {}
-        for part in sample.split(min(cfg.n_minibatches, data.bs)):
+        for part in sample.split(n_minibatches(cfg.n_minibatches, data.bs, grid)):
             st = model.engine.train_batch(part, loss_fn, lambda mb: float(mb.data["loss_mask"].sum()),
                                           max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs)
             for k, v in st.extra.items():

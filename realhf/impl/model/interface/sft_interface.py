@@ -8,16 +8,11 @@ import torch.distributed as dist
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface, register_interface
-from realhf.impl.model.utils.functional import packed_logprobs
+from realhf.impl.model.utils.functional import answer_loss_mask, packed_logprobs
 
 
 def answer_token_mask(sample: SequenceSample) -> torch.Tensor:
-    """True at packed positions whose *next* token is an answer token (and not across sequences)."""
-    pm = sample.data["prompt_mask"].bool()
-    nxt = torch.roll(~pm, -1)
-    cu = sample.cu_seqlens("packed_input_ids")
-    nxt[(cu[1:] - 1).long()] = False
-    return nxt
+    return answer_loss_mask(sample.data["prompt_mask"], sample.cu_seqlens("packed_input_ids"))
 
 
 def _loss(out: torch.Tensor, mb: SequenceSample, tp_group):

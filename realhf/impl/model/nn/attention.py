@@ -44,25 +44,23 @@ def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, 
     n = cu_seqlens.numel() - 1
     T, hq, d = q.shape
     hkv = k.shape[1]
-    if n == 1:
-        qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=hq != hkv)
-        return out.squeeze(0).transpose(0, 1)
-    batch_idx, pos, seqlens = pad_indices(cu_seqlens, max_seqlen)
-    qp = q.new_zeros(n, max_seqlen, hq, d)
-    kp = k.new_zeros(n, max_seqlen, hkv, d)
-    vp = v.new_zeros(n, max_seqlen, hkv, d)
-    qp[batch_idx, pos] = q
-    kp[batch_idx, pos] = k
-    vp[batch_idx, pos] = v
-    ar = torch.arange(max_seqlen, device=q.device)
-    causal = ar.unsqueeze(0) <= ar.unsqueeze(1)  # [L, L] query i sees key j<=i
-    mask = causal.unsqueeze(0) & (ar.unsqueeze(0) < seqlens.unsqueeze(1)).unsqueeze(1)  # [n, L, L]
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-        attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=hq != hkv,
-    )
-    return out.transpose(1, 2)[batch_idx, pos]
+    gqa = hq != hkv
+    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    if all(L == seqlens[0] for L in seqlens):
+        # equal lengths: one batched causal call, no mask (the fused CPU kernel applies)
+        L = seqlens[0]
+        qb, kb, vb = (t.view(n, L, t.shape[1], d).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(T, hq, d)
+    # unequal lengths: one causal call per sequence (exact; no padded O(n * max_len^2) mask)
+    outs = []
+    for s, L in zip(cu_seqlens[:-1].tolist(), seqlens):
+        if L == 0:
+            continue
+        qs, ks, vs = (t[s : s + L].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(o.squeeze(0).transpose(0, 1))
+    return torch.cat(outs, 0) if outs else q.new_zeros(0, hq, d)
 
 
 class RMSNorm(nn.Module):

@@ -48,12 +48,15 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_tokens(
-    logits: torch.Tensor, g: GenerationHyperparameters, gen: Optional[torch.Generator], banned: Optional[torch.Tensor] = None
+    logits: torch.Tensor, g: GenerationHyperparameters, gen: Optional[torch.Generator], banned: Optional[torch.Tensor] = None,
+    row_gens: Optional[List[torch.Generator]] = None,
 ):
     """logits [B, V] (fp32, full vocab) -> (tokens [B], logprobs [B]).
 
     ``banned`` token ids (stop tokens before min_new_tokens) are never sampled, but the returned
-    log-probs are those of the unmodified distribution.
+    log-probs are those of the unmodified distribution. With ``row_gens`` (one generator per row),
+    each row is sampled by inverse CDF from its own random stream, so a sequence's sample does not
+    depend on which other sequences share its batch (layout-independent sampling).
     """
     scaled = logits if g.greedy else logits / g.temperature
     logp = torch.log_softmax(scaled, -1)
@@ -64,7 +67,17 @@ def sample_tokens(
         tok = scaled.argmax(-1)
     else:
         probs = filter_logits(scaled, g.top_k, g.top_p).softmax(-1)
-        tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        if row_gens is not None:
+            u = torch.cat([torch.rand(1, generator=rg, dtype=torch.float64) for rg in row_gens]).to(probs.device)
+            cdf = probs.double().cumsum(-1)
+            u = u * cdf[:, -1]
+            tok = torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+            # never land on a zero-probability token through rounding at a CDF plateau
+            bad = probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1) <= 0
+            if bool(bad.any()):
+                tok[bad] = probs[bad].argmax(-1)
+        else:
+            tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
     return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
@@ -75,8 +88,13 @@ def generate(
     gconfig: GenerationHyperparameters,
     eos_token_id: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
+    seeds: Optional[Sequence[int]] = None,
 ) -> GenerationOutput:
-    """Generate ``gconfig.n`` continuations for every prompt (the n samples of a prompt are adjacent)."""
+    """Generate ``gconfig.n`` continuations for every prompt (the n samples of a prompt are adjacent).
+
+    ``seeds`` (one per prompt) make sampling independent of batch composition and layout: sample j of
+    prompt i draws from its own generator seeded by ``(seeds[i], j)``.
+    """
     grid = model.grid
     prompts = [list(p) for p in prompts for _ in range(gconfig.n)]
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -90,6 +108,11 @@ def generate(
     if generator is None and gconfig.seed is not None:
         generator = torch.Generator(device=device).manual_seed(gconfig.seed)
     B = len(prompts)
+    row_gens_all = None
+    if seeds is not None and not gconfig.greedy:
+        if len(seeds) * gconfig.n != B:
+            raise ValueError(f"seeds has {len(seeds)} entries for {B // gconfig.n} prompts")
+        row_gens_all = [torch.Generator().manual_seed((int(s) * 1000003 + j) % (2**63)) for s in seeds for j in range(gconfig.n)]
     seqlens = [len(p) for p in prompts]
     max_len = max(seqlens) + gconfig.max_new_tokens + 1
     pp = model.pp
@@ -119,7 +142,8 @@ def generate(
         if model.is_last:
             logits = gather_from_tp(out.float(), tp_group)
             banned = stop_t if n_generated < gconfig.min_new_tokens else None
-            tok, lp = sample_tokens(logits, gconfig, generator, banned)
+            rg = [row_gens_all[i] for i in alive.tolist()] if row_gens_all is not None else None
+            tok, lp = sample_tokens(logits, gconfig, generator, banned, rg)
             packed[:, 0] = tok.double()
             packed[:, 1] = lp.double()
             if tp_src is not None:
@@ -135,6 +159,7 @@ def generate(
     cache.begin_prefill(torch.tensor(seqlens, device=device))
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
     out_rows = B
+    alive = torch.arange(B, device=device)  # original index of each cache row
     out = run_stage(ids if model.is_first else None, inp, sum(seqlens))
     cache.end_prefill()
     tok, lp = pick(out, 0)
@@ -142,7 +167,6 @@ def generate(
     tokens: List[List[int]] = [[] for _ in range(B)]
     logps: List[List[float]] = [[] for _ in range(B)]
     no_eos = [True] * B
-    alive = torch.arange(B, device=device)  # original index of each cache row
     for step in range(gconfig.max_new_tokens):
         tl, ll = tok.tolist(), lp.tolist()
         rows = alive.tolist()

@@ -31,3 +31,10 @@ def packed_logprobs(logits: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.T
 
 def packed_entropy(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
     return vocab_parallel_entropy(logits, tp_group)
+
+
+def answer_loss_mask(prompt_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """True at packed positions whose *next* token is an answer (non-prompt) token of the same sequence."""
+    nxt = torch.roll(~prompt_mask.bool(), -1)
+    nxt[(cu_seqlens[1:] - 1).long()] = False
+    return nxt

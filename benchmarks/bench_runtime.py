@@ -1,0 +1,118 @@
+"""Runtime benchmark: round trip of an empty MFC request (master -> N workers -> replies) over the real
+authenticated ZMQ stream, and worker-to-worker tensor transfer through the data manager (gloo
+point-to-point) next to a plain in-process copy of the same bytes. Prints JSON lines.
+
+Usage: python benchmarks/bench_runtime.py [--workers 2] [--calls 200] [--mb 64,256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _emit(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def _serve(name, secret, q):
+    from realhf.system.request_reply_stream import Payload, WorkerServer
+
+    srv = WorkerServer(name, secret, host="127.0.0.1")
+    q.put(srv.address)
+    while True:
+        got = srv.poll(timeout=1.0)
+        if got is None:
+            continue
+        peer, req = got
+        srv.reply(peer, Payload(handler="master", handle_name=req.handle_name, request_id=req.request_id, data={}))
+        if req.handle_name == "exit":
+            break
+    srv.close()
+
+
+def bench_round_trip(n_workers: int, n_calls: int):
+    from realhf.system.request_reply_stream import MasterClient, new_run_secret
+
+    secret = new_run_secret()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_serve, args=(f"w{i}", secret, q), daemon=True) for i in range(n_workers)]
+    for p in procs:
+        p.start()
+    addrs = {f"w{i}": q.get(timeout=60) for i in range(n_workers)}
+    addrs = dict(zip(sorted(addrs), sorted(addrs.values())))
+    client = MasterClient(secret, addrs)
+    data = {w: {"mfc": "noop", "ids_by_dp": {"0": [str(i) for i in range(64)]}} for w in addrs}
+    for _ in range(20):
+        client.call("noop", data)
+    ts = []
+    for _ in range(n_calls):
+        t = time.perf_counter()
+        client.call("noop", data)
+        ts.append(time.perf_counter() - t)
+    client.call("exit", {w: {} for w in addrs})
+    client.close()
+    for p in procs:
+        p.join(timeout=10)
+    return statistics.median(ts), statistics.quantiles(ts, n=20)[18]
+
+
+def _transfer(mb: int, reps: int):
+    import torch.distributed as dist
+
+    from realhf.api.core.data_api import SequenceSample
+    from realhf.system.data_manager import DataManager
+
+    rank = dist.get_rank()
+    n = mb * 1024 * 1024 // 4
+    dm = DataManager(rank)
+    if rank == 0:
+        dm.put(SequenceSample.from_default(ids=["s0"], seqlens=[n], data={"x": torch.randn(n)}))
+    plan = [(0, 1, "s0", "x")]
+    metas = {"s0": {"x": {"seqlens": [n], "trailing_shape": [], "dtype": "float32"}}}
+    ts = []
+    for i in range(reps + 1):
+        dist.barrier()
+        t = time.perf_counter()
+        dm.execute(plan, metas)
+        dist.barrier()
+        if i:
+            ts.append(time.perf_counter() - t)
+        if rank == 1:
+            dm.drop(["s0"])
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--mb", default="16,64,256")
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    med, p95 = bench_round_trip(a.workers, a.calls)
+    _emit(bench="empty_mfc_round_trip", workers=a.workers, median_ms=round(med * 1e3, 3), p95_ms=round(p95 * 1e3, 3))
+    from realhf.base.testing import run_distributed
+
+    for mb in [int(x) for x in a.mb.split(",")]:
+        t = run_distributed(_transfer, 2, mb, a.reps)[0]
+        src = torch.randn(mb * 1024 * 1024 // 4)
+        dst = torch.empty_like(src)
+        cs = []
+        for _ in range(a.reps + 1):
+            c = time.perf_counter()
+            dst.copy_(src)
+            cs.append(time.perf_counter() - c)
+        c = statistics.median(cs[1:])
+        _emit(bench="worker_to_worker_transfer", mbytes=mb, seconds=round(t, 4), gbytes_per_s=round(mb / 1024 / t, 3),
+              inprocess_copy_gbytes_per_s=round(mb / 1024 / c, 3), ratio_vs_copy=round(c / t, 4))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""Generation back-ends for evaluation.
+
+An engine takes :class:`GenRequest` s (prompt ids + a per-problem seed) and a :class:`SamplingConfig`
+and returns ``cfg.n`` :class:`Completion` s per request. Engines are looked up by name in
+``ENGINES`` (``register_engine`` adds one, e.g. a fake engine in tests):
+
+* ``realhf`` — realhf's own ``generate`` (ReaLModel + KV cache). Data parallel over ``n_workers``
+  processes started with the ``spawn`` context (each loads the model once, sets its thread count, and
+  takes batches of ``batch_size`` prompts from a shared queue); ``n_workers=0`` generates in this
+  process. Sampling uses one random stream per (problem seed, sample index), so results do not
+  depend on batching or on the number of workers.
+* ``vllm`` — vLLM (imported only when used), with per-request seeds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+from realhf.base import logging
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """An engine that cannot be used (missing package, bad model folder)."""
+
+
+@dataclasses.dataclass
+class GenRequest:
+    prompt_ids: List[int]
+    prompt_text: str
+    seed: int
+    problem: object = None  # the data_loader.Problem (used by test engines)
+
+
+@dataclasses.dataclass
+class SamplingConfig:
+    n: int = 1
+    greedy: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 1024
+    stop_token_ids: tuple = ()
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+
+@dataclasses.dataclass
+class Completion:
+    text: str
+    n_tokens: int  # generated tokens, the stop token included
+    finished: bool  # ended with a stop token (False: hit max_new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------
+# model folder checks
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_model_path(path: Optional[str]) -> str:
+    """The absolute model folder; raises EngineError unless it holds config.json and safetensors."""
+    if not path:
+        raise EngineError("--model_path is required")
+    if not os.path.isdir(path):
+        raise EngineError(f"model path {path!r} does not exist or is not a folder")
+    files = os.listdir(path)
+    if "config.json" not in files:
+        raise EngineError(f"model path {path!r} has no config.json: not a Hugging Face checkpoint folder")
+    if not any(f.endswith(".safetensors") for f in files):
+        raise EngineError(f"model path {path!r} has no *.safetensors weights")
+    return os.path.abspath(path)
+
+
+def model_fingerprint(path: str) -> dict:
+    """Names, sizes and mtimes of the weight/config files: a checkpoint rewritten in place changes it."""
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith((".safetensors", ".json")) and not f.startswith("."):
+            st = os.stat(os.path.join(path, f))
+            out[f] = [st.st_size, int(st.st_mtime)]
+    return out
+
+
+def stop_token_ids(path: str, tokenizer) -> List[int]:
+    """EOS ids of the tokenizer and of generation_config.json (e.g. Qwen's <|im_end|> and <|endoftext|>)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gc = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gc):
+        try:
+            with open(gc) as f:
+                e = json.load(f).get("eos_token_id")
+            for x in (e if isinstance(e, list) else [e]):
+                if x is not None:
+                    ids.add(int(x))
+        except (OSError, ValueError) as err:
+            logger.warning("could not read %s: %s", gc, err)
+    return sorted(ids)
+
+
+def max_positions(path: str) -> Optional[int]:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# realhf engine
+# ---------------------------------------------------------------------------------------------------
+
+_W: Dict[str, object] = {}  # per-process state of a generation worker
+
+
+def _worker_init(model_path: str, threads: Optional[int], dtype: str, device: str, rank_queue=None):
+    import torch
+    import transformers
+
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+
+    if rank_queue is not None:  # a spawned worker: exit when the parent dies (never left running)
+        import threading
+
+        parent = os.getppid()
+
+        def watch():
+            while True:
+                time.sleep(1.0)
+                if os.getppid() != parent:
+                    os._exit(1)
+
+        threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    rank = 0
+    if rank_queue is not None:
+        try:
+            rank = rank_queue.get(timeout=5)
+        except Exception:
+            rank = 0
+    if threads:
+        torch.set_num_threads(int(threads))
+    if device == "cuda":
+        device = f"cuda:{rank % max(1, torch.cuda.device_count())}"
+    t0 = time.perf_counter()
+    _W["tokenizer"] = transformers.AutoTokenizer.from_pretrained(model_path)
+    _W["model"] = build_from_hf(model_path, grid=single_process_grid(), dtype=getattr(torch, dtype), device=device)
+    _W["rank"] = rank
+    logger.info("generation worker %d: loaded %s on %s (%d threads) in %.1fs", rank, model_path, device,
+                torch.get_num_threads(), time.perf_counter() - t0)
+
+
+def _worker_generate(prompts: List[List[int]], seeds: List[int], cfg: dict) -> List[List[tuple]]:
+    from realhf.api.core.model_api import GenerationHyperparameters
+    from realhf.impl.model.nn.generation import generate
+
+    g = GenerationHyperparameters(
+        max_new_tokens=cfg["max_new_tokens"], greedy=cfg["greedy"], temperature=cfg["temperature"] or 1.0,
+        top_p=cfg["top_p"], top_k=cfg["top_k"], n=cfg["n"], stop_token_ids=tuple(cfg["stop_token_ids"]),
+    )
+    out = generate(_W["model"], prompts, g, seeds=None if cfg["greedy"] else list(seeds))
+    tok = _W["tokenizer"]
+    n = cfg["n"]
+    res = []
+    for i in range(len(prompts)):
+        row = []
+        for j in range(n):
+            t = out.tokens[i * n + j]
+            row.append((tok.decode(t, skip_special_tokens=True), len(t), not out.no_eos[i * n + j]))
+        res.append(row)
+    return res
+
+
+class RealhfEngine:
+    """realhf's own generation over ``n_workers`` spawned processes (0: in this process)."""
+
+    name = "realhf"
+
+    def __init__(self, model_path: str, n_workers: int = 1, threads_per_worker: Optional[int] = None,
+                 batch_size: int = 16, dtype: str = "float32", device: str = "cpu"):
+        self.model_path = model_path
+        self.n_workers = int(n_workers)
+        self.threads = threads_per_worker
+        self.batch_size = max(1, int(batch_size))
+        self.dtype = dtype
+        self.device = device
+        self._pool = None
+        self.n_calls = 0
+
+    def _ensure(self):
+        if self.n_workers == 0:
+            if "model" not in _W or _W.get("path") != self.model_path:
+                _worker_init(self.model_path, self.threads, self.dtype, self.device)
+                _W["path"] = self.model_path
+            return
+        if self._pool is None:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            for r in range(self.n_workers):
+                q.put(r)
+            self._pool = ProcessPoolExecutor(self.n_workers, mp_context=ctx, initializer=_worker_init,
+                                             initargs=(self.model_path, self.threads, self.dtype, self.device, q))
+            self._rank_queue = q
+
+    def generate(self, requests: Sequence[GenRequest], cfg: SamplingConfig) -> List[List[Completion]]:
+        self.n_calls += 1
+        if not requests:
+            return []
+        self._ensure()
+        # similar prompt lengths in one batch; the per-problem seeds make the order irrelevant
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        c = cfg.to_dict()
+        results: List[Optional[List[Completion]]] = [None] * len(requests)
+        t0 = time.perf_counter()
+        done = n_tok = 0
+
+        def collect(chunk, res):
+            nonlocal done, n_tok
+            for i, row in zip(chunk, res):
+                results[i] = [Completion(*x) for x in row]
+                n_tok += sum(x[1] for x in row)
+            done += len(chunk)
+            dt = time.perf_counter() - t0
+            logger.info("generated %d/%d prompts (x%d): %.2f prompts/s, %.1f tokens/s", done, len(requests),
+                        cfg.n, done / dt, n_tok / dt)
+
+        args = [([requests[i].prompt_ids for i in ch], [requests[i].seed for i in ch]) for ch in chunks]
+        if self.n_workers == 0:
+            for ch, (p, s) in zip(chunks, args):
+                collect(ch, _worker_generate(p, s, c))
+        else:
+            futs = [self._pool.submit(_worker_generate, p, s, c) for p, s in args]
+            for ch, f in zip(chunks, futs):
+                collect(ch, f.result())
+        return results
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def abort(self):
+        """Stop the workers at once (on an error or Ctrl-C), without waiting for running batches."""
+        if self._pool is not None:
+            procs = list(getattr(self._pool, "_processes", {}).values())
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(timeout=5)
+            self._pool = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# vLLM engine
+# ---------------------------------------------------------------------------------------------------
+
+
+class VLLMEngine:
+    """vLLM in this process (one replica; use ``--tensor_parallel_size`` for several GPUs)."""
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, enforce_eager: bool = False, dtype: str = "auto", seed: int = 0,
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, max_model_len: Optional[int] = None):
+        try:
+            from vllm import LLM, SamplingParams  # noqa: F401
+        except ImportError as e:
+            raise EngineError(
+                f"--engine vllm needs vLLM, which is not installed ({e}). Install it on a CUDA machine with "
+                "`pip install vllm` (or `pip install -e .[gpu]`), or use --engine realhf."
+            ) from None
+        self._SamplingParams = SamplingParams
+        kw = dict(model=model_path, enforce_eager=enforce_eager, dtype=dtype, seed=seed,
+                  tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization)
+        if max_model_len:
+            kw["max_model_len"] = max_model_len
+        self.llm = LLM(**kw)
+        self.n_calls = 0
+
+    def generate(self, requests: Sequence[GenRequest], cfg: SamplingConfig) -> List[List[Completion]]:
+        self.n_calls += 1
+        if not requests:
+            return []
+        params = [
+            self._SamplingParams(n=cfg.n, temperature=0.0 if cfg.greedy else cfg.temperature,
+                                 top_p=1.0 if cfg.greedy else cfg.top_p, top_k=cfg.top_k if cfg.top_k else -1,
+                                 max_tokens=cfg.max_new_tokens, seed=None if cfg.greedy else r.seed,
+                                 stop_token_ids=list(cfg.stop_token_ids), skip_special_tokens=True)
+            for r in requests
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], params, use_tqdm=False)
+        return [[Completion(o.text, len(o.token_ids), o.finish_reason == "stop") for o in out.outputs] for out in outs]
+
+    def close(self):
+        self.llm = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# registry
+# ---------------------------------------------------------------------------------------------------
+
+EngineFactory = Callable[..., object]
+ENGINES: Dict[str, EngineFactory] = {}
+
+
+def register_engine(name: str, factory: EngineFactory):
+    """``factory(model_path, args)`` -> an object with ``generate(requests, cfg)`` and ``close()``."""
+    ENGINES[name] = factory
+
+
+def _realhf_dtype(args) -> str:
+    if args.dtype and args.dtype != "auto":
+        return args.dtype
+    return "bfloat16" if args.device == "cuda" else "float32"
+
+
+register_engine("realhf", lambda model_path, args: RealhfEngine(
+    model_path, n_workers=args.n_workers, threads_per_worker=args.threads_per_worker, batch_size=args.batch_size,
+    dtype=_realhf_dtype(args), device=args.device))
+register_engine("vllm", lambda model_path, args: VLLMEngine(
+    model_path, enforce_eager=args.enforce_eager, dtype=args.dtype or "auto", seed=args.seed,
+    tensor_parallel_size=args.tensor_parallel_size))
+
+
+def make_engine(name: str, model_path: str, args):
+    if name not in ENGINES:
+        raise EngineError(f"unknown engine {name!r}; available: {', '.join(sorted(ENGINES))}")
+    return ENGINES[name](model_path, args)

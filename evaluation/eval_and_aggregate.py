@@ -1,0 +1,29 @@
+"""Evaluate a checkpoint on math benchmarks and print one table.
+
+    python evaluation/eval_and_aggregate.py --model_path CKPT --output_path OUT \\
+        --data_names math_500,aime24,amc23 --max_gen_tokens 32768
+
+Runs a greedy pass and a sampled pass (``--n_sampling`` answers, ``--temperature``, ``--top_p``)
+per dataset with realhf's own engine over ``--n_workers`` processes (or ``--engine vllm``), grades
+with ``realhf.reward``, and prints ``dataset | num_questions | greedy_length | sample_length |
+greedy_acc | sample_pass@1 | pass@8 | pass@16 | maj@n | pass@32`` ('-' where k > n_sampling).
+Outputs (per-problem jsonl per dataset and pass, ``aggregate.json``, ``table.txt``) go to
+``--output_path``; a re-run with the same arguments reuses them (``--overwrite`` regenerates).
+See ``evaluation/runner.py`` for the details. Exit code 2 on a user error.
+"""
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+# import the helpers as the ``evaluation`` package, not as top-level modules of this folder
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from evaluation.runner import EvalError, build_parser, evaluate_checkpoint, main, run_evaluation  # noqa: E402
+
+__all__ = ["EvalError", "build_parser", "evaluate_checkpoint", "main", "run_evaluation"]
+
+if __name__ == "__main__":
+    sys.exit(main())
