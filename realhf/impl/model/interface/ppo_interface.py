@@ -216,7 +216,13 @@ class PPOActorInterface(GenerationInterface):
 class PPOCriticInterface(ModelInterface):
     def __init__(self, **ppo):
         self.cfg = PPOConfig(**{**ppo, "use_critic": True})
-        self.value_normalizer = F.ValueNormalizer() if self.cfg.value_norm else None
+        self.value_normalizer = None  # made at the first call, with the data-parallel group
+
+    def _normalizer(self, grid):
+        if self.cfg.value_norm and self.value_normalizer is None:
+            # statistics over the whole batch (all data-parallel ranks), so every rank normalises alike
+            self.value_normalizer = F.ValueNormalizer(all_reduce_group=grid.dp_group if grid is not None else None)
+        return self.value_normalizer
 
     @torch.no_grad()
     def inference(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
@@ -224,7 +230,7 @@ class PPOCriticInterface(ModelInterface):
         if res is None:
             return None
         v = torch.cat(res)
-        if self.value_normalizer is not None:
+        if self._normalizer(model.grid) is not None:
             v = self.value_normalizer.denormalize(v)
         seqlens = data.seqlens["packed_input_ids"]
         return SequenceSample(keys={"values"}, ids=list(data.ids), seqlens={"values": seqlens},
@@ -235,7 +241,7 @@ class PPOCriticInterface(ModelInterface):
         mask, _, ret, _ = compute_advantages(data, dataclasses.replace(cfg, adv_norm=False), grid)
         # value targets live on answer positions and their predecessor state
         old_v = data.data["values"].float()
-        if self.value_normalizer is not None:
+        if self._normalizer(grid) is not None:
             self.value_normalizer.update(ret, mask)
             ret_n = self.value_normalizer.normalize(ret)
             old_n = self.value_normalizer.normalize(old_v)
