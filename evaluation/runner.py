@@ -94,6 +94,9 @@ def write_atomic(path: str, data: bytes):
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp creates 0600; results are ordinary files
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
