@@ -113,15 +113,16 @@ class TrainEngine(InferenceEngine):
         self.optimizer = build_adamw(named, optim)
         # Which parameters count once in the global grad norm: tp-replicated ones only on tp rank 0,
         # and the last stage's copy of a tied embedding not at all (the first stage counts it).
-        mask = torch.zeros_like(self.master_grad, dtype=torch.bool)
+        # Kept as views of the master gradient (boolean indexing of the whole buffer costs seconds).
         grid = self.grid
+        counted = []
         for name, (off, shape) in model.param_spec.items():
             if tp_shard_dim(name) is None and grid is not None and grid.tp_rank != 0:
                 continue
             if name == "head.lm_head.weight" and model.config.tied_embedding and not model.shares_tied_weight:
                 continue
-            mask[off : off + shape.numel()] = True
-        self._norm_mask = mask
+            counted.append((off, shape.numel()))
+        self._norm_views = [self.master_grad[o : o + n] for o, n in counted]
         self._set_lr()
 
     def _set_lr(self):
@@ -217,7 +218,8 @@ class TrainEngine(InferenceEngine):
         if self.master is not model.flat:
             self.master_grad.copy_(g)
         mg = self.master_grad
-        sq = mg.float()[self._norm_mask].pow(2).sum().double()
+        norms = torch._foreach_norm(self._norm_views) if self._norm_views else []
+        sq = torch.stack([n.double() for n in norms]).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
         if grid is not None:
             if grid.tp_group is not None:
                 dist.all_reduce(sq, group=grid.tp_group)

@@ -175,9 +175,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         exp, sumexp, safe, inside = ctx.saved_tensors
-        grad = -(exp / sumexp.unsqueeze(-1))  # -softmax
+        grad = exp.div_(sumexp.unsqueeze(-1)).neg_()  # -softmax, in place: exp is not needed again
         grad.scatter_add_(-1, safe.unsqueeze(-1), inside.to(grad.dtype).unsqueeze(-1))
-        return grad * g.unsqueeze(-1), None, None, None
+        return grad.mul_(g.unsqueeze(-1)), None, None, None
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
@@ -211,6 +211,8 @@ class _VocabParallelEntropy(torch.autograd.Function):
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, group=None) -> torch.Tensor:
     """Per-row log-probability of ``labels`` under softmax of (possibly vocab-sharded) ``logits``, fp32."""
+    if _world(group) == 1:  # the whole vocabulary is here: torch's fused log-softmax
+        return torch.log_softmax(logits.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     start = (dist.get_rank(group) * logits.shape[-1]) if group is not None and _world(group) > 1 else 0
     return _VocabParallelLogProbs.apply(logits, labels, group if _world(group) > 1 else None, start)
 
