@@ -103,15 +103,18 @@ def test_layout_that_does_not_divide_says_which():
     from realhf.base.testing import DistributedError
 
     path = ensure_tiny_model("qwen2")  # 4 heads, 2 kv heads, 4 layers, vocab 1008
-    with pytest.raises(DistributedError, match=r"2 key/value heads are not divisible by tensor parallel size 4"):
+    with pytest.raises(DistributedError, match=r"2 key/value heads cannot be split over tensor parallel size 4"):
         run_distributed(_build_worker, 4, path, (1, 4, 1))
     from realhf.api.core.model_api import ReaLModelConfig
 
     cfg = ReaLModelConfig(n_layers=2, n_q_heads=6, n_kv_heads=3, head_dim=8, hidden_dim=48, intermediate_dim=100, vocab_size=1001)
+    with pytest.raises(ValueError, match="vocabulary size 1001") as e:  # 3 kv heads over 2 ranks split 2 + 1
+        cfg.check_layout(tp=2, pp=2)
+    assert "key/value" not in str(e.value)
     with pytest.raises(ValueError) as e:
-        cfg.check_layout(tp=2, pp=3)
+        cfg.check_layout(tp=4, pp=3)
     msg = str(e.value)
-    assert "6 attention heads" not in msg and "3 key/value heads" in msg and "vocabulary size 1001" in msg
+    assert "3 key/value heads cannot be split over tensor parallel size 4" in msg and "vocabulary size 1001" in msg
     assert "MLP width 100" not in msg and "2 layers cannot fill 3 pipeline stages" in msg
 
 

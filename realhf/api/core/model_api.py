@@ -53,10 +53,11 @@ class ReaLModelConfig:
     def check_layout(self, tp: int, pp: int):
         """Raise a ValueError naming every model dimension that the layout does not divide."""
         problems = []
-        if self.n_q_heads % tp:
-            problems.append(f"{self.n_q_heads} attention heads are not divisible by tensor parallel size {tp}")
-        if self.n_kv_heads % tp:
-            problems.append(f"{self.n_kv_heads} key/value heads are not divisible by tensor parallel size {tp}")
+        # attention heads are split by key/value head groups, unevenly if need be (9 q / 3 kv heads over
+        # tp=2 -> 6 + 3); every rank needs at least one key/value head
+        if self.n_kv_heads < tp:
+            problems.append(f"{self.n_kv_heads} key/value heads cannot be split over tensor parallel size {tp} "
+                            "(each tensor rank needs at least one)")
         if self.intermediate_dim % tp:
             problems.append(f"MLP width {self.intermediate_dim} is not divisible by tensor parallel size {tp}")
         if self.vocab_size % tp:

@@ -23,7 +23,6 @@ import realhf.impl.model.conversion.families  # noqa: F401  (registers the famil
 from realhf.api.core.model_api import ReaLModelConfig, hf_family_for_model_type, get_hf_family
 from realhf.base import logging
 from realhf.impl.model.nn.real_model import ReaLModel, tp_shard_dim
-from realhf.impl.model.parallelism.tensor_parallel import shard_range
 
 logger = logging.getLogger(__name__)
 
@@ -126,11 +125,7 @@ def load_hf_into(model: ReaLModel, path: str):
                 f"checkpoint tensor {hf} (for {name}) in {path!r} has shape {tuple(t.shape)}, expected "
                 f"{tuple(full)} from config.json — the weights do not match the config"
             )
-        d = tp_shard_dim(name)
-        if d is not None and model.tp > 1:
-            s, e = shard_range(full[d], model.tp_group)
-            t = t.narrow(d, s, e - s)
-        model.local_param(name).copy_(t)
+        model.local_param(name).copy_(model.local_shard(name, t))
 
 
 def build_from_hf(path: str, grid=None, dtype=torch.float32, is_critic: bool = False, device="cpu") -> ReaLModel:
@@ -149,9 +144,16 @@ def gather_full_state(model: ReaLModel) -> Dict[str, torch.Tensor]:
         t = model.local_param(name).detach()
         d = tp_shard_dim(name)
         if d is not None and model.tp > 1:
-            parts = [torch.empty_like(t) for _ in range(model.tp)]
-            dist.all_gather(parts, t.contiguous(), group=model.tp_group)
-            t = torch.cat(parts, dim=d)
+            # slices may differ in size (uneven head partitions): pad to the largest, gather, trim
+            sizes = [e - s for s, e in (model.shard_bounds(name, r) for r in range(model.tp))]
+            m = max(sizes)
+            pad = list(t.shape)
+            pad[d] = m
+            buf = t.new_zeros(pad)
+            buf.narrow(d, 0, t.shape[d]).copy_(t)
+            parts = [torch.empty_like(buf) for _ in range(model.tp)]
+            dist.all_gather(parts, buf, group=model.tp_group)
+            t = torch.cat([p.narrow(d, 0, n) for p, n in zip(parts, sizes)], dim=d)
         out[name] = t.clone()
     return out
 

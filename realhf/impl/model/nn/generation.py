@@ -123,7 +123,7 @@ def generate(
         comm = StageComm(grid, cfg.hidden_dim, model.dtype, device)
         last_stage_rank = grid.global_rank_of(pp - 1, grid.dp_rank, grid.tp_rank)
     cache = KVCache(
-        model.n_local_layers, B, max_len, cfg.n_kv_heads // model.tp, cfg.head_dim, model.dtype, device
+        model.n_local_layers, B, max_len, model.n_local_kv_heads, cfg.head_dim, model.dtype, device
     )
     tp_group = model.tp_group
     tp_src = grid.global_rank_of(grid.pp_rank, grid.dp_rank, 0) if model.tp > 1 else None

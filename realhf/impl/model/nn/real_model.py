@@ -15,6 +15,7 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from realhf.api.core.model_api import ReaLModelConfig
@@ -46,6 +47,36 @@ def tp_shard_dim(name: str) -> Optional[int]:
     if _SHARD_DIM1.search(name):
         return 1
     return None
+
+
+def kv_head_partition(n_kv_heads: int, tp: int) -> List[Tuple[int, int]]:
+    """(first kv head, number of kv heads) of every tensor rank: as even as possible, earlier ranks take
+    the remainder. Query heads follow their kv head (GQA groups are never split), so 9 query / 3 kv heads
+    over tp=2 become 6+3 query heads."""
+    base, rem = divmod(n_kv_heads, tp)
+    out, start = [], 0
+    for r in range(tp):
+        n = base + (1 if r < rem else 0)
+        out.append((start, n))
+        start += n
+    return out
+
+
+def shard_bounds(cfg: ReaLModelConfig, name: str, tp: int, rank: int) -> Optional[Tuple[int, int]]:
+    """[start, end) of tensor rank ``rank``'s slice of parameter ``name`` along ``tp_shard_dim(name)``."""
+    d = tp_shard_dim(name)
+    if d is None:
+        return None
+    g = cfg.n_q_heads // cfg.n_kv_heads
+    kv_start, kv_n = kv_head_partition(cfg.n_kv_heads, tp)[rank]
+    hd = cfg.head_dim
+    if ".attn.q_proj." in name or name.endswith("attn.o_proj.weight"):
+        return kv_start * g * hd, (kv_start + kv_n) * g * hd
+    if ".attn.k_proj." in name or ".attn.v_proj." in name:
+        return kv_start * hd, (kv_start + kv_n) * hd
+    full = cfg.vocab_size if ("wte" in name or "lm_head" in name) else cfg.intermediate_dim
+    n = full // tp
+    return rank * n, (rank + 1) * n
 
 
 def stage_layer_range(n_layers: int, pp: int, stage: int) -> Tuple[int, int]:
@@ -82,15 +113,17 @@ def make_packed_input(seqlens: List[int], device=None) -> PackedInput:
 class Attention(nn.Module):
     def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, dtype, device):
         super().__init__()
-        self.hq = cfg.n_q_heads // tp
-        self.hkv = cfg.n_kv_heads // tp
+        rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        _, self.hkv = kv_head_partition(cfg.n_kv_heads, tp)[rank]
+        self.hq = self.hkv * (cfg.n_q_heads // cfg.n_kv_heads)
         self.d = cfg.head_dim
         H = cfg.hidden_dim
         b = cfg.use_attention_bias
-        self.q_proj = ColumnParallelLinear(H, cfg.n_q_heads * self.d, b, tp_group, dtype, device)
-        self.k_proj = ColumnParallelLinear(H, cfg.n_kv_heads * self.d, b, tp_group, dtype, device)
-        self.v_proj = ColumnParallelLinear(H, cfg.n_kv_heads * self.d, b, tp_group, dtype, device)
-        self.o_proj = RowParallelLinear(cfg.n_q_heads * self.d, H, cfg.use_attn_proj_bias, tp_group, dtype, device)
+        self.q_proj = ColumnParallelLinear(H, cfg.n_q_heads * self.d, b, tp_group, dtype, device, local_out=self.hq * self.d)
+        self.k_proj = ColumnParallelLinear(H, cfg.n_kv_heads * self.d, b, tp_group, dtype, device, local_out=self.hkv * self.d)
+        self.v_proj = ColumnParallelLinear(H, cfg.n_kv_heads * self.d, b, tp_group, dtype, device, local_out=self.hkv * self.d)
+        self.o_proj = RowParallelLinear(cfg.n_q_heads * self.d, H, cfg.use_attn_proj_bias, tp_group, dtype, device,
+                                        local_in=self.hq * self.d)
         if cfg.qk_layernorm:
             self.q_norm = RMSNorm(self.d, cfg.layer_norm_epsilon, dtype, device)
             self.k_norm = RMSNorm(self.d, cfg.layer_norm_epsilon, dtype, device)
@@ -252,8 +285,6 @@ class ReaLModel(nn.Module):
 
     def init_random(self, seed: int = 0, std: float = 0.02):
         """Layout-independent random init: each full tensor is drawn from a generator seeded by its name."""
-        from realhf.impl.model.parallelism.tensor_parallel import shard_range
-
         for name in self.param_spec:
             full = list(self.full_shape(name))
             g = torch.Generator().manual_seed(seed * 1000003 + int(hashlib.md5(name.encode()).hexdigest()[:8], 16))
@@ -263,17 +294,28 @@ class ReaLModel(nn.Module):
                 t = torch.zeros(full)
             else:
                 t = torch.randn(full, generator=g) * std
-            d = tp_shard_dim(name)
-            if d is not None and self.tp > 1:
-                s, e = shard_range(full[d], self.tp_group)
-                t = t.narrow(d, s, e - s)
+            t = self.local_shard(name, t)
             self.local_param(name).copy_(t)
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+
+    def shard_bounds(self, name: str, rank: Optional[int] = None) -> Optional[Tuple[int, int]]:
+        return shard_bounds(self.config, name, self.tp, self.tp_rank if rank is None else rank)
+
+    def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full tensor of parameter ``name``."""
+        b = self.shard_bounds(name)
+        if b is None or self.tp == 1:
+            return full
+        return full.narrow(tp_shard_dim(name), b[0], b[1] - b[0])
 
     def full_shape(self, name: str) -> torch.Size:
         shape = list(self.param_spec[name][1])
         d = tp_shard_dim(name)
-        if d is not None:
-            shape[d] *= self.tp
+        if d is not None and self.tp > 1:
+            shape[d] = sum(e - s for s, e in (self.shard_bounds(name, r) for r in range(self.tp)))
         return torch.Size(shape)
 
     # ------------------------------------------------------------------ forward
@@ -286,6 +328,10 @@ class ReaLModel(nn.Module):
         if self.is_last:
             x = self.head(x if inp.head_rows is None else x[inp.head_rows])
         return x
+
+    @property
+    def n_local_kv_heads(self) -> int:
+        return kv_head_partition(self.config.n_kv_heads, self.tp)[self.tp_rank][1]
 
     @property
     def n_local_layers(self) -> int:
