@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 
 from realhf.api.quickstart.entry import config_to_yaml

@@ -5,7 +5,6 @@ Every process rebuilds the same experiment spec from the config file the launche
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import List
 
-from realhf.api.core.system_api import ModelSpec
 from realhf.base.topology import ParallelDims
 
 

@@ -9,7 +9,7 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.system_api import DatasetSpec, ExperimentSpec, ModelSpec
 from realhf.api.quickstart.config import GenerationExpConfig
 from realhf.base import logging
-from realhf.experiments import register_experiment, register_final_hook
+from realhf.experiments import register_experiment
 from realhf.experiments.common import check_model_fits, single_layout
 
 logger = logging.getLogger(__name__)

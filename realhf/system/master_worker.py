@@ -8,7 +8,6 @@ and save / recover-checkpoint / evaluation hooks run at their frequencies.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -67,7 +66,7 @@ class Buffer:
 
 
 def balanced_dp_split(ids: List[str], tokens: Dict[str, int], dp: int) -> List[List[str]]:
-    from realhf.api.core.data_api import balanced_partition
+    from realhf.api.core.partition import balanced_partition
 
     if len(ids) < dp:
         raise ValueError(f"cannot split {len(ids)} samples over {dp} data-parallel ranks")

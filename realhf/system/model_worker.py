@@ -14,7 +14,7 @@ import os
 import random
 import time
 import traceback
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from realhf.api.core.dfg import MicroBatchSpec
 from realhf.api.core.model_api import Model, make_interface
 from realhf.api.core.system_api import ExperimentSpec, ModelSpec
 import realhf.impl.model.interface  # noqa: F401  (registers the interfaces)
-from realhf.base import logging, name_resolve, network
+from realhf.base import logging, network
 from realhf.base.name_resolve import names
 from realhf.base.topology import ParallelGrid
 from realhf.system.data_manager import DataManager

@@ -21,13 +21,6 @@ may be used from any number of threads.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import hashlib
-import hmac
-import json
-import math
-import os
-import secrets
 import threading
 import time
 import traceback as _traceback
@@ -35,237 +28,31 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import zmq
 
 from realhf.base.plain_json import check_plain_json  # noqa: F401  (re-exported)
-import zmq
 
 from realhf.base import logging
 from realhf.base.network import gethostip
+# the wire format lives in realhf.system.wire; its public names are re-exported here
+from realhf.system.wire import (  # noqa: F401
+    MAGIC,
+    MIN_SECRET_BYTES,
+    Payload,
+    RUN_SECRET_ENV,
+    RejectedMessage,
+    SIGNATURE_BYTES,
+    _check_secret,
+    _peer_address,
+    decode_payload,
+    encode_payload,
+    new_run_secret,
+    run_secret_from_env,
+    sign_frames,
+    verify_frames,
+)
 
 logger = logging.getLogger(__name__)
-
-MAGIC = b"RHF1"
-SIGNATURE_BYTES = 32
-RUN_SECRET_ENV = "REALHF_RUN_SECRET"
-MIN_SECRET_BYTES = 16
-
-_DTYPES: Dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_MAX_DIMS = 64
-
-
-# ----------------------------------------------------------------------------------------- secrets
-def new_run_secret() -> bytes:
-    """A fresh random 32-byte secret for one run (the launcher hex-encodes it into the env)."""
-    return secrets.token_bytes(32)
-
-
-def run_secret_from_env(env: Optional[Dict[str, str]] = None) -> bytes:
-    """The run secret from ``$REALHF_RUN_SECRET`` (hex); a clear error when missing or malformed."""
-    env = os.environ if env is None else env
-    value = env.get(RUN_SECRET_ENV)
-    if not value:
-        raise RuntimeError(
-            f"${RUN_SECRET_ENV} is not set: the launcher must pass the run secret (hex) to every worker; "
-            f"generate one with realhf.system.request_reply_stream.new_run_secret().hex()"
-        )
-    try:
-        secret = bytes.fromhex(value.strip())
-    except ValueError:
-        raise RuntimeError(f"${RUN_SECRET_ENV} must be a hex string, got {len(value)} non-hex characters") from None
-    _check_secret(secret)
-    return secret
-
-
-def _check_secret(secret: bytes) -> bytes:
-    if not isinstance(secret, (bytes, bytearray)):
-        raise TypeError(f"run secret must be bytes, got {type(secret).__name__}")
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"run secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
-    return bytes(secret)
-
-
-# -------------------------------------------------------------------------------------- signing
-def _as_buffer(frame) -> memoryview:
-    if isinstance(frame, zmq.Frame):
-        return frame.buffer
-    return memoryview(frame)
-
-
-def _signature(secret: bytes, frames: List[memoryview]) -> bytes:
-    mac = hmac.new(secret, digestmod=hashlib.sha256)
-    mac.update(len(frames).to_bytes(8, "big"))
-    for f in frames:
-        mac.update(f.nbytes.to_bytes(8, "big"))
-        mac.update(f)
-    return mac.digest()
-
-
-def sign_frames(secret: bytes, frames: List[Any]) -> List[Any]:
-    """``[MAGIC, signature, *frames]`` for frames that are bytes or byte buffers."""
-    bufs = []
-    for f in frames:
-        mv = _as_buffer(f)
-        bufs.append(mv if (mv.ndim == 1 and mv.format == "B") else mv.cast("B"))
-    return [MAGIC, _signature(secret, bufs), *bufs]
-
-
-class RejectedMessage(ValueError):
-    """A received message that is not authentic or not well formed (never raised to users)."""
-
-
-def verify_frames(secret: bytes, frames: List[Any]) -> List[memoryview]:
-    """The authenticated frames after the signature; RejectedMessage (nothing parsed) otherwise."""
-    bufs = [_as_buffer(f) for f in frames]
-    if not bufs or bufs[0].nbytes != len(MAGIC) or bytes(bufs[0]) != MAGIC:
-        raise RejectedMessage("bad magic")
-    if len(bufs) < 3:
-        raise RejectedMessage(f"expected at least 3 frames (magic, signature, header), got {len(bufs)}")
-    if bufs[1].nbytes != SIGNATURE_BYTES:
-        raise RejectedMessage(f"signature frame has {bufs[1].nbytes} bytes, expected {SIGNATURE_BYTES}")
-    body = bufs[2:]
-    if not hmac.compare_digest(bytes(bufs[1]), _signature(secret, body)):
-        raise RejectedMessage("bad signature (wrong secret or tampered message)")
-    return body
-
-
-# ---------------------------------------------------------------------------------------- JSON
-# -------------------------------------------------------------------------------------- payload
-@dataclasses.dataclass
-class Payload:
-    """One request or reply."""
-
-    handler: str  # destination worker name, or "master"
-    handle_name: str  # e.g. "generate", "train_step", "fetch", "data_transfer", "save", "exit"
-    data: dict = dataclasses.field(default_factory=dict)  # plain JSON
-    tensors: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
-    error: Optional[str] = None  # a worker's traceback when the request failed
-
-    def make_reply(self, data: Optional[dict] = None, tensors: Optional[List[torch.Tensor]] = None,
-                   error: Optional[str] = None) -> "Payload":
-        """The reply to this request (same ``request_id`` and ``handle_name``, addressed to the master)."""
-        return Payload(handler="master", handle_name=self.handle_name, data={} if data is None else data,
-                       tensors=[] if tensors is None else list(tensors), request_id=self.request_id, error=error)
-
-
-def _tensor_frame(t: torch.Tensor, where: str) -> Tuple[dict, memoryview]:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{where} is a {type(t).__name__}, expected a torch.Tensor")
-    name = _DTYPE_NAMES.get(t.dtype)
-    if name is None:
-        raise TypeError(f"{where} has dtype {t.dtype}, which cannot be sent; allowed: {sorted(_DTYPES)}")
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    shape = list(t.shape)
-    flat = t.contiguous().reshape(-1)
-    if t.dtype == torch.bfloat16:
-        flat = flat.view(torch.int16)
-    raw = flat.numpy().view("uint8")  # 1-D byte view, no copy
-    return {"dtype": name, "shape": shape}, memoryview(raw)
-
-
-def encode_payload(secret: bytes, payload: Payload) -> List[Any]:
-    """The signed frames of ``payload``; TypeError naming what cannot be sent."""
-    for field in ("handler", "handle_name", "request_id"):
-        if not isinstance(getattr(payload, field), str):
-            raise TypeError(f"Payload.{field} must be a str, got {type(getattr(payload, field)).__name__}")
-    if payload.error is not None and not isinstance(payload.error, str):
-        raise TypeError(f"Payload.error must be a str or None, got {type(payload.error).__name__}")
-    if not isinstance(payload.data, dict):
-        raise TypeError(f"Payload.data must be a dict, got {type(payload.data).__name__}")
-    check_plain_json(payload.data, "data")
-    if not isinstance(payload.tensors, (list, tuple)):
-        raise TypeError(f"Payload.tensors must be a list of tensors, got {type(payload.tensors).__name__}")
-    metas, bufs = [], []
-    for i, t in enumerate(payload.tensors):
-        meta, buf = _tensor_frame(t, f"tensors[{i}]")
-        metas.append(meta)
-        bufs.append(buf)
-    header = {
-        "handler": payload.handler,
-        "handle_name": payload.handle_name,
-        "request_id": payload.request_id,
-        "data": payload.data,
-        "tensors": metas,
-        "error": payload.error,
-    }
-    header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return sign_frames(secret, [header_bytes, *bufs])
-
-
-def _parse_header(raw: memoryview) -> dict:
-    try:
-        header = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise RejectedMessage(f"header is not UTF-8 JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise RejectedMessage("header is not a JSON object")
-    return header
-
-
-def _decode_tensor(meta: Any, buf: memoryview, i: int) -> torch.Tensor:
-    if not isinstance(meta, dict) or set(meta) != {"dtype", "shape"}:
-        raise RejectedMessage(f"tensors[{i}] meta must be {{'dtype', 'shape'}}, got {meta!r:.200}")
-    dtype = _DTYPES.get(meta["dtype"]) if isinstance(meta["dtype"], str) else None
-    if dtype is None:
-        raise RejectedMessage(f"tensors[{i}] dtype {meta['dtype']!r:.50} is not allowed")
-    shape = meta["shape"]
-    if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
-        raise RejectedMessage(f"tensors[{i}] shape {shape!r:.200} is not a list of non-negative ints")
-    storage = torch.int16 if dtype == torch.bfloat16 else dtype
-    itemsize = torch.empty((), dtype=storage).element_size()
-    numel = math.prod(shape)
-    if buf.nbytes != numel * itemsize:
-        raise RejectedMessage(f"tensors[{i}] has {buf.nbytes} bytes, expected {numel * itemsize} for {shape} {meta['dtype']}")
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    t = torch.frombuffer(bytearray(buf), dtype=storage).reshape(shape)  # own, writable copy
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
-
-
-def decode_payload(secret: bytes, frames: List[Any]) -> Payload:
-    """Verifies and decodes a received message; RejectedMessage (nothing parsed before the
-    signature check) when it is not authentic or not well formed."""
-    body = verify_frames(secret, frames)
-    header = _parse_header(body[0])
-    expected = {"handler", "handle_name", "request_id", "data", "tensors", "error"}
-    if set(header) != expected:
-        raise RejectedMessage(f"header keys {sorted(header)} != {sorted(expected)}")
-    for k in ("handler", "handle_name", "request_id"):
-        if not isinstance(header[k], str):
-            raise RejectedMessage(f"header[{k!r}] is not a str")
-    if not isinstance(header["data"], dict):
-        raise RejectedMessage("header['data'] is not an object")
-    if header["error"] is not None and not isinstance(header["error"], str):
-        raise RejectedMessage("header['error'] is not a str or null")
-    metas = header["tensors"]
-    if not isinstance(metas, list) or len(metas) != len(body) - 1:
-        raise RejectedMessage(f"header lists {len(metas) if isinstance(metas, list) else '?'} tensors, message has {len(body) - 1}")
-    tensors = [_decode_tensor(m, b, i) for i, (m, b) in enumerate(zip(metas, body[1:]))]
-    return Payload(handler=header["handler"], handle_name=header["handle_name"], data=header["data"],
-                   tensors=tensors, request_id=header["request_id"], error=header["error"])
-
-
-def _peer_address(frame) -> str:
-    try:
-        return frame.get("Peer-Address") if isinstance(frame, zmq.Frame) else "?"
-    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
-        return "?"
-
 
 # ---------------------------------------------------------------------------------- worker side
 def _bind_address(host: str) -> Tuple[str, str]:

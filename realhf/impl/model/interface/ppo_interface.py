@@ -13,7 +13,7 @@ token. Data a step sees (one sample = one prompt with its ``group_size`` answers
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist

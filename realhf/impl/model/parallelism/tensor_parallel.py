@@ -5,8 +5,6 @@ All layers take the tensor-parallel group explicitly (``None`` means tp = 1 and 
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
