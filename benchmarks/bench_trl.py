@@ -1,0 +1,127 @@
+"""One GRPO step, realhf vs TRL, side by side in one run on the same tiny model, prompts and lengths.
+
+Equal work: the same tiny Qwen2 checkpoint (fp32), the same ``--prompts`` arithmetic prompts x
+``--group`` answers, every answer exactly ``--new-tokens`` long (min = max new tokens), temperature 1,
+no KL (beta 0), one optimizer step per batch, the same reward (correct last number). realhf runs the
+real system (``ppo-math`` through the quickstart launcher: master + model worker processes) and its
+step time is read from ``stats.jsonl`` (the median over steps after the first); TRL's ``GRPOTrainer``
+(``pip install trl``; ``bf16=False``, ``use_vllm=False``) is timed per step with a callback, median
+after the first. Prints JSON lines and the ratio.
+
+Usage: python benchmarks/bench_trl.py [--steps 4] [--prompts 4] [--group 8] [--new-tokens 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _emit(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def make_model():
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    return ensure_tiny_model("qwen2", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=4)
+
+
+def make_rows(n):
+    from realhf.impl.dataset import make_arithmetic_problems
+
+    return make_arithmetic_problems(n, seed=7, kind="easy")
+
+
+def realhf_step(model, rows, a, work):
+    from realhf.impl.dataset import write_math_jsonl
+
+    path = os.path.join(work, "math.jsonl")
+    write_math_jsonl(rows, path)
+    args = ["ppo-math", f"actor.path={model}", f"dataset.path={path}", f"dataset.train_bs_n_seqs={a.prompts}",
+            f"group_size={a.group}", f"ppo.gen.max_new_tokens={a.new_tokens}", f"ppo.gen.min_new_tokens={a.new_tokens}",
+            "ppo.gen.temperature=1.0", "ppo.ppo_n_minibatches=1", "use_critic=false", "ppo.kl_ctl=0",
+            "use_chat_template=false", "prompt_template={prompt}", "reward_allow_last_number=true",
+            "actor.optimizer.lr=1e-5", f"fileroot={work}", "experiment_name=bench-trl", "allocation_mode=d1m1p1",
+            "n_devices_per_node=1", f"cpus_per_worker={os.cpu_count()}", f"exp_ctrl.benchmark_steps={a.steps}"]
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr[-3000:])
+    st = [json.loads(l) for l in open(os.path.join(work, "bench-trl", "trial0", "logs", "stats.jsonl"))]
+    times = [s["step_time"] for s in st]
+    return statistics.median(times[1:] if len(times) > 1 else times), wall, st
+
+
+def trl_step(model, rows, a, work):
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from realhf.reward import extract_answer, math_equal
+
+    torch.set_num_threads(os.cpu_count())
+    tok = AutoTokenizer.from_pretrained(model)
+    ds = Dataset.from_list([{"prompt": r["prompt"], "solution": r["solutions"][0]} for r in rows])
+
+    def reward(completions, solution, **kw):
+        out = []
+        for c, s in zip(completions, solution):
+            ans = extract_answer(c, allow_last_number=True)
+            out.append(5.0 if ans is not None and math_equal(ans, s) else -5.0)
+        return out
+
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    cfg = GRPOConfig(
+        output_dir=os.path.join(work, "trl"), per_device_train_batch_size=a.prompts * a.group, num_generations=a.group,
+        gradient_accumulation_steps=1, max_completion_length=a.new_tokens, temperature=1.0, learning_rate=1e-5,
+        beta=0.0, bf16=False, max_steps=a.steps, logging_steps=1, report_to="none", save_strategy="no",
+        generation_kwargs={"min_new_tokens": a.new_tokens}, use_vllm=False, seed=1, dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=cfg, train_dataset=ds, processing_class=tok,
+                          callbacks=[Timer()])
+    t0 = time.perf_counter()
+    trainer.train()
+    return statistics.median(times[1:] if len(times) > 1 else times), time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    a = ap.parse_args()
+    model = make_model()
+    rows = make_rows(a.prompts * (a.steps + 2))
+    common = dict(prompts=a.prompts, group=a.group, new_tokens=a.new_tokens, steps=a.steps, model="tiny-qwen2-h256-l4")
+    with tempfile.TemporaryDirectory() as work:
+        r, r_wall, st = realhf_step(model, rows, a, work)
+        _emit(bench="grpo_step", impl="realhf", step_seconds=round(r, 3), wall_seconds=round(r_wall, 1),
+              n_tokens=st[-1].get("n_tokens"), **common)
+        t, t_wall = trl_step(model, rows, a, work)
+        _emit(bench="grpo_step", impl="trl", step_seconds=round(t, 3), wall_seconds=round(t_wall, 1), **common)
+    _emit(bench="grpo_step_ratio", trl_over_realhf=round(t / r, 2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
