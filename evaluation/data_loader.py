@@ -85,6 +85,9 @@ def ground_truth(name: str, row: dict) -> tuple[str, List[str]]:
     if "answer" in row:
         a = _answer_str(row["answer"])
         return a, [a]
+    if isinstance(row.get("solutions"), list) and row["solutions"]:  # realhf math rows {query_id, prompt, solutions}
+        sols = [_answer_str(x) for x in row["solutions"]]
+        return sols[0], sols
     if "solution" in row and last_boxed(str(row["solution"])):
         return last_boxed(row["solution"]), [row["solution"]]
     raise DatasetError(f"{name}: cannot find a ground truth in a row with fields {sorted(row)}")
@@ -113,9 +116,9 @@ def load_problems(name: str, data_dir: Optional[str] = None, max_problems: Optio
     out = []
     for i in subset_indices(name, len(rows), max_problems, seed):
         row = rows[i]
-        q = row.get("problem", row.get("question"))
+        q = row.get("problem", row.get("question", row.get("prompt")))
         if q is None:
-            raise DatasetError(f"{path}: row {i} has neither 'problem' nor 'question'")
+            raise DatasetError(f"{path}: row {i} has none of 'problem', 'question', 'prompt'")
         gt, sols = ground_truth(name, row)
         out.append(Problem(idx=i, question=str(q), ground_truth=gt, solutions=sols))
     return out

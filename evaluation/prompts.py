@@ -17,7 +17,8 @@ from realhf.base import logging
 logger = logging.getLogger(__name__)
 
 STEP_BY_STEP = "Please reason step by step, and put your final answer within \\boxed{}."
-PROMPT_TYPES = ("qwen-boxed", "r1-distill", "plain")
+# chat: the question alone as the user turn of the chat template (the main job's training format)
+PROMPT_TYPES = ("qwen-boxed", "r1-distill", "plain", "chat")
 
 _warned = set()
 
@@ -25,7 +26,7 @@ _warned = set()
 def user_turn(question: str, prompt_type: str) -> str:
     if prompt_type not in PROMPT_TYPES:
         raise ValueError(f"unknown prompt_type {prompt_type!r}; choose from {', '.join(PROMPT_TYPES)}")
-    if prompt_type == "plain":
+    if prompt_type in ("plain", "chat"):
         return question
     return f"{question}\n{STEP_BY_STEP}"
 

@@ -324,3 +324,23 @@ def test_vllm_missing_is_a_clear_error(tiny, tmp_path, capsys):
                "--max_problems", "1", "--n_sampling", "0", "--max_gen_tokens", "4"])
     assert rc == 2 and "pip install vllm" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "aime24" / "greedy.jsonl")
+
+
+def test_realhf_math_rows_and_chat_prompt(tmp_path):
+    """A dataset of realhf math rows {query_id, prompt, solutions} (e.g. the main job's held-out file) loads,
+    and prompt_type 'chat' puts the bare question in the chat template, as the main job trains."""
+    from evaluation.data_loader import load_problems
+    from evaluation.prompts import build_prompt
+    from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
+    from realhf.impl.model.tiny import tiny_tokenizer
+
+    (tmp_path / "arith").mkdir()
+    rows = make_arithmetic_problems(5, seed=2, kind="add")
+    write_math_jsonl(rows, str(tmp_path / "arith" / "test.jsonl"))
+    probs = load_problems("arith", data_dir=str(tmp_path))
+    assert [p.question for p in probs] == [r["prompt"] for r in rows]
+    assert [p.ground_truth for p in probs] == [r["solutions"][0] for r in rows]
+    tok = tiny_tokenizer("bpe")
+    text, ids = build_prompt(tok, rows[0]["prompt"], "chat")
+    expect = tok.apply_chat_template([{"role": "user", "content": rows[0]["prompt"]}], add_generation_prompt=True, tokenize=False)
+    assert text == expect and "step by step" not in text and ids
