@@ -20,6 +20,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import zmq
 
+from realhf.api.core.data_api import _DTYPE_NAMES as DTYPE_NAMES
+from realhf.api.core.data_api import _DTYPES as DTYPES
 from realhf.base import logging
 from realhf.base.plain_json import check_plain_json
 
@@ -30,19 +32,8 @@ SIGNATURE_BYTES = 32
 RUN_SECRET_ENV = "REALHF_RUN_SECRET"
 MIN_SECRET_BYTES = 16
 
-_DTYPES: Dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+# one dtype allow-list for everything that travels: the SequenceSample wire format's
+_DTYPES, _DTYPE_NAMES = DTYPES, DTYPE_NAMES
 _MAX_DIMS = 64
 
 
