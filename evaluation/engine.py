@@ -129,17 +129,9 @@ def _worker_init(model_path: str, threads: Optional[int], dtype: str, device: st
     from realhf.impl.model.conversion.hf_io import build_from_hf
 
     if rank_queue is not None:  # a spawned worker: exit when the parent dies (never left running)
-        import threading
+        from realhf.base.process import exit_when_parent_dies
 
-        parent = os.getppid()
-
-        def watch():
-            while True:
-                time.sleep(1.0)
-                if os.getppid() != parent:
-                    os._exit(1)
-
-        threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+        exit_when_parent_dies(exit_code=1)
     rank = 0
     if rank_queue is not None:
         try:

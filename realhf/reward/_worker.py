@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
-import time
+
+from realhf.base.process import exit_when_parent_dies
 
 
 def _harden(mem_limit_mb: int):
@@ -23,17 +23,7 @@ def _harden(mem_limit_mb: int):
             resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
     except Exception:
         pass
-    # Exit when the parent goes away, even in the middle of a long computation. (Not
-    # PR_SET_PDEATHSIG: it fires when the parent *thread* that started us exits.)
-    parent = os.getppid()
-
-    def watch():
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    exit_when_parent_dies(exit_code=0)
     sys.set_int_max_str_digits(10_000)
     sys.setrecursionlimit(5_000)
 

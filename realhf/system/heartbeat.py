@@ -20,7 +20,7 @@ import zmq
 from realhf.base import logging
 from realhf.system.request_reply_stream import (
     RejectedMessage,
-    _bind,
+    bind_socket,
     _check_secret,
     _peer_address,
     sign_frames,
@@ -64,15 +64,7 @@ class HeartbeatMonitor:
         self._seen: Dict[str, dict] = {}
         self._created = time.monotonic()
         self._stop = threading.Event()
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self.address = _bind(self._sock, host, port)
-        except zmq.ZMQError as e:
-            self._sock.close(linger=0)
-            raise RuntimeError(f"HeartbeatMonitor: cannot bind on host {host!r} port {port}: {e}") from e
-        if name_resolve is not None and key is not None:
-            name_resolve.add(key, self.address, replace=True)
+        self._sock, self.address = bind_socket(zmq.PULL, host, port, "HeartbeatMonitor", name_resolve, key)
         self._thread = threading.Thread(target=self._loop, name="realhf-heartbeat-monitor", daemon=True)
         self._thread.start()
 

@@ -64,6 +64,21 @@ def _bind_address(host: str) -> Tuple[str, str]:
     return host, host
 
 
+def bind_socket(kind: int, host: str, port: Optional[int], what: str, name_resolve=None, key: Optional[str] = None):
+    """A ZMQ socket of ``kind`` bound on ``host``:``port`` (a random port when None), LINGER 0, its address
+    registered under ``key`` when given. Returns ``(socket, address)``; a failed bind names ``what``."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        address = _bind(sock, host, port)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise RuntimeError(f"{what}: cannot bind on host {host!r} port {port}: {e}") from e
+    if name_resolve is not None and key is not None:
+        name_resolve.add(key, address, replace=True)
+    return sock, address
+
+
 def _bind(sock: zmq.Socket, host: str, port: Optional[int]) -> str:
     bind_host, adv_host = _bind_address(host)
     if ":" in bind_host:
@@ -86,15 +101,7 @@ class WorkerServer:
         self.name = name
         self._secret = _check_secret(secret)
         self.n_rejected = 0
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self.address = _bind(self._sock, host, port)
-        except zmq.ZMQError as e:
-            self._sock.close(linger=0)
-            raise RuntimeError(f"worker {name!r}: cannot bind ROUTER on host {host!r} port {port}: {e}") from e
-        if name_resolve is not None and key is not None:
-            name_resolve.add(key, self.address, replace=True)
+        self._sock, self.address = bind_socket(zmq.ROUTER, host, port, f"worker {name!r} (ROUTER)", name_resolve, key)
         logger.debug("worker %r serving on %s", name, self.address)
 
     def poll(self, timeout: float) -> Optional[Tuple[bytes, Payload]]:
