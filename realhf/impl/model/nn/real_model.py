@@ -15,7 +15,6 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from realhf.api.core.model_api import ReaLModelConfig
@@ -111,10 +110,9 @@ def make_packed_input(seqlens: List[int], device=None) -> PackedInput:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, dtype, device):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, tp_rank: int, dtype, device):
         super().__init__()
-        rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        _, self.hkv = kv_head_partition(cfg.n_kv_heads, tp)[rank]
+        _, self.hkv = kv_head_partition(cfg.n_kv_heads, tp)[tp_rank]
         self.hq = self.hkv * (cfg.n_q_heads // cfg.n_kv_heads)
         self.d = cfg.head_dim
         H = cfg.hidden_dim
@@ -151,18 +149,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ReaLModelConfig, tp_group, dtype, device):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, dtype, device):
         super().__init__()
         H, I, b = cfg.hidden_dim, cfg.intermediate_dim, cfg.use_mlp_bias
         self.gated = cfg.mlp_type == "gated"
         self.act = activation(cfg.activation_function)
+        li = I // tp
         if self.gated:
-            self.gate_proj = ColumnParallelLinear(H, I, b, tp_group, dtype, device)
-            self.up_proj = ColumnParallelLinear(H, I, b, tp_group, dtype, device)
-            self.down_proj = RowParallelLinear(I, H, b, tp_group, dtype, device)
+            self.gate_proj = ColumnParallelLinear(H, I, b, tp_group, dtype, device, local_out=li)
+            self.up_proj = ColumnParallelLinear(H, I, b, tp_group, dtype, device, local_out=li)
+            self.down_proj = RowParallelLinear(I, H, b, tp_group, dtype, device, local_in=li)
         else:
-            self.fc_in = ColumnParallelLinear(H, I, b, tp_group, dtype, device)
-            self.fc_out = RowParallelLinear(I, H, b, tp_group, dtype, device)
+            self.fc_in = ColumnParallelLinear(H, I, b, tp_group, dtype, device, local_out=li)
+            self.fc_out = RowParallelLinear(I, H, b, tp_group, dtype, device, local_in=li)
 
     def forward(self, x):
         if self.gated:
@@ -171,12 +170,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, dtype, device):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, tp_rank: int, dtype, device):
         super().__init__()
         self.attn_norm = make_norm(cfg.layer_norm_type, cfg.hidden_dim, cfg.layer_norm_epsilon, dtype, device)
-        self.attn = Attention(cfg, tp_group, tp, dtype, device)
+        self.attn = Attention(cfg, tp_group, tp, tp_rank, dtype, device)
         self.mlp_norm = make_norm(cfg.layer_norm_type, cfg.hidden_dim, cfg.layer_norm_epsilon, dtype, device)
-        self.mlp = MLP(cfg, tp_group, dtype, device)
+        self.mlp = MLP(cfg, tp_group, tp, dtype, device)
 
     def forward(self, x, inp, rope, layer):
         x = x + self.attn(self.attn_norm(x), inp, rope, layer)
@@ -184,9 +183,9 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ReaLModelConfig, tp_group, dtype, device):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, tp_rank: int, dtype, device):
         super().__init__()
-        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_dim, tp_group, dtype, device)
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_dim, tp_group, dtype, device, tp=tp, tp_rank=tp_rank)
         self.wpe = (
             nn.Embedding(cfg.n_positions, cfg.hidden_dim, dtype=dtype, device=device)
             if cfg.n_positions
@@ -201,14 +200,15 @@ class Embedding(nn.Module):
 
 
 class Head(nn.Module):
-    def __init__(self, cfg: ReaLModelConfig, tp_group, dtype, device):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, dtype, device):
         super().__init__()
         self.norm = make_norm(cfg.layer_norm_type, cfg.hidden_dim, cfg.layer_norm_epsilon, dtype, device)
         self.is_critic = cfg.is_critic
         if cfg.is_critic:
             self.value = nn.Linear(cfg.hidden_dim, 1, bias=False, dtype=dtype, device=device)
         else:
-            self.lm_head = ColumnParallelLinear(cfg.hidden_dim, cfg.vocab_size, False, tp_group, dtype, device)
+            self.lm_head = ColumnParallelLinear(cfg.hidden_dim, cfg.vocab_size, False, tp_group, dtype, device,
+                                                local_out=cfg.vocab_size // tp)
 
     def forward(self, x):
         x = self.norm(x)
@@ -235,16 +235,18 @@ class ReaLModel(nn.Module):
         config.check_layout(tp, pp)
         self.tp_group = grid.tp_group if grid is not None else None
         self.tp, self.pp, self.stage = tp, pp, stage
+        self._tp_rank = grid.tp_rank if grid is not None else 0
         self.dtype = dtype
         self.is_first = stage == 0
         self.is_last = stage == pp - 1
         self.layer_start, self.layer_end = stage_layer_range(config.n_layers, pp, stage)
         device = torch.device(device)
-        self.embed = Embedding(config, self.tp_group, dtype, device) if self.is_first else None
+        r = self._tp_rank
+        self.embed = Embedding(config, self.tp_group, tp, r, dtype, device) if self.is_first else None
         self.blocks = nn.ModuleDict(
-            {str(i): Block(config, self.tp_group, tp, dtype, device) for i in range(self.layer_start, self.layer_end)}
+            {str(i): Block(config, self.tp_group, tp, r, dtype, device) for i in range(self.layer_start, self.layer_end)}
         )
-        self.head = Head(config, self.tp_group, dtype, device) if self.is_last else None
+        self.head = Head(config, self.tp_group, tp, dtype, device) if self.is_last else None
         # Tied embeddings inside one stage share the parameter; across stages the last stage keeps a copy
         # that the train engine keeps in sync by all-reducing its gradient with the first stage's.
         self.shares_tied_weight = config.tied_embedding and not config.is_critic and pp == 1
@@ -285,9 +287,12 @@ class ReaLModel(nn.Module):
 
     def init_random(self, seed: int = 0, std: float = 0.02):
         """Layout-independent random init: each full tensor is drawn from a generator seeded by its name."""
+        tied = self.config.tied_embedding and not self.config.is_critic
         for name in self.param_spec:
             full = list(self.full_shape(name))
-            g = torch.Generator().manual_seed(seed * 1000003 + int(hashlib.md5(name.encode()).hexdigest()[:8], 16))
+            # a last stage's copy of a tied embedding starts equal to the embedding
+            key = "embed.wte.weight" if tied and name == "head.lm_head.weight" else name
+            g = torch.Generator().manual_seed(seed * 1000003 + int(hashlib.md5(key.encode()).hexdigest()[:8], 16))
             if name.endswith("norm.weight"):
                 t = torch.ones(full)
             elif name.endswith(".bias") or name.endswith("norm.bias"):
@@ -299,7 +304,7 @@ class ReaLModel(nn.Module):
 
     @property
     def tp_rank(self) -> int:
-        return dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+        return self._tp_rank
 
     def shard_bounds(self, name: str, rank: Optional[int] = None) -> Optional[Tuple[int, int]]:
         return shard_bounds(self.config, name, self.tp, self.tp_rank if rank is None else rank)

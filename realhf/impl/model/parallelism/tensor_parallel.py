@@ -125,14 +125,16 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows across the tp group."""
 
-    def __init__(self, vocab_size, dim, group=None, dtype=None, device=None):
+    def __init__(self, vocab_size, dim, group=None, dtype=None, device=None, tp: int = None, tp_rank: int = None):
         super().__init__()
-        tp = _world(group)
+        tp = _world(group) if tp is None else tp
         assert vocab_size % tp == 0, f"vocab size {vocab_size} not divisible by tp size {tp}"
         self.group = group
         self.vocab_size = vocab_size
         self.shard = vocab_size // tp
-        self.start = (dist.get_rank(group) if group is not None else 0) * self.shard
+        if tp_rank is None:
+            tp_rank = dist.get_rank(group) if group is not None else 0
+        self.start = tp_rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, dim, dtype=dtype, device=device))
 
     def forward(self, ids):
