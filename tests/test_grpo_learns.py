@@ -1,0 +1,72 @@
+"""Fast learning tests of the RL stack: a tiny model trained here from scratch on arithmetic, then GRPO (and
+PPO with a critic) through the quickstart launcher raise its held-out greedy accuracy from about 30% to
+well above 70%.
+
+The recipe is ``scripts/tiny_arith_learning.py`` (configs ``examples/configs/*-tiny-arith-cpu.yaml``):
+a 2-layer, hidden-64 Qwen2 model is trained with SFT on bare sums ``"47+5="`` written by a sloppy
+teacher (always right when the digit added is 0 or 1, otherwise one too many 85% of the time), so it
+answers about 30% of 200 held-out problems right and puts the right answer second on most others.
+Only the verifier's reward can tell it which of its answers is right. Everything is seeded, so the
+figures below repeat exactly on one machine; the thresholds leave room for other CPUs.
+
+Measured here (2 CPU cores, shared): held-out greedy accuracy 27.5% after SFT, 83.5% after 40 GRPO steps,
+85.5% after 40 PPO steps; about 1.5 min for SFT + GRPO, under 1 min more for PPO.
+"""
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("tiny_arith_learning", os.path.join(ROOT, "scripts", "tiny_arith_learning.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return _recipe()
+
+
+@pytest.fixture(scope="module")
+def start(recipe, tmp_path_factory):
+    """The SFT start shared by both RL runs (model, data, SFT, held-out accuracy before RL)."""
+    out = str(tmp_path_factory.mktemp("tiny_arith"))
+    s = recipe.prepare(out, eval_threads=None)
+    s["out"] = out
+    # about 30%: right on the problems the teacher got right (20% of them) and a few others
+    assert 0.15 <= s["heldout_acc_before"] <= 0.45, s["heldout_acc_before"]
+    return s
+
+
+def _check_learned(algo, res, start):
+    before, after = start["heldout_acc_before"], res["heldout_acc_after"]
+    print(f"{algo}: held-out greedy accuracy {before:.1%} -> {after:.1%} in {res['steps']} steps; batch accuracy "
+          f"{res['batch_acc_first_quarter']:.1%} -> {res['batch_acc_last_quarter']:.1%}; SFT {start['seconds']}, "
+          f"{algo} {res['seconds']}")
+    assert after >= 0.70, f"{algo}: held-out greedy accuracy {before:.1%} -> {after:.1%}, expected >= 70%"
+    assert after >= before + 0.30, f"{algo}: held-out greedy accuracy {before:.1%} -> {after:.1%}"
+    # the training reward rises too (fraction of sampled answers right, from task_reward)
+    assert res["batch_acc_last_quarter"] >= res["batch_acc_first_quarter"] + 0.10, res
+
+
+def test_grpo_learns_tiny_arithmetic(recipe, start):
+    res = recipe.learn("grpo", start["out"], start, eval_threads=None)
+    st = res["stats"]
+    assert res["steps"] == 40 and all(s["n_seqs"] == 16 * 8 for s in st)
+    assert "critic_loss" not in st[0] and "ref_inf/time" not in st[0]  # GRPO: no critic, no reference
+    _check_learned("grpo", res, start)
+
+
+def test_ppo_with_critic_learns_tiny_arithmetic(recipe, start):
+    res = recipe.learn("ppo", start["out"], start, eval_threads=None)
+    st = res["stats"]
+    assert res["steps"] == 40
+    for k in ("critic_loss", "critic_train/time", "critic_inf/time", "ref_inf/time", "kl_reward"):
+        assert k in st[0], f"stat {k} missing"
+    assert any(s["kl_reward"] != 0.0 for s in st), "the KL penalty to the reference never acted"
+    _check_learned("ppo", res, start)
