@@ -210,6 +210,8 @@ class Grader:
         """Fill answers/scores (and maj@n for the sampled pass) of rows in place."""
         texts, sols, where = [], [], []
         for ri, (r, p) in enumerate(zip(rows, problems)):
+            if r.get("max_new_tokens") == 0:
+                continue  # the prompt alone fills the model's context: not generated, scores 0
             for j, t in enumerate(r["completions"]):
                 texts.append(t)
                 sols.append(p.solutions)
@@ -217,7 +219,8 @@ class Grader:
         answers, scores, statuses = self.grade(texts, sols)
         for r in rows:
             n = len(r["completions"])
-            r["answers"], r["scores"], r["status"] = [None] * n, [False] * n, ["ok"] * n
+            st = "prompt_too_long" if r.get("max_new_tokens") == 0 else "ok"
+            r["answers"], r["scores"], r["status"] = [None] * n, [False] * n, [st] * n
         for (ri, j), a, s, st in zip(where, answers, scores, statuses):
             rows[ri]["answers"][j], rows[ri]["scores"][j], rows[ri]["status"][j] = a, s, st
         if pass_name != "sample":
@@ -266,6 +269,22 @@ def _sampling_configs(args, stop_ids: List[int], max_new: int) -> Dict[str, engi
     return out
 
 
+def token_budgets(prompt_lengths: List[int], max_gen_tokens: int, max_pos: Optional[int]) -> List[int]:
+    """Max new tokens per prompt: ``max_gen_tokens``, or, where prompt + answer would exceed the model's
+    ``max_pos`` positions, the room left, rounded down to a multiple of 1/8 of its power of two (at most
+    12.5% less) so that clamped prompts of similar length share batches. 0: the prompt alone fills the
+    context (it is not generated and scores 0). A function of the prompt alone, so results do not
+    depend on batching or on the other prompts."""
+    out = []
+    for n in prompt_lengths:
+        room = max_gen_tokens if not max_pos else min(max_gen_tokens, max_pos - n)
+        if room < max_gen_tokens and room > 0:
+            q = max(1, (1 << (room.bit_length() - 1)) // 8)
+            room = room // q * q
+        out.append(max(0, room))
+    return out
+
+
 def _validate(args):
     if args.n_sampling < 0:
         raise EvalError(f"--n_sampling must be >= 0, got {args.n_sampling}")
@@ -309,8 +328,8 @@ def run_evaluation(args: argparse.Namespace, engine=None) -> EvalRun:
     stop_ids = engines.stop_token_ids(model_path, tok)
     built = {n: [prompts.build_prompt(tok, p.question, args.prompt_type) for p in probs] for n, probs in datasets.items()}
     max_pos = engines.max_positions(model_path)
-    # the generation key holds the requested max_gen_tokens; the clamp below is a function of it,
-    # the model and the prompts, which the key also covers
+    # the generation key holds the requested max_gen_tokens; the per-prompt clamp below is a function of
+    # it, the model and the prompts, which the key also covers (and the budgets themselves when clamped)
     cfgs = _sampling_configs(args, stop_ids, args.max_gen_tokens)
     fingerprint = engines.model_fingerprint(model_path)
     engine_name = getattr(engine, "name", None) or (args.engine if engine is None else type(engine).__name__)
@@ -319,28 +338,33 @@ def run_evaluation(args: argparse.Namespace, engine=None) -> EvalRun:
     own_engine = engine is None
     generated, reused, regraded = [], [], []
     all_rows: Dict[str, Dict[str, List[dict]]] = {}
-    effective_max_new: Dict[str, int] = {}
+    effective_max_new: Dict[str, dict] = {}
     t_start = time.perf_counter()
     try:
         for name, probs in datasets.items():
             data_sha = data_loader.file_sha256(data_loader.dataset_path(name, args.data_dir))
             idx_sha = hashlib.sha256(json.dumps([p.idx for p in probs]).encode()).hexdigest()
             all_rows[name] = {}
-            longest = max((len(ids) for _, ids in built[name]), default=0)
-            max_new = args.max_gen_tokens
-            if max_pos and longest + max_new > max_pos:
-                max_new = max(1, max_pos - longest)
-                logger.warning("%s: max_gen_tokens %d + longest prompt %d exceeds the model's %d positions: "
-                               "generating at most %d tokens", name, args.max_gen_tokens, longest, max_pos, max_new)
-            effective_max_new[name] = max_new
+            budgets = token_budgets([len(ids) for _, ids in built[name]], args.max_gen_tokens, max_pos)
+            n_clamped = sum(0 < b < args.max_gen_tokens for b in budgets)
+            n_too_long = sum(b == 0 for b in budgets)
+            effective_max_new[name] = {"max": max(budgets, default=0), "min": min(budgets, default=0),
+                                       "clamped_prompts": n_clamped, "prompts_too_long": n_too_long}
+            if n_clamped or n_too_long:
+                logger.warning("%s: prompt + max_gen_tokens %d exceeds the model's %d positions for %d of %d prompts: "
+                               "%d get fewer new tokens (down to %d), %d fill the context alone and score 0 "
+                               "(status prompt_too_long)", name, args.max_gen_tokens, max_pos, n_clamped + n_too_long,
+                               len(budgets), n_clamped, min((b for b in budgets if b), default=0), n_too_long)
             for pass_name, key_cfg in cfgs.items():
-                cfg = dataclasses.replace(key_cfg, max_new_tokens=max_new)
+                cfg = key_cfg
                 tag = f"{name}/{pass_name}"
                 jsonl, meta_path = _paths(out, name, pass_name)
                 gen_key = {"dataset": name, "data_sha256": data_sha, "problems": len(probs), "problems_sha256": idx_sha,
                            "model_path": model_path, "model_files": fingerprint, "engine": engine_name,
                            "prompt_type": args.prompt_type, "pass": pass_name, "sampling": key_cfg.to_dict(),
                            "seed": args.seed if pass_name == "sample" else None}
+                if n_clamped or n_too_long:
+                    gen_key["max_new_tokens_per_prompt_sha256"] = hashlib.sha256(json.dumps(budgets).encode()).hexdigest()
                 _remove_stale_tmp(jsonl, meta_path)
                 found = None if args.overwrite else _load_reusable(jsonl, meta_path, gen_key)
                 if found is not None:
@@ -365,14 +389,26 @@ def run_evaluation(args: argparse.Namespace, engine=None) -> EvalRun:
                                            problem=p) for p, (text, ids) in zip(probs, built[name])]
                 t0 = time.perf_counter()
                 logger.info("%s: generating %d problems x %d answers (max %d new tokens)", tag, len(reqs), cfg.n,
-                            cfg.max_new_tokens)
-                comps = engine.generate(reqs, cfg)
-                if len(comps) != len(reqs) or any(len(c) != cfg.n for c in comps):
-                    raise RuntimeError(f"engine returned {len(comps)} results for {len(reqs)} prompts x {cfg.n}")
+                            max(budgets, default=0))
+                comps: List[Optional[list]] = [None] * len(reqs)
+                by_budget: Dict[int, List[int]] = {}
+                for i, b in enumerate(budgets):
+                    if b > 0:
+                        by_budget.setdefault(b, []).append(i)
+                    else:
+                        comps[i] = [engines.Completion("", 0, False)] * cfg.n
+                for b in sorted(by_budget, reverse=True):
+                    idx = by_budget[b]
+                    res = engine.generate([reqs[i] for i in idx], dataclasses.replace(cfg, max_new_tokens=b))
+                    if len(res) != len(idx) or any(len(c) != cfg.n for c in res):
+                        raise RuntimeError(f"engine returned {len(res)} results for {len(idx)} prompts x {cfg.n}")
+                    for i, c in zip(idx, res):
+                        comps[i] = c
                 t_gen = time.perf_counter() - t0
                 rows = [{"idx": p.idx, "question": p.question, "ground_truth": p.ground_truth, "prompt": r.prompt_text,
-                         "seed": r.seed, "completions": [c.text for c in cs], "lengths": [c.n_tokens for c in cs],
-                         "finished": [c.finished for c in cs]} for p, r, cs in zip(probs, reqs, comps)]
+                         "seed": r.seed, "max_new_tokens": b, "completions": [c.text for c in cs],
+                         "lengths": [c.n_tokens for c in cs], "finished": [c.finished for c in cs]}
+                        for p, r, cs, b in zip(probs, reqs, comps, budgets)]
                 grader.grade_rows(rows, probs, pass_name)
                 _save(jsonl, meta_path, rows, gen_key, grader.key)
                 logger.info("%s: generated in %.1fs, graded in %.1fs -> %s", tag, t_gen, time.perf_counter() - t0 - t_gen, jsonl)

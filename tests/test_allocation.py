@@ -124,3 +124,17 @@ def test_layout_of_missing_default():
         m.layout_of("b")
     with pytest.raises(ValueError, match="kind"):
         AllocationMode(kind="weird")
+
+
+def test_device_mesh_strings():
+    from realhf.api.quickstart.allocation import parse_device_mesh
+
+    assert parse_device_mesh("localhost:0,1", 1, 4) == [0, 1]
+    assert parse_device_mesh("node01:1-3", 1, 4) == [1, 2, 3]
+    assert parse_device_mesh("node02:0,2", 2, 4) == [4, 6]
+    assert parse_device_mesh("node01;node02:0-1", 2, 2) == [0, 1, 2, 3]
+    for bad, frag in [("node03:0", "unknown node"), ("localhost:0", "unknown node"), ("node01:0-9", "do not exist"),
+                      ("node01:1,1", "more than once"), ("node01:a", "not a device id"), ("", "empty"),
+                      ("node01:3-1", "empty range")]:
+        with pytest.raises(AllocationError, match=frag):
+            parse_device_mesh(bad, 2, 4)

@@ -1,7 +1,7 @@
 """Pieces shared by the experiment builders."""
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Sequence, Tuple
 
 from realhf.base.topology import ParallelDims
 
@@ -28,3 +28,26 @@ def check_model_fits(path: str, layout: ParallelDims, key: str):
 
 def ranks(n: int) -> List[int]:
     return list(range(n))
+
+
+def model_replicas(cfg, role: str, mfcs: Sequence[Tuple[str, bool]]) -> Tuple[Dict[str, str], Dict[str, Tuple[ParallelDims, Tuple[int, ...]]]]:
+    """Give each MFC of ``role`` a replica of the model: one replica per distinct (layout, devices).
+
+    ``mfcs``: (MFC name, trains?) pairs. The training MFC's replica is named ``role``; the others
+    ``role@1``, ``role@2``... in MFC order (for a role that does not train, the first MFC's replica is
+    ``role``). Returns ({mfc name: model name}, {model name: (layout, device slots)}).
+    """
+    allocs = {name: cfg.mfc_allocation(name) for name, _ in mfcs}
+    train = [name for name, trains in mfcs if trains]
+    if len({allocs[n] for n in train}) > 1:
+        raise ValueError(f"the training MFCs of {role!r} ({', '.join(f'{n}:{allocs[n][0]}' for n in train)}) must share "
+                         "one layout and device mesh (one replica holds the optimizer)")
+    order = train[:1] + [n for n, _ in mfcs if n not in train[:1]]
+    replicas: Dict[Tuple[ParallelDims, Tuple[int, ...]], str] = {}
+    of_mfc: Dict[str, str] = {}
+    for n in order:
+        a = allocs[n]
+        if a not in replicas:
+            replicas[a] = role if not replicas else f"{role}@{len(replicas)}"
+        of_mfc[n] = replicas[a]
+    return of_mfc, {name: a for a, name in replicas.items()}

@@ -10,27 +10,15 @@ DFG (keys infer the edges):
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.system_api import DatasetSpec, ExperimentSpec, ModelSpec
 from realhf.api.quickstart.config import PPOMathConfig
-from realhf.base.topology import ParallelDims
 from realhf.experiments import register_experiment
-from realhf.experiments.common import check_model_fits
+from realhf.experiments.common import check_model_fits, model_replicas
 
 GEN_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask")
-
-
-def _model_layout(mode, mfc_names: List[str], model: str) -> ParallelDims:
-    layouts = {n: mode.layout_of(n) for n in mfc_names}
-    distinct = set(layouts.values())
-    if len(distinct) > 1:
-        raise ValueError(
-            f"the MFCs of model {model!r} ({', '.join(f'{n}:{l}' for n, l in layouts.items())}) use different layouts; "
-            "moving parameters between layouts (reallocation) is not supported yet: give them one layout"
-        )
-    return distinct.pop()
 
 
 def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
@@ -38,42 +26,53 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     from realhf.impl.dataset.math import MATH_OPTIONAL, MATH_REQUIRED
 
     mode = cfg.allocation()
-    if mode.kind == "manual":
-        raise ValueError("allocation_mode=manual is not supported by ppo-math yet; give e.g. d2m1p1")
-    if mode.kind == "decoupled":
-        raise ValueError(f"allocation_mode={cfg.allocation_mode!r}: separate generation devices (sglang./vllm./gen.) "
-                         "are not supported yet; give one layout such as d2m1p1")
+    if mode.kind == "decoupled" and mode.gen_backend != "gen":
+        raise ValueError(
+            f"allocation_mode={cfg.allocation_mode!r}: generation servers of backend {mode.gen_backend!r} are not "
+            f"available in this build; use 'gen.{mode.gen}+...' (realhf's own engine on the separate devices)")
     use_ref = cfg.use_ref()
     use_critic = cfg.use_critic
-    mfc_of: Dict[str, List[str]] = {"actor": ["actor_gen", "actor_train"], "reward": ["rew_inf"]}
+    roles: Dict[str, List[Tuple[str, bool]]] = {"actor": [("actor_gen", False), ("actor_train", True)],
+                                                "reward": [("rew_inf", False)]}
     if use_ref:
-        mfc_of["ref"] = ["ref_inf"]
+        roles["ref"] = [("ref_inf", False)]
     if use_critic:
-        mfc_of["critic"] = ["critic_inf", "critic_train"]
-    layouts = {m: _model_layout(mode, names, m) for m, names in mfc_of.items()}
-    check_model_fits(cfg.actor.path, layouts["actor"], "actor.path")
-    if use_ref:
-        check_model_fits(cfg.ref_path(), layouts["ref"], "ref.path")
-    if use_critic:
-        check_model_fits(cfg.critic_path(), layouts["critic"], "critic.path")
+        roles["critic"] = [("critic_inf", False), ("critic_train", True)]
+    model_of: Dict[str, str] = {}
+    replicas = {}
+    for role, mfc_list in roles.items():
+        of, replicas[role] = model_replicas(cfg, role, mfc_list)
+        model_of.update(of)
+    paths = {"actor": cfg.actor.path, "ref": cfg.ref_path(), "critic": cfg.critic_path()}
+    for role in ("actor", "ref", "critic"):
+        for name, (dims, _) in replicas.get(role, {}).items():
+            check_model_fits(paths[role], dims, f"{role}.path (replica {name!r})")
     n_samples = validate_jsonl(cfg.dataset.path, MATH_REQUIRED, MATH_OPTIONAL)
     bs = cfg.dataset.train_bs_n_seqs
     steps = max(1, n_samples // bs) * cfg.exp_ctrl.total_train_epochs
     if cfg.exp_ctrl.benchmark_steps:
         steps = min(steps, cfg.exp_ctrl.benchmark_steps)
     p = cfg.ppo
-    n_workers = max(l.world_size for l in layouts.values())
+    n_workers = 1 + max(r for reps in replicas.values() for _, ranks in reps.values() for r in ranks)
     tok = cfg.actor.path
-    models = [ModelSpec("actor", cfg.actor.path, layouts["actor"], list(range(layouts["actor"].world_size)),
-                        dtype=cfg.actor.dtype, optimizer=cfg.actor.optimizer, total_train_steps=steps * p.ppo_n_minibatches)]
-    if use_ref:
-        models.append(ModelSpec("ref", cfg.ref_path(), layouts["ref"], list(range(layouts["ref"].world_size)),
-                                dtype=cfg.ref.dtype, tokenizer_path=tok))
-    if use_critic:
-        models.append(ModelSpec("critic", cfg.critic_path(), layouts["critic"], list(range(layouts["critic"].world_size)),
-                                dtype=cfg.critic.dtype, is_critic=True, optimizer=cfg.critic.optimizer,
-                                total_train_steps=steps * p.ppo_n_minibatches, tokenizer_path=tok))
-    models.append(ModelSpec("reward", "", layouts["reward"], list(range(layouts["reward"].world_size)), tokenizer_path=tok))
+    models = []
+    for name, (dims, ranks) in replicas["actor"].items():
+        trains = name == "actor"
+        models.append(ModelSpec(name, cfg.actor.path, dims, list(ranks), dtype=cfg.actor.dtype,
+                                optimizer=cfg.actor.optimizer if trains else None,
+                                total_train_steps=steps * p.ppo_n_minibatches, realloc_from=None if trains else "actor",
+                                offload=cfg.actor.offload and not trains))
+    for name, (dims, ranks) in replicas.get("ref", {}).items():
+        models.append(ModelSpec(name, cfg.ref_path(), dims, list(ranks), dtype=cfg.ref.dtype, tokenizer_path=tok,
+                                offload=cfg.ref.offload))
+    for name, (dims, ranks) in replicas.get("critic", {}).items():
+        trains = name == "critic"
+        models.append(ModelSpec(name, cfg.critic_path(), dims, list(ranks), dtype=cfg.critic.dtype, is_critic=True,
+                                optimizer=cfg.critic.optimizer if trains else None,
+                                total_train_steps=steps * p.ppo_n_minibatches, tokenizer_path=tok,
+                                realloc_from=None if trains else "critic", offload=cfg.critic.offload and not trains))
+    for name, (dims, ranks) in replicas["reward"].items():
+        models.append(ModelSpec(name, "", dims, list(ranks), tokenizer_path=tok))
 
     g = p.gen.to_hyperparameters()
     gen_cfg = dict(max_new_tokens=g.max_new_tokens, min_new_tokens=g.min_new_tokens, greedy=g.greedy,
@@ -87,9 +86,9 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     actor_args = dict(generation_config=gen_cfg, seed=g.seed if g.seed is not None else cfg.seed, **ppo_args)
     train_inputs = list(GEN_KEYS) + ["rewards"]
     mfcs = [
-        MFCDef("actor_gen", "actor", "generate", "ppo_actor", actor_args, input_keys=("packed_prompts",),
+        MFCDef("actor_gen", model_of["actor_gen"], "generate", "ppo_actor", actor_args, input_keys=("packed_prompts",),
                output_keys=GEN_KEYS, n_seqs=bs, mb_spec=cfg.actor_gen.mb_spec.to_spec()),
-        MFCDef("rew_inf", "reward", "inference", "rw-math",
+        MFCDef("rew_inf", model_of["rew_inf"], "inference", "rw-math",
                dict(correct_reward=cfg.correct_reward, wrong_reward=cfg.wrong_reward,
                     reward_output_scaling=p.reward_output_scaling, reward_output_bias=p.reward_output_bias,
                     timeout=cfg.reward_timeout_secs, allow_last_number=cfg.reward_allow_last_number),
@@ -97,18 +96,18 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
                mb_spec=cfg.rew_inf.mb_spec.to_spec()),
     ]
     if use_ref:
-        mfcs.append(MFCDef("ref_inf", "ref", "inference", "ppo_actor", dict(ppo_args), input_keys=("packed_input_ids",),
+        mfcs.append(MFCDef("ref_inf", model_of["ref_inf"], "inference", "ppo_actor", dict(ppo_args), input_keys=("packed_input_ids",),
                            output_keys=("logprobs",), output_key_remap={"logprobs": "packed_ref_logprobs"}, n_seqs=bs,
                            mb_spec=cfg.ref_inf.mb_spec.to_spec()))
         train_inputs.append("packed_ref_logprobs")
     if use_critic:
-        mfcs.append(MFCDef("critic_inf", "critic", "inference", "ppo_critic", dict(ppo_args, value_norm=p.value_norm),
+        mfcs.append(MFCDef("critic_inf", model_of["critic_inf"], "inference", "ppo_critic", dict(ppo_args, value_norm=p.value_norm),
                            input_keys=("packed_input_ids",), output_keys=("values",), n_seqs=bs,
                            mb_spec=cfg.critic_inf.mb_spec.to_spec()))
         train_inputs.append("values")
-        mfcs.append(MFCDef("critic_train", "critic", "train_step", "ppo_critic", dict(ppo_args, value_norm=p.value_norm),
+        mfcs.append(MFCDef("critic_train", model_of["critic_train"], "train_step", "ppo_critic", dict(ppo_args, value_norm=p.value_norm),
                            input_keys=tuple(train_inputs), n_seqs=bs, mb_spec=cfg.critic_train.mb_spec.to_spec()))
-    mfcs.append(MFCDef("actor_train", "actor", "train_step", "ppo_actor", actor_args, input_keys=tuple(train_inputs),
+    mfcs.append(MFCDef("actor_train", model_of["actor_train"], "train_step", "ppo_actor", actor_args, input_keys=tuple(train_inputs),
                        n_seqs=bs, mb_spec=cfg.actor_train.mb_spec.to_spec()))
     c = cfg.exp_ctrl
     ds = DatasetSpec(kind="math_prompt", args=dict(path=cfg.dataset.path, max_prompt_len=cfg.dataset.max_prompt_len,
@@ -121,7 +120,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
         recover_dir=cfg.recover_dir(), save_freq_epochs=c.save_freq_epochs, save_freq_steps=c.save_freq_steps,
         save_freq_secs=c.save_freq_secs, ckpt_freq_epochs=c.ckpt_freq_epochs, ckpt_freq_steps=c.ckpt_freq_steps,
         ckpt_freq_secs=c.ckpt_freq_secs, benchmark_steps=c.benchmark_steps, threads_per_worker=cfg.cpus_per_worker,
-        worker_timeout_secs=cfg.worker_timeout_secs,
+        worker_timeout_secs=cfg.worker_timeout_secs, auto_eval=cfg.auto_eval, param_realloc=cfg.param_realloc,
     )
 
 

@@ -23,6 +23,7 @@ from realhf.base import logging
 from realhf.base.stats import StatsLogger
 from realhf.base.topology import ProcessTopology
 from realhf.system.data_manager import plan_transfers
+from realhf.system.evaluator import make_evaluator
 from realhf.system.model_worker import RECOVER_INFO, load_recover_info, worker_name
 from realhf.system.request_reply_stream import MasterClient, Payload
 
@@ -81,10 +82,20 @@ class MasterWorker:
         self.workers = [worker_name(r) for r in range(spec.n_workers)]
         self.buffer = Buffer()
         self.stats = StatsLogger(spec.log_dir)
+        self.evaluator = make_evaluator(spec, self.stats)  # None unless auto_eval.enabled
         self.resume_info = load_recover_info(spec) if resume else None
         self.dataset_keys: Optional[set] = None
         self.graph = None
         self.holders: List[int] = []
+        # parameter versions of every model replica: +1 per training step; a mirror replica is
+        # reallocated before it runs whenever it is behind its source
+        self.versions: Dict[str, int] = {m.name: 0 for m in spec.models}
+        if self.resume_info is not None:  # trained replicas come back from the recover checkpoint
+            for m in spec.models:
+                if m.optimizer is not None:
+                    self.versions[m.name] = 1
+        self._version_lock = threading.Lock()
+        self._realloc_locks: Dict[str, threading.Lock] = {}
 
     # ------------------------------------------------------------------ helpers
     def _call(self, handle_name: str, data_by_worker: Dict[str, dict], timeout=None) -> Dict[str, Payload]:
@@ -107,7 +118,10 @@ class MasterWorker:
     # ------------------------------------------------------------------ one MFC
     def _run_mfc(self, mfc: MFCDef, ids: List[str]) -> dict:
         spec = self.spec
-        m = spec.model(mfc.model_name.role)
+        m = spec.model(str(mfc.model_name))
+        out_stats = {}
+        if m.realloc_from is not None:
+            out_stats.update(self._sync_params(m, mfc.name))
         topo = ProcessTopology(m.layout)
         parts = balanced_dp_split(ids, self.buffer.tokens, m.layout.dp)
         needs: Dict[int, List[str]] = {}
@@ -126,7 +140,9 @@ class MasterWorker:
                 "ids_by_dp": {str(d): p for d, p in enumerate(parts)}, "metadata": metadata}
         t0 = time.perf_counter()
         replies = self._call("mfc", {worker_name(r): base for r in sorted(involved)})
-        out_stats = {}
+        if mfc.is_train:
+            with self._version_lock:
+                self.versions[m.name] += 1
         for w, rep in replies.items():
             if "output" in rep.data:
                 self.buffer.add(rep.data["output"], int(w.rsplit("_", 1)[1]))
@@ -165,14 +181,42 @@ class MasterWorker:
             raise errors[0]
         return results
 
+    # ------------------------------------------------------------------ parameter reallocation
+    def _sync_params(self, m, mfc_name: str) -> dict:
+        """Before an MFC runs on replica ``m``, bring it the trained parameters of ``m.realloc_from`` if they
+        changed since it last got them: in memory, point-to-point between the workers of both layouts,
+        or through a checkpoint on disk (``param_realloc=disk``)."""
+        src = self.spec.model(m.realloc_from)
+        with self._realloc_locks.setdefault(src.name, threading.Lock()):
+            with self._version_lock:
+                if self.versions[m.name] >= self.versions[src.name]:
+                    return {}
+                version = self.versions[src.name]
+            t0 = time.perf_counter()
+            ranks = sorted(set(src.ranks) | set(m.ranks))
+            if self.spec.param_realloc == "disk":
+                path = os.path.join(self.spec.save_dir, ".realloc", m.name)
+                shutil.rmtree(path, ignore_errors=True)
+                self._call("realloc_save", {worker_name(r): {"src": src.name, "path": path} for r in src.ranks})
+                self._call("realloc_load", {worker_name(r): {"dst": m.name, "path": path} for r in m.ranks})
+            else:
+                self._call("realloc", {worker_name(r): {"src": src.name, "dst": m.name} for r in ranks})
+            dt = time.perf_counter() - t0
+            with self._version_lock:
+                self.versions[m.name] = version
+            logger.debug(f"reallocated {src.name} ({src.layout}) -> {m.name} ({m.layout}) in {dt:.3f}s")
+            return {"realloc_time": dt}
+
     # ------------------------------------------------------------------ hooks
-    def _save(self, tag: str):
+    def _save(self, tag: str, global_step: Optional[int] = None):
         for m in self.spec.models:
             if m.optimizer is None:
                 continue
             path = os.path.join(self.spec.save_dir, m.name, tag)
             self._call("save", {worker_name(r): {"model": m.name, "path": path} for r in m.ranks})
             logger.info(f"saved {m.name} to {path}")
+        if self.evaluator is not None and global_step is not None:
+            self.evaluator.on_save(self.spec, tag, global_step)  # queued; runs in a background process
 
     def _ckpt(self, info: dict):
         """Write a recover checkpoint; it becomes valid only when recover_info.json lands last."""
@@ -195,7 +239,7 @@ class MasterWorker:
         out = {}
         for mfc in self.spec.mfcs:
             if mfc.is_evaluate:
-                role = mfc.model_name.role
+                role = str(mfc.model_name)
                 reps = self._call("evaluate", {worker_name(r): {"model": role, "mfc": mfc.name} for r in self.spec.model(role).ranks})
                 for rep in reps.values():
                     out.update(rep.data.get("stats", {}))
@@ -233,7 +277,7 @@ class MasterWorker:
             stats = {}
             for name, st in mfc_stats.items():
                 for k, v in st.items():
-                    stats[f"{name}/{k}" if k == "time" else k] = v
+                    stats[f"{name}/{k}" if k in ("time", "realloc_time") else k] = v
             self._all("clear", {"ids": ids})
             self.buffer.clear()
             dt = time.perf_counter() - t0
@@ -260,7 +304,7 @@ class MasterWorker:
             ) or (spec.save_freq_secs and now - last_save >= spec.save_freq_secs) or (
                 last and (spec.save_freq_steps or spec.save_freq_epochs or spec.save_freq_secs)
             ):
-                self._save(f"epoch{epoch + 1}epochstep{epoch_step + 1}globalstep{global_step}")
+                self._save(f"epoch{epoch + 1}epochstep{epoch_step + 1}globalstep{global_step}", global_step)
                 last_save = now
             if not last and ((spec.ckpt_freq_steps and global_step % spec.ckpt_freq_steps == 0) or (
                 spec.ckpt_freq_epochs and epoch_end and (epoch + 1) % spec.ckpt_freq_epochs == 0
@@ -268,6 +312,8 @@ class MasterWorker:
                 self._ckpt({"global_step": global_step, "epoch": epoch, "epoch_step": epoch_step})
                 last_ckpt = now
         logger.info(f"training finished: {global_step} steps in {time.perf_counter() - t_start:.1f}s")
-        self.stats.close()
         self._all("exit", {})
+        if self.evaluator is not None:  # the workers are gone; wait for the checkpoint evaluations
+            self.evaluator.wait(timeout=spec.auto_eval.final_wait_secs)
+        self.stats.close()
         return 0

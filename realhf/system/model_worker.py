@@ -69,6 +69,7 @@ class ModelWorker:
         self.interfaces = {m.name: make_interface(m.interface_impl, **m.interface_args) for m in spec.mfcs}
         self.data_iter = None
         self.valid_batches = None
+        self._realloc_plans = {}
 
     # ------------------------------------------------------------------ setup
     def setup(self):
@@ -202,7 +203,7 @@ class ModelWorker:
     def _h_mfc(self, data):
         mfc = next(m for m in self.spec.mfcs if m.name == data["mfc"])
         self.data.execute([tuple(x) for x in data["plan"]], data["metas"])
-        role = mfc.model_name.role
+        role = str(mfc.model_name)
         grid = self.grids[role]
         if not grid.is_member:
             return {}, []
@@ -215,6 +216,7 @@ class ModelWorker:
         iface = self.interfaces[mfc.name]
         mb_spec = MicroBatchSpec(**data.get("mb_spec", {})) if data.get("mb_spec") else mfc.mb_spec
         t0 = time.perf_counter()
+        self._load_params(role)
         if mfc.is_train:
             res = iface.train_step(model, inp, mb_spec)
             model.version += 1
@@ -225,6 +227,7 @@ class ModelWorker:
         else:
             raise ValueError(f"MFC {mfc.name}: {mfc.interface_type} is not run through 'mfc' requests")
         reply = {"seconds": time.perf_counter() - t0}
+        self._maybe_offload(role)
         is_owner = self.rank == owner_rank(grid, grid.dp_rank)
         if isinstance(res, SequenceSample):
             if is_owner:
@@ -296,6 +299,56 @@ class ModelWorker:
         if self.data_iter is not None:
             self.data_iter.load_state_dict(st["data_iter"])
         logger.info(f"{self.name} resumed from {d}")
+
+    # ------------------------------------------------------------------ parameter reallocation
+    def _h_realloc(self, data):
+        """Move the parameters of model ``src`` onto model ``dst`` (another layout of the same role),
+        point-to-point between the workers of both (collective over them)."""
+        from realhf.impl.model.parallelism.realloc import Layout, execute_plan, make_plan
+
+        src, dst = data["src"], data["dst"]
+        key = (src, dst)
+        if key not in self._realloc_plans:
+            s, d = self.spec.model(src), self.spec.model(dst)
+            cfg = (self.models.get(src) or self.models[dst]).module.config
+            self._realloc_plans[key] = make_plan(cfg, Layout.of(s.layout, s.ranks), Layout.of(d.layout, d.ranks))
+        plan = self._realloc_plans[key]
+        t0 = time.perf_counter()
+        self._load_params(dst)
+        n = execute_plan(plan, self.rank, self.models[src].module.flat if src in self.models else None,
+                         self.models[dst].module.flat if dst in self.models else None)
+        self._maybe_offload(dst)
+        if src in self.models and dst in self.models:
+            self.models[dst].version = self.models[src].version
+        return {"seconds": time.perf_counter() - t0, **n}, []
+
+    def _h_realloc_save(self, data):
+        """Disk path, first half: the source layout writes its parameters as a HF checkpoint."""
+        from realhf.impl.model.conversion.hf_io import save_hf
+
+        if data["src"] in self.models:
+            save_hf(self.models[data["src"]].module, data["path"])
+        return {}, []
+
+    def _h_realloc_load(self, data):
+        """Disk path, second half: the destination layout reads its shards of that checkpoint."""
+        from realhf.impl.model.conversion.hf_io import load_hf_into
+
+        if data["dst"] in self.models:
+            self._load_params(data["dst"])
+            load_hf_into(self.models[data["dst"]].module, data["path"])
+            self._maybe_offload(data["dst"])
+        return {}, []
+
+    def _load_params(self, name: str):
+        m = self.models.get(name)
+        if m is not None and m.engine is not None:
+            m.engine.load()
+
+    def _maybe_offload(self, name: str):
+        m = self.models.get(name)
+        if m is not None and m.engine is not None and self.spec.model(name).offload:
+            m.engine.offload()
 
     def _h_clear(self, data):
         self.data.drop(data["ids"])

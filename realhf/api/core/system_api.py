@@ -16,7 +16,12 @@ from realhf.base.topology import ParallelDims
 
 @dataclasses.dataclass
 class ModelSpec:
-    """One model role held by a set of workers under one layout."""
+    """One replica of a model role (``actor``, ``actor@1``, ...) held by a set of workers under one layout.
+
+    A role whose MFCs use different layouts has one replica per layout; the replica that trains is
+    ``<role>`` itself, and the others name it in ``realloc_from``: before they run, the master has the
+    trained parameters reallocated onto them (``realhf.impl.model.parallelism.realloc``).
+    """
 
     name: str
     path: str
@@ -27,6 +32,12 @@ class ModelSpec:
     optimizer: Optional[OptimizerConfig] = None  # None: inference/generation only
     total_train_steps: int = 1
     tokenizer_path: Optional[str] = None
+    realloc_from: Optional[str] = None  # the trained replica this one mirrors
+    offload: bool = False  # keep the parameters in host memory between calls (inference-only replicas)
+
+    @property
+    def role(self) -> str:
+        return self.name.partition("@")[0]
 
     def __post_init__(self):
         if len(self.ranks) != self.layout.world_size:
@@ -73,9 +84,12 @@ class ExperimentSpec:
     benchmark_steps: Optional[int] = None
     threads_per_worker: int = 1
     worker_timeout_secs: float = 10.0
+    param_realloc: str = "memory"  # memory | disk
     # a hook that runs on the master at the end (e.g. merging generated outputs); name of a function
     # registered by the experiment
     final_hook: Optional[str] = None
+    # the checkpoint evaluator (realhf.api.quickstart.eval_config.EvaluatorConfig); None or disabled = off
+    auto_eval: Optional[Any] = None
 
     def model(self, name: str) -> ModelSpec:
         for m in self.models:
@@ -92,5 +106,15 @@ class ExperimentSpec:
             if bad:
                 raise ValueError(f"model {m.name!r} uses worker ranks {bad} outside [0, {self.n_workers})")
         for mfc in self.mfcs:
-            self.model(mfc.model_name.role)
+            self.model(str(mfc.model_name))
         self.model(self.dataset.holder_model)
+        for m in self.models:
+            if m.offload and m.optimizer is not None:
+                raise ValueError(f"model {m.name!r} trains and cannot be offloaded")
+            if m.realloc_from is not None:
+                src = self.model(m.realloc_from)
+                if src.optimizer is None or m.optimizer is not None or src.role != m.role:
+                    raise ValueError(f"model {m.name!r} mirrors {src.name!r}: the source must be the trained replica "
+                                     "of the same role and the mirror must not train")
+                if src.dtype != m.dtype or src.is_critic != m.is_critic:
+                    raise ValueError(f"model {m.name!r} mirrors {src.name!r} but differs in dtype or head")

@@ -346,3 +346,55 @@ def heuristic_layout(n_devices: int, n_layers: Optional[int] = None, n_heads: Op
             f"fits n_heads={n_heads}, n_layers={n_layers}"
         )
     return best
+
+
+# ----------------------------------------------------------------------------- device meshes
+def node_names(n_nodes: int) -> List[str]:
+    """Names of the cluster's nodes in device order: ``node01``, ``node02``, ... (a single node may also be
+    called ``localhost``)."""
+    return [f"node{i + 1:02d}" for i in range(n_nodes)]
+
+
+def _device_ids(part: str, n: int, whole: str) -> List[int]:
+    ids: List[int] = []
+    for item in part.split(","):
+        item = item.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+        if not m:
+            raise AllocationError(f"device mesh {whole!r}: {item!r} is not a device id or a range 'a-b'")
+        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
+        if b < a:
+            raise AllocationError(f"device mesh {whole!r}: empty range {item!r}")
+        ids += list(range(a, b + 1))
+    bad = [i for i in ids if i >= n]
+    if bad:
+        raise AllocationError(f"device mesh {whole!r}: device ids {bad} do not exist; each node has devices 0..{n - 1}")
+    return ids
+
+
+def parse_device_mesh(s: str, n_nodes: int, n_devices_per_node: int) -> List[int]:
+    """Global device slots (``node_index * n_devices_per_node + id``) of a mesh string.
+
+    ``node01:0,1,2,3`` (ids and ranges ``0-3``), ``node01`` (every device of the node), several nodes joined
+    by ``;`` (``node01;node02:0-3``). With one node, ``localhost`` names it too. A device listed twice is
+    an error.
+    """
+    if not isinstance(s, str) or not s.strip():
+        raise AllocationError("device mesh is empty; expected e.g. 'node01:0,1' or 'localhost:0-3'")
+    names = node_names(n_nodes)
+    out: List[int] = []
+    for part in s.split(";"):
+        node, sep, ids = part.strip().partition(":")
+        node = node.strip()
+        if node == "localhost" and n_nodes == 1:
+            node = names[0]
+        if node not in names:
+            raise AllocationError(f"device mesh {s!r}: unknown node {node!r}; nodes are {names}"
+                                  + (" (or 'localhost')" if n_nodes == 1 else ""))
+        base = names.index(node) * n_devices_per_node
+        local = _device_ids(ids, n_devices_per_node, s) if sep else list(range(n_devices_per_node))
+        out += [base + i for i in local]
+    dup = sorted({d for d in out if out.count(d) > 1})
+    if dup:
+        raise AllocationError(f"device mesh {s!r} lists devices {dup} more than once")
+    return out

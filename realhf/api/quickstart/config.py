@@ -14,13 +14,21 @@ defaults; the experiment config that needs them says so when they are empty.
 import dataclasses
 import os
 import re
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from realhf.api.core.config import OptimizerConfig
 from realhf.api.core.dfg import MicroBatchSpec
 from realhf.api.core.model_api import GenerationHyperparameters
-from realhf.api.quickstart.allocation import AllocationError, AllocationMode, parse_allocation_mode
+from realhf.api.quickstart.allocation import (
+    AllocationError,
+    AllocationMode,
+    is_generation_mfc,
+    parse_allocation_mode,
+    parse_device_mesh,
+)
+from realhf.api.quickstart.eval_config import EvaluatorConfig
 from realhf.base import logging
+from realhf.base.topology import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +162,9 @@ class MFCConfig:
     """Per-MFC execution options."""
 
     mb_spec: MicroBatchConfig = _field(help="micro-batching of this MFC", factory=MicroBatchConfig)
+    device_mesh: str = _field("", "allocation_mode=manual: this MFC's devices, e.g. 'localhost:0,1', 'node01:0-3' "
+                                  "or 'node01;node02' (ids are worker slots on CPU)")
+    parallel: str = _field("", "allocation_mode=manual: this MFC's layout on its mesh, e.g. d2m1p1")
 
 
 @dataclasses.dataclass
@@ -162,6 +173,8 @@ class ModelConfig:
 
     path: str = _field("", "Hugging Face model folder (config.json + safetensors + tokenizer)")
     dtype: str = _field("float32", "parameter dtype: float32 (CPU) | bfloat16 (GPU)")
+    offload: bool = _field(False, "keep this model's inference-only replicas (the reference model, the actor's "
+                                  "generation layout) in host memory between their calls, freeing GPU memory")
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -249,10 +262,15 @@ class BaseExperimentConfig:
     allocation_mode: str = _field("d1m1p1", "device allocation and parallel layouts, e.g. d2m1p1, "
                                             "'actor_gen:d2m1p1,*:d1m2p1', 'vllm.d2m1p1+d2m1p1', manual, heuristic")
     worker_timeout_secs: float = _field(10.0, "seconds without a heartbeat before a worker is declared lost")
+    param_realloc: str = _field("memory", "how parameters move between the layouts of one model (e.g. actor_train -> "
+                                          "actor_gen): memory (point-to-point between the workers) | disk "
+                                          "(through a checkpoint; for device sets that share no communicator)")
     exp_ctrl: ExperimentSaveEvalControl = _field(help="stopping, saving, recover checkpoints, evaluation",
                                                  factory=ExperimentSaveEvalControl)
     wandb: WandBConfig = _field(help="Weights & Biases logging", factory=WandBConfig)
     tensorboard: TensorBoardConfig = _field(help="TensorBoard logging", factory=TensorBoardConfig)
+    auto_eval: EvaluatorConfig = _field(help="evaluate each saved checkpoint in the background (evaluation/) and log "
+                                             "<dataset>/<metric> to stats.jsonl and TensorBoard", factory=EvaluatorConfig)
 
     def __post_init__(self):
         for key in ("experiment_name", "trial_name"):
@@ -262,6 +280,7 @@ class BaseExperimentConfig:
                                  "starting with a letter or digit")
         _choice("mode", self.mode, MODES)
         _choice("recover_mode", self.recover_mode, RECOVER_MODES)
+        _choice("param_realloc", self.param_realloc, ("memory", "disk"))
         if not self.fileroot:
             raise ValueError("fileroot is empty; set fileroot=<folder for logs and checkpoints>")
         _int_at_least("seed", self.seed, 0)
@@ -293,8 +312,41 @@ class BaseExperimentConfig:
     def _dp_of(self, mfc_name: str) -> Optional[int]:
         mode = self.allocation()
         if mode.kind == "manual":
+            mc = getattr(self, mfc_name, None)
+            if isinstance(mc, MFCConfig) and mc.parallel:
+                return self.mfc_allocation(mfc_name)[0].dp
             return None
         return mode.layout_of(mfc_name).dp
+
+    def mfc_allocation(self, mfc_name: str) -> Tuple[ParallelDims, Tuple[int, ...]]:
+        """(layout, device slots) of one MFC. Device slots are model-worker ranks: on CPU one worker
+        process per slot, on GPU node-major GPU ids. Smaller layouts use the first slots; decoupled
+        generation MFCs use the slots after the rest's; ``manual`` reads ``<mfc>.device_mesh`` and
+        ``<mfc>.parallel``."""
+        mode = self.allocation()
+        if mode.kind == "manual":
+            mc = getattr(self, mfc_name, None)
+            if not isinstance(mc, MFCConfig):
+                raise ValueError(f"allocation_mode=manual is not supported for MFC {mfc_name!r} of this experiment")
+            if not mc.device_mesh or not mc.parallel:
+                raise ValueError(f"allocation_mode=manual needs {mfc_name}.device_mesh (e.g. 'localhost:0,1') and "
+                                 f"{mfc_name}.parallel (e.g. d2m1p1); got device_mesh={mc.device_mesh!r}, "
+                                 f"parallel={mc.parallel!r}")
+            try:
+                ranks = parse_device_mesh(mc.device_mesh, self.n_nodes, self.n_devices_per_node)
+            except AllocationError as e:
+                raise ValueError(f"{mfc_name}.device_mesh={mc.device_mesh!r} is not valid: {e}") from None
+            try:
+                dims = ParallelDims.parse(mc.parallel)
+            except ValueError as e:
+                raise ValueError(f"{mfc_name}.parallel={mc.parallel!r} is not valid: {e}") from None
+            if dims.world_size != len(ranks):
+                raise ValueError(f"{mfc_name}.parallel={mc.parallel!r} needs {dims.world_size} devices, but "
+                                 f"{mfc_name}.device_mesh={mc.device_mesh!r} has {len(ranks)}; they must match")
+            return dims, tuple(ranks)
+        dims = mode.layout_of(mfc_name)
+        start = mode.rest_n_devices() if mode.kind == "decoupled" and is_generation_mfc(mfc_name) else 0
+        return dims, tuple(range(start, start + dims.world_size))
 
     def _check_bs(self, bs_key: str, bs: int, mfc_name: str, per_rank: int = 1, what: str = "sequence") -> None:
         dp = self._dp_of(mfc_name)

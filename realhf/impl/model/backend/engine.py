@@ -42,6 +42,26 @@ class InferenceEngine:
         self.model = model
         self.grid = model.grid
         self.device = model.flat.device
+        self.offloaded = False
+
+    def offload(self):
+        """Move the parameters to host memory (pinned when they live on a GPU) and free the device copy;
+        :meth:`load` brings them back. For inference-only replicas (the trainer keeps optimizer views)."""
+        if self.offloaded:
+            return
+        m = self.model
+        host = torch.empty(m.flat.shape, dtype=m.flat.dtype, pin_memory=m.flat.is_cuda)
+        host.copy_(m.flat)
+        m.rebind_flat(host)
+        self.offloaded = True
+
+    def load(self):
+        """Bring offloaded parameters back to the engine's device (a no-op when they are there)."""
+        if not self.offloaded:
+            return
+        m = self.model
+        m.rebind_flat(m.flat.to(self.device, copy=True))
+        self.offloaded = False
 
     def _comm(self):
         from realhf.impl.model.parallelism.pipeline import StageComm
@@ -124,6 +144,9 @@ class TrainEngine(InferenceEngine):
             counted.append((off, shape.numel()))
         self._norm_views = [self.master_grad[o : o + n] for o, n in counted]
         self._set_lr()
+
+    def offload(self):
+        raise RuntimeError("a trained replica cannot be offloaded: its optimizer holds views of the parameters")
 
     def _set_lr(self):
         lr = self.optim_cfg.lr * lr_multiplier(self.step_count, self.total_train_steps, self.optim_cfg)

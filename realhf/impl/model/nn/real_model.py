@@ -272,6 +272,16 @@ class ReaLModel(nn.Module):
             self.param_spec[name] = (off, p.shape)
             off += n
 
+    def rebind_flat(self, flat: torch.Tensor):
+        """Make ``flat`` (same size and dtype, any device) the parameter buffer: every parameter becomes a
+        view of it. Used to offload parameters to host memory and bring them back."""
+        if flat.shape != self.flat.shape or flat.dtype != self.flat.dtype:
+            raise ValueError(f"rebind_flat: got {tuple(flat.shape)} {flat.dtype}, need {tuple(self.flat.shape)} {self.flat.dtype}")
+        for name, p in self.named_parameters():
+            off, shape = self.param_spec[name]
+            p.data = flat[off : off + shape.numel()].view(shape)
+        self.flat = flat
+
     def attach_flat_grad(self) -> torch.Tensor:
         """Give every parameter a gradient that is a view of one flat buffer (for one-shot reductions)."""
         if getattr(self, "flat_grad", None) is None:
