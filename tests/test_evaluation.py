@@ -361,12 +361,10 @@ def test_model_path_errors(tmp_path, capsys):
 
 
 def test_vllm_missing_is_a_clear_error(tiny, tmp_path, capsys):
-    try:
-        import vllm  # noqa: F401
+    import importlib.util
 
+    if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed")
-    except ImportError:
-        pass
     rc = main(["--model_path", tiny, "--output_path", str(tmp_path), "--data_names", "aime24", "--engine", "vllm",
                "--max_problems", "1", "--n_sampling", "0", "--max_gen_tokens", "4"])
     assert rc == 2 and "pip install vllm" in capsys.readouterr().err
