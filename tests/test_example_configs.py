@@ -33,3 +33,27 @@ def test_example_config_builds(path, tmp_path):
     cfg = load_config(config_class(exp), [path], overrides)
     spec = build_spec(exp, cfg)
     assert spec.n_workers >= 1 and spec.mfcs
+
+
+GPU_EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "gpu", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=[os.path.basename(p) for p in GPU_EXAMPLES])
+def test_gpu_example_config_builds(path, tmp_path):
+    """The GPU configs (1.5B/7B/32B on 1-16 nodes) build their experiment: the device counts add up and
+    generation gets its own devices. A tiny stand-in with 8 key/value heads takes every tensor size used."""
+    from realhf.api.quickstart.entry import load_config
+    from realhf.experiments import build_spec, config_class
+    from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
+
+    model = ensure_tiny_model("qwen2", num_attention_heads=8, num_key_value_heads=8, hidden_size=64)
+    math = tmp_path / "math.jsonl"
+    write_math_jsonl(make_arithmetic_problems(64, seed=1, kind="add"), str(math))
+    cfg = load_config(config_class("ppo-math"), [path], [f"actor.path={model}", f"dataset.path={math}",
+                                                         f"fileroot={tmp_path}"])
+    spec = build_spec("ppo-math", cfg)
+    assert cfg.dataset.train_bs_n_seqs == 512 and cfg.group_size in (16, 32)
+    assert spec.n_workers == cfg.n_nodes * 8
+    train, gen = spec.model("actor"), spec.model("actor@1")
+    assert gen.realloc_from == "actor" and not set(train.ranks) & set(gen.ranks)
+    assert len(set(train.ranks) | set(gen.ranks)) == spec.n_workers
