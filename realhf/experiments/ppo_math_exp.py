@@ -43,6 +43,9 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     for role, mfc_list in roles.items():
         of, replicas[role] = model_replicas(cfg, role, mfc_list)
         model_of.update(of)
+    if use_critic and cfg.ppo.value_norm and model_of["critic_inf"] != model_of["critic_train"]:
+        raise ValueError("ppo.value_norm=true needs critic_inf and critic_train on one layout and device mesh: the "
+                         "running value statistics that training updates are the ones inference denormalises with")
     paths = {"actor": cfg.actor.path, "ref": cfg.ref_path(), "critic": cfg.critic_path()}
     for role in ("actor", "ref", "critic"):
         for name, (dims, _) in replicas.get(role, {}).items():

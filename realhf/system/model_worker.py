@@ -58,6 +58,19 @@ def load_recover_info(spec: ExperimentSpec) -> Optional[dict]:
         return json.load(f)
 
 
+def make_interfaces(mfcs) -> Dict[str, object]:
+    """One interface object per MFC, shared by the MFCs of one model replica with the same implementation
+    and arguments (e.g. critic_inf and critic_train share the value normaliser that training updates and
+    inference uses)."""
+    shared, out = {}, {}
+    for m in mfcs:
+        key = (str(m.model_name), m.interface_impl, json.dumps(m.interface_args, sort_keys=True, default=str))
+        if key not in shared:
+            shared[key] = make_interface(m.interface_impl, **m.interface_args)
+        out[m.name] = shared[key]
+    return out
+
+
 class ModelWorker:
     def __init__(self, spec: ExperimentSpec, rank: int, secret: bytes, nr, resume: bool):
         self.spec, self.rank, self.secret, self.nr = spec, rank, secret, nr
@@ -66,7 +79,7 @@ class ModelWorker:
         self.data = DataManager(rank)
         self.models: Dict[str, Model] = {}
         self.grids: Dict[str, ParallelGrid] = {}
-        self.interfaces = {m.name: make_interface(m.interface_impl, **m.interface_args) for m in spec.mfcs}
+        self.interfaces = make_interfaces(spec.mfcs)
         self.data_iter = None
         self.valid_batches = None
         self._realloc_plans = {}
@@ -271,7 +284,8 @@ class ModelWorker:
             if eng.master is not m.module.flat:
                 st["master"] = eng.master
             torch.save(st, os.path.join(d, name, f"engine_rank{self.rank}.pt"))
-        st = {"rng": torch.get_rng_state(), "py": random.getstate(), "np": np.random.get_state()}
+        st = {"rng": torch.get_rng_state(), "py": random.getstate(), "np": np.random.get_state(),
+              "interfaces": {n: i.state_dict() for n, i in self.interfaces.items()}}
         if self.data_iter is not None:
             st["data_iter"] = self.data_iter.state_dict()
         torch.save(st, os.path.join(d, f"worker_rank{self.rank}.pt"))
@@ -298,6 +312,10 @@ class ModelWorker:
         np.random.set_state(st["np"])
         if self.data_iter is not None:
             self.data_iter.load_state_dict(st["data_iter"])
+        for mfc in self.spec.mfcs:
+            name = str(mfc.model_name)
+            if name in self.models and st.get("interfaces", {}).get(mfc.name):
+                self.interfaces[mfc.name].load_state_dict(st["interfaces"][mfc.name], self.models[name])
         logger.info(f"{self.name} resumed from {d}")
 
     # ------------------------------------------------------------------ parameter reallocation

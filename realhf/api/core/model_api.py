@@ -185,6 +185,13 @@ class ModelInterface:
     def evaluate(self, model: Model, data_batches) -> Dict[str, float]:
         raise NotImplementedError(f"{type(self).__name__} does not implement evaluate")
 
+    def state_dict(self) -> Dict[str, Any]:
+        """Algorithm state that must survive a restart (e.g. running statistics); plain data."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any], model: Model) -> None:
+        """Restore :meth:`state_dict` (``model`` is this worker's shard of the MFC's model)."""
+
 
 _INTERFACES: Dict[str, Callable[..., ModelInterface]] = {}
 

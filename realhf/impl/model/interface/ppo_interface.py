@@ -224,6 +224,13 @@ class PPOCriticInterface(ModelInterface):
             self.value_normalizer = F.ValueNormalizer(all_reduce_group=grid.dp_group if grid is not None else None)
         return self.value_normalizer
 
+    def state_dict(self):
+        return {"value_normalizer": self.value_normalizer.state_dict()} if self.value_normalizer is not None else {}
+
+    def load_state_dict(self, state, model: Model):
+        if "value_normalizer" in state:
+            self._normalizer(model.grid).load_state_dict(state["value_normalizer"])
+
     @torch.no_grad()
     def inference(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
         res = model.engine.forward(data, max_tokens_per_mb=mb_spec.max_tokens_per_mb, post_fn=lambda out, mb: out.float())
