@@ -42,7 +42,7 @@ def build_gen(cfg: GenerationExpConfig) -> ExperimentSpec:
         experiment_name=cfg.experiment_name, trial_name=cfg.trial_name, n_workers=n, models=[model], mfcs=[mfc],
         dataset=ds, total_train_epochs=1, seed=cfg.seed, log_dir=cfg.log_dir(), save_dir=cfg.ckpt_dir(),
         recover_dir=cfg.recover_dir(), benchmark_steps=c.benchmark_steps, threads_per_worker=cfg.cpus_per_worker,
-        worker_timeout_secs=cfg.worker_timeout_secs, final_hook="gen_merge:" + out,
+        worker_timeout_secs=cfg.worker_timeout_secs, final_hook="gen_merge:" + out, wandb=cfg.wandb_init_kwargs(),
     )
 
 

@@ -124,6 +124,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
         save_freq_secs=c.save_freq_secs, ckpt_freq_epochs=c.ckpt_freq_epochs, ckpt_freq_steps=c.ckpt_freq_steps,
         ckpt_freq_secs=c.ckpt_freq_secs, benchmark_steps=c.benchmark_steps, threads_per_worker=cfg.cpus_per_worker,
         worker_timeout_secs=cfg.worker_timeout_secs, auto_eval=cfg.auto_eval, param_realloc=cfg.param_realloc,
+        wandb=cfg.wandb_init_kwargs(),
     )
 
 

@@ -45,6 +45,7 @@ def build_sft(cfg: SFTConfig) -> ExperimentSpec:
         eval_freq_epochs=c.eval_freq_epochs if c.eval_freq_epochs is not None else (1 if valid else None),
         eval_freq_steps=c.eval_freq_steps, benchmark_steps=c.benchmark_steps,
         threads_per_worker=cfg.cpus_per_worker, worker_timeout_secs=cfg.worker_timeout_secs, auto_eval=cfg.auto_eval,
+        wandb=cfg.wandb_init_kwargs(),
     )
 
 

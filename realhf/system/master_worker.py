@@ -81,7 +81,9 @@ class MasterWorker:
         self.client = client
         self.workers = [worker_name(r) for r in range(spec.n_workers)]
         self.buffer = Buffer()
-        self.stats = StatsLogger(spec.log_dir)
+        if spec.wandb:
+            os.makedirs(spec.wandb.get("dir", spec.log_dir), exist_ok=True)
+        self.stats = StatsLogger(spec.log_dir, wandb_config=spec.wandb)
         self.evaluator = make_evaluator(spec, self.stats)  # None unless auto_eval.enabled
         self.resume_info = load_recover_info(spec) if resume else None
         self.dataset_keys: Optional[set] = None

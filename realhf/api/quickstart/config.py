@@ -358,6 +358,22 @@ class BaseExperimentConfig:
                 f"per step, so {bs_key} must be >= {dp * per_rank} (or lower the 'd' of that layout)"
             )
 
+    def wandb_init_kwargs(self) -> Optional[dict]:
+        """Arguments of ``wandb.init`` for the master's stats logger, or None when wandb is disabled.
+        Offline mode writes the run under ``<log_dir>/wandb`` and needs no network."""
+        w = self.wandb
+        if w.mode == "disabled":
+            return None
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError(f"wandb.mode={w.mode!r} needs the wandb package: pip install 'realhf[wandb]' "
+                             "(or set wandb.mode=disabled)") from None
+        kw = dict(mode=w.mode, entity=w.entity, project=w.project or self.experiment_name,
+                  name=w.name or self.trial_name, group=w.group, job_type=w.job_type, notes=w.notes,
+                  tags=list(w.tags) if w.tags else None, dir=self.log_dir())
+        return {k: v for k, v in kw.items() if v is not None}
+
     def run_dir(self) -> str:
         return os.path.join(os.path.abspath(os.path.expanduser(self.fileroot)), self.experiment_name, self.trial_name)
 

@@ -31,19 +31,31 @@ class GenerationOutput:
     no_eos: List[bool]  # True where the sequence hit max_new_tokens without a stop token
 
 
+def _top_p_remove(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Boolean mask of the tokens outside the smallest set whose probability mass reaches ``top_p`` (the
+    token that crosses the threshold is kept). Looks at a growing top-k prefix instead of sorting the
+    whole vocabulary: the nucleus is usually a few dozen tokens out of tens of thousands."""
+    V = logits.shape[-1]
+    probs = logits.softmax(-1)
+    k = min(V, 64)
+    while True:
+        vals, idx = torch.topk(probs, k, dim=-1)  # sorted, descending
+        cum = vals.cumsum(-1)
+        if k == V or bool((cum[..., -1] >= top_p).all()):
+            break
+        k = min(V, 4 * k)
+    keep = (cum - vals) < top_p
+    keep[..., 0] = True
+    return ~torch.zeros_like(probs, dtype=torch.bool).scatter(-1, idx, keep)
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask (to -inf) tokens outside the top-k and outside the smallest set with mass >= top_p."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        cum = probs.cumsum(-1)
-        remove = (cum - probs) >= top_p  # keep the token that crosses the threshold
-        remove[..., 0] = False
-        mask = torch.zeros_like(remove).scatter(-1, idx, remove)
-        logits = logits.masked_fill(mask, float("-inf"))
+        logits = logits.masked_fill(_top_p_remove(logits, top_p), float("-inf"))
     return logits
 
 
