@@ -114,3 +114,11 @@ def test_bad_allocations_fail_before_workers_start(setup, extra, fragments):
     for f in fragments:
         assert f in p.stderr, f"{f!r} not in:\n{p.stderr[-2000:]}"
     assert not os.path.exists(os.path.join(d, "bad", "trial0", "logs", "model_worker_0.log"))
+
+
+def test_unimplemented_launcher_is_refused(setup):
+    model, d = setup
+    p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *_args(model, d, "ray", 1, "mode=ray")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 2 and "mode='ray' is not implemented yet" in p.stderr
+    assert not os.path.exists(os.path.join(d, "ray", "trial0", "logs", "master.log"))

@@ -26,6 +26,12 @@ def _runner(name: str):
             msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
             sys.stderr.write(f"error: {msg}\n")
             return 2
+        from realhf.api.quickstart.config import IMPLEMENTED_MODES
+
+        if cfg.mode not in IMPLEMENTED_MODES:
+            sys.stderr.write(f"error: mode={cfg.mode!r} is not implemented yet; launchers available: "
+                             f"{list(IMPLEMENTED_MODES)} (one machine)\n")
+            return 2
         return run_experiment(name, cfg)
 
     return run
