@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 
-import torch
+from _timing import inprocess_copy_seconds
 
 DEFAULT_PAIRS = (
     "d2m2p1:d4m1p1",   # the example: actor_train d2m2p1 -> actor_gen d4m1p1
@@ -94,20 +94,10 @@ def main():
     cfg = smollm2_config()
     pairs = a.pairs.split(",")
     world = max(max(r) + 1 for p in pairs for r in (_parse_side(x)[1] for x in p.split(":")))
-    n_params = None
     res = run_distributed(_worker, world, cfg, pairs, a.repeats, timeout=1800, threads=a.threads)[0]
     for r in res:
         nbytes = r["total"] * 4
-        buf = torch.empty(r["total"])
-        dst = torch.empty_like(buf)
-        ct = []
-        for _ in range(a.repeats + 1):
-            t0 = time.perf_counter()
-            dst.copy_(buf)
-            ct.append(time.perf_counter() - t0)
-        mc = statistics.median(ct[1:])
-        del buf, dst
-        n_params = n_params or r["total"]
+        mc = inprocess_copy_seconds(r["total"], a.repeats)
         print(json.dumps(dict(
             bench="realloc", pair=r["pair"], n_messages=r["n_messages"], plan_seconds=r["plan_seconds"],
             seconds=round(r["seconds"], 4), total_MB=round(nbytes / 2**20, 1),

@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+from _timing import inprocess_copy_seconds
 
 
 def _emit(**kw):
@@ -102,14 +103,7 @@ def main():
 
     for mb in [int(x) for x in a.mb.split(",")]:
         t = run_distributed(_transfer, 2, mb, a.reps)[0]
-        src = torch.randn(mb * 1024 * 1024 // 4)
-        dst = torch.empty_like(src)
-        cs = []
-        for _ in range(a.reps + 1):
-            c = time.perf_counter()
-            dst.copy_(src)
-            cs.append(time.perf_counter() - c)
-        c = statistics.median(cs[1:])
+        c = inprocess_copy_seconds(mb * 1024 * 1024 // 4, a.reps)
         _emit(bench="worker_to_worker_transfer", mbytes=mb, seconds=round(t, 4), gbytes_per_s=round(mb / 1024 / t, 3),
               inprocess_copy_gbytes_per_s=round(mb / 1024 / c, 3), ratio_vs_copy=round(c / t, 4))
 

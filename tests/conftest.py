@@ -16,3 +16,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def tiny_math_run(tmp_path_factory):
+    """(a tiny tied Qwen2 model, a folder holding math.jsonl with 32 'easy' arithmetic rows) for ppo-math runs."""
+    from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    d = tmp_path_factory.mktemp("ppo")
+    write_math_jsonl(make_arithmetic_problems(32, seed=3, kind="easy"), str(d / "math.jsonl"))
+    return ensure_tiny_model("qwen2", tie_word_embeddings=True), d

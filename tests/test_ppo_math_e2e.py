@@ -1,26 +1,10 @@
 """ppo-math end to end on a tiny model: PPO (critic + KL to a reference) and GRPO through the launcher."""
-import json
-import os
-import subprocess
-import sys
+from realhf.base.testing import read_stats, run_quickstart
 
-import pytest
-
-from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
-from realhf.impl.model.tiny import ensure_tiny_model
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAT_KEYS = ("task_reward", "importance_weight", "actor_clip_ratio", "actor_loss", "ppo_approx_kl", "kl_reward",
              "final_reward", "advantage", "avg_seq_len", "avg_prompt_len", "n_tokens", "n_valid_tokens", "n_seqs",
              "no_eos_ratio", "actor_gen/time", "rew_inf/time", "ref_inf/time", "critic_inf/time", "actor_train/time",
              "critic_train/time", "critic_loss")
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ppo")
-    write_math_jsonl(make_arithmetic_problems(32, seed=3, kind="easy"), str(d / "math.jsonl"))
-    return ensure_tiny_model("qwen2", tie_word_embeddings=True), d
 
 
 def run(model, d, exp, layout, *extra):
@@ -34,14 +18,12 @@ def run(model, d, exp, layout, *extra):
             "prompt_template={prompt}", "reward_allow_last_number=true", "actor.optimizer.lr=1e-3",
             "critic.optimizer.lr=1e-3", f"fileroot={d}", f"experiment_name={exp}", f"allocation_mode={layout}",
             f"n_devices_per_node={n}", *extra]
-    p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=400, env=dict(os.environ, PYTHONPATH=ROOT))
+    p = run_quickstart(args)
     assert p.returncode == 0, p.stderr[-4000:]
-    with open(os.path.join(d, exp, "trial0", "logs", "stats.jsonl")) as f:
-        return [json.loads(l) for l in f]
+    return read_stats(d, exp)
 
 
-def test_ppo_with_critic_first_step_same_in_every_layout(setup):
+def test_ppo_with_critic_first_step_same_in_every_layout(tiny_math_run):
     """Same seed: the first PPO step's stats agree under d1m1p1, d1m2p1 and d2m1p1.
 
     Sampling is seeded per sample (not per batch), so generation is layout independent. Token-level
@@ -49,7 +31,7 @@ def test_ppo_with_critic_first_step_same_in_every_layout(setup):
     One PPO minibatch: with several, the minibatches of a data-parallel run hold other samples than a
     single process's, so the later minibatches (after the first update) legitimately differ.
     """
-    model, d = setup
+    model, d = tiny_math_run
     runs = {lay: run(model, d, f"ppo-{lay}", lay, "use_critic=true", "ppo.kl_ctl=0.1", "ppo.ppo_n_minibatches=1",
                      "exp_ctrl.benchmark_steps=1")[0]
             for lay in ("d1m1p1", "d1m2p1", "d2m1p1")}
@@ -63,8 +45,8 @@ def test_ppo_with_critic_first_step_same_in_every_layout(setup):
             assert abs(st[k] - ref[k]) < 1e-4 * max(1.0, abs(ref[k])), f"{lay}: {k}={st[k]} vs {ref[k]}"
 
 
-def test_grpo_runs_and_updates(setup):
-    model, d = setup
+def test_grpo_runs_and_updates(tiny_math_run):
+    model, d = tiny_math_run
     st = run(model, d, "grpo", "d1m1p1", "use_critic=false", "ppo.kl_ctl=0", "ppo.group_adv_norm=true",
              "exp_ctrl.benchmark_steps=3")
     assert len(st) == 3

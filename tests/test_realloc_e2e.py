@@ -6,27 +6,15 @@ parameters exactly, every step's stats (which depend on what was generated from 
 parameters) equal the single-layout run's. Token counts are compared exactly, float stats within 1e-4
 (tensor parallelism changes summation order).
 """
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
-from realhf.impl.model.tiny import ensure_tiny_model
+from realhf.base.testing import read_stats, run_quickstart
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
 EXACT = ("n_tokens", "n_valid_tokens", "n_seqs", "avg_seq_len", "no_eos_ratio", "task_reward")
 CLOSE = ("importance_weight", "actor_loss", "ppo_approx_kl", "final_reward", "advantage")
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    d = tmp_path_factory.mktemp("realloc")
-    write_math_jsonl(make_arithmetic_problems(32, seed=3, kind="easy"), str(d / "math.jsonl"))
-    return ensure_tiny_model("qwen2", tie_word_embeddings=True), d
 
 
 def _args(model, d, exp, n_devices, *extra):
@@ -41,11 +29,9 @@ def _args(model, d, exp, n_devices, *extra):
 
 
 def run(model, d, exp, n_devices, *extra):
-    p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *_args(model, d, exp, n_devices, *extra)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=400, env=dict(os.environ, PYTHONPATH=ROOT))
+    p = run_quickstart(_args(model, d, exp, n_devices, *extra))
     assert p.returncode == 0, p.stderr[-4000:]
-    with open(os.path.join(d, exp, "trial0", "logs", "stats.jsonl")) as f:
-        return [json.loads(l) for l in f]
+    return read_stats(d, exp)
 
 
 def _same(ref, got, what):
@@ -58,13 +44,13 @@ def _same(ref, got, what):
 
 
 @pytest.fixture(scope="module")
-def single(setup):
-    model, d = setup
+def single(tiny_math_run):
+    model, d = tiny_math_run
     return run(model, d, "single", 1, "allocation_mode=d1m1p1")
 
 
-def test_gen_and_train_on_different_layouts(setup, single):
-    model, d = setup
+def test_gen_and_train_on_different_layouts(tiny_math_run, single):
+    model, d = tiny_math_run
     # the generation replica is also offloaded between its calls (and brought back for reallocation)
     st = run(model, d, "per-mfc", 2, "allocation_mode=actor_gen:d2m1p1,actor_train:d1m2p1,*:d1m1p1", "actor.offload=true")
     assert all(s["actor_grad_norm"] > 0 for s in single)
@@ -74,16 +60,16 @@ def test_gen_and_train_on_different_layouts(setup, single):
     assert all(s["actor_gen/realloc_time"] > 0 for s in st[1:])
 
 
-def test_decoupled_generation_devices(setup, single):
+def test_decoupled_generation_devices(tiny_math_run, single):
     """gen.d1m1p1+d1m2p1: generation on worker 2 alone, everything else on workers 0-1 (disjoint meshes:
     the prompts travel to the generation device, the answers back, and the parameters every step)."""
-    model, d = setup
+    model, d = tiny_math_run
     st = run(model, d, "decoupled", 3, "allocation_mode=gen.d1m1p1+d1m2p1")
     _same(single, st, "decoupled gen.d1m1p1+d1m2p1")
 
 
-def test_manual_meshes_and_disk_reallocation(setup, single):
-    model, d = setup
+def test_manual_meshes_and_disk_reallocation(tiny_math_run, single):
+    model, d = tiny_math_run
     st = run(model, d, "manual", 2, "allocation_mode=manual", "param_realloc=disk",
              "actor_gen.device_mesh=localhost:1", "actor_gen.parallel=d1m1p1",
              "actor_train.device_mesh=localhost:0-1", "actor_train.parallel=d1m1p2",
@@ -105,20 +91,17 @@ def test_manual_meshes_and_disk_reallocation(setup, single):
     (["allocation_mode=actor_gen:d1m1p1,actor_train:d1m1p5,*:d1m1p1", "n_devices_per_node=5"],
      ["actor.path", "cannot fill 5 pipeline stages"]),
 ])
-def test_bad_allocations_fail_before_workers_start(setup, extra, fragments):
-    model, d = setup
-    args = _args(model, d, "bad", 2, *extra)
-    p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+def test_bad_allocations_fail_before_workers_start(tiny_math_run, extra, fragments):
+    model, d = tiny_math_run
+    p = run_quickstart(_args(model, d, "bad", 2, *extra), timeout=120)
     assert p.returncode != 0
     for f in fragments:
         assert f in p.stderr, f"{f!r} not in:\n{p.stderr[-2000:]}"
     assert not os.path.exists(os.path.join(d, "bad", "trial0", "logs", "model_worker_0.log"))
 
 
-def test_unimplemented_launcher_is_refused(setup):
-    model, d = setup
-    p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *_args(model, d, "ray", 1, "mode=ray")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+def test_unimplemented_launcher_is_refused(tiny_math_run):
+    model, d = tiny_math_run
+    p = run_quickstart(_args(model, d, "ray", 1, "mode=ray"), timeout=120)
     assert p.returncode == 2 and "mode='ray' is not implemented yet" in p.stderr
     assert not os.path.exists(os.path.join(d, "ray", "trial0", "logs", "master.log"))

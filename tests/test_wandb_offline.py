@@ -2,14 +2,11 @@
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from realhf.base.testing import run_quickstart
 from realhf.impl.model.tiny import ensure_tiny_model
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_sft_logs_to_an_offline_wandb_run(tmp_path):
@@ -19,10 +16,7 @@ def test_sft_logs_to_an_offline_wandb_run(tmp_path):
     args = ["sft", f"model.path={ensure_tiny_model('qwen2')}", f"dataset.train_path={data}", "dataset.train_bs_n_seqs=4",
             f"fileroot={tmp_path}", "experiment_name=wb", "exp_ctrl.benchmark_steps=3", "wandb.mode=offline",
             "wandb.tags=[cpu,test]"]
-    env = dict(os.environ, PYTHONPATH=ROOT, WANDB_SILENT="true")
-    env.pop("WANDB_API_KEY", None)
-    p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env=env)
+    p = run_quickstart(args, timeout=300, env={"WANDB_SILENT": "true", "WANDB_API_KEY": None})
     assert p.returncode == 0, p.stderr[-3000:]
     runs = glob.glob(str(tmp_path / "wb" / "trial0" / "logs" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1, os.listdir(tmp_path / "wb" / "trial0" / "logs")

@@ -19,3 +19,32 @@ def exit_when_parent_dies(exit_code: int = 1, interval: float = 1.0) -> None:
                 os._exit(exit_code)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def source_root() -> str:
+    """The folder that holds the ``realhf/`` package (and, in a source checkout, ``evaluation/``)."""
+    import realhf
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(realhf.__file__)))
+
+
+def env_with_source_path(env=None) -> dict:
+    """A copy of ``env`` (default ``os.environ``) with :func:`source_root` first on ``PYTHONPATH``, so a
+    child started with ``python -m realhf...`` imports this same source tree."""
+    env = dict(os.environ if env is None else env)
+    root = source_root()
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def tail(path: str, n: int = 25) -> str:
+    """The last ``n`` lines of a (log) file, or ``(no log)`` when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 16384))
+            lines = f.read().decode(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+    except OSError:
+        return "(no log)"

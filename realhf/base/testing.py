@@ -98,3 +98,30 @@ def run_distributed(
                 p.kill()
                 p.join(timeout=5)
     return [results[r] for r in range(world_size)]
+
+
+def run_quickstart(args, timeout: float = 400.0, env=None):
+    """``python -m realhf.apps.quickstart *args`` in a child process that imports this source tree; returns
+    the ``subprocess.CompletedProcess`` (text output captured). ``env``: environment variables to set, or to
+    remove where the value is None."""
+    import subprocess
+    import sys
+
+    from realhf.base.process import env_with_source_path, source_root
+
+    full = env_with_source_path()
+    for k, v in (env or {}).items():
+        if v is None:
+            full.pop(k, None)
+        else:
+            full[k] = v
+    return subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=source_root(),
+                          capture_output=True, text=True, timeout=timeout, env=full)
+
+
+def read_stats(fileroot: str, experiment: str, trial: str = "trial0") -> List[dict]:
+    """The rows of a run's ``stats.jsonl``."""
+    import json
+
+    with open(os.path.join(fileroot, experiment, trial, "logs", "stats.jsonl")) as f:
+        return [json.loads(line) for line in f]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
 
+from realhf.api.core.system_api import ModelSpec
 from realhf.base.topology import ParallelDims
 
 
@@ -51,3 +52,20 @@ def model_replicas(cfg, role: str, mfcs: Sequence[Tuple[str, bool]]) -> Tuple[Di
             replicas[a] = role if not replicas else f"{role}@{len(replicas)}"
         of_mfc[n] = replicas[a]
     return of_mfc, {name: a for a, name in replicas.items()}
+
+
+def replica_specs(role: str, replicas: Dict[str, Tuple[ParallelDims, Tuple[int, ...]]], path: str, model_cfg=None,
+                  optimizer=None, total_train_steps: int = 1, is_critic: bool = False, tokenizer_path=None) -> List[ModelSpec]:
+    """The ModelSpecs of a role's replicas (from :func:`model_replicas`). With an ``optimizer``, the replica
+    named ``role`` trains and the others mirror it (its parameters are reallocated onto them before they
+    run); without one, every replica loads ``path``. Replicas that do not train are offloaded between their
+    calls when ``model_cfg.offload`` is set."""
+    specs = []
+    for name, (dims, ranks) in replicas.items():
+        trains = optimizer is not None and name == role
+        specs.append(ModelSpec(
+            name, path, dims, list(ranks), dtype=model_cfg.dtype if model_cfg is not None else "float32",
+            is_critic=is_critic, optimizer=optimizer if trains else None, total_train_steps=total_train_steps,
+            tokenizer_path=tokenizer_path, realloc_from=role if optimizer is not None and not trains else None,
+            offload=bool(model_cfg is not None and model_cfg.offload and not trains)))
+    return specs

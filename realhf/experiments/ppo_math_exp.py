@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 from realhf.api.core.dfg import MFCDef
-from realhf.api.core.system_api import DatasetSpec, ExperimentSpec, ModelSpec
+from realhf.api.core.system_api import DatasetSpec, ExperimentSpec
 from realhf.api.quickstart.config import PPOMathConfig
 from realhf.experiments import register_experiment
-from realhf.experiments.common import check_model_fits, model_replicas
+from realhf.experiments.common import check_model_fits, model_replicas, replica_specs
 
 GEN_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask")
 
@@ -58,24 +58,14 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     p = cfg.ppo
     n_workers = 1 + max(r for reps in replicas.values() for _, ranks in reps.values() for r in ranks)
     tok = cfg.actor.path
-    models = []
-    for name, (dims, ranks) in replicas["actor"].items():
-        trains = name == "actor"
-        models.append(ModelSpec(name, cfg.actor.path, dims, list(ranks), dtype=cfg.actor.dtype,
-                                optimizer=cfg.actor.optimizer if trains else None,
-                                total_train_steps=steps * p.ppo_n_minibatches, realloc_from=None if trains else "actor",
-                                offload=cfg.actor.offload and not trains))
-    for name, (dims, ranks) in replicas.get("ref", {}).items():
-        models.append(ModelSpec(name, cfg.ref_path(), dims, list(ranks), dtype=cfg.ref.dtype, tokenizer_path=tok,
-                                offload=cfg.ref.offload))
-    for name, (dims, ranks) in replicas.get("critic", {}).items():
-        trains = name == "critic"
-        models.append(ModelSpec(name, cfg.critic_path(), dims, list(ranks), dtype=cfg.critic.dtype, is_critic=True,
-                                optimizer=cfg.critic.optimizer if trains else None,
-                                total_train_steps=steps * p.ppo_n_minibatches, tokenizer_path=tok,
-                                realloc_from=None if trains else "critic", offload=cfg.critic.offload and not trains))
-    for name, (dims, ranks) in replicas["reward"].items():
-        models.append(ModelSpec(name, "", dims, list(ranks), tokenizer_path=tok))
+    train_steps = steps * p.ppo_n_minibatches
+    models = replica_specs("actor", replicas["actor"], cfg.actor.path, cfg.actor, optimizer=cfg.actor.optimizer,
+                           total_train_steps=train_steps)
+    models += replica_specs("ref", replicas.get("ref", {}), cfg.ref_path(), cfg.ref, tokenizer_path=tok)
+    models += replica_specs("critic", replicas.get("critic", {}), cfg.critic_path(), cfg.critic,
+                            optimizer=cfg.critic.optimizer, total_train_steps=train_steps, is_critic=True,
+                            tokenizer_path=tok)
+    models += replica_specs("reward", replicas["reward"], "", tokenizer_path=tok)
 
     g = p.gen.to_hyperparameters()
     gen_cfg = dict(max_new_tokens=g.max_new_tokens, min_new_tokens=g.min_new_tokens, greedy=g.greedy,

@@ -24,6 +24,7 @@ import time
 import weakref
 
 from realhf.base import logging
+from realhf.base.process import env_with_source_path, source_root
 
 logger = logging.getLogger(__name__)
 
@@ -31,19 +32,11 @@ STARTUP_TIMEOUT = 120.0  # seconds for a fresh worker to import sympy and report
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 
 
-def _repo_root() -> str:
-    import realhf
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(realhf.__file__)))
-
-
 class _Worker:
     """One worker process and the parent side of its pipe."""
 
     def __init__(self, mem_limit_mb: int):
-        env = dict(os.environ)
-        root = _repo_root()
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = env_with_source_path()
         env["REALHF_REWARD_WORKER_MEM_MB"] = str(mem_limit_mb)
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[k] = "1"
@@ -56,7 +49,7 @@ class _Worker:
             stdout=subprocess.PIPE,
             stderr=stderr,
             env=env,
-            cwd=root,
+            cwd=source_root(),
             start_new_session=True,  # terminal Ctrl-C goes to the parent, which cleans up
         )
         self._buf = b""

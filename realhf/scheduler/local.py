@@ -17,6 +17,7 @@ import time
 from typing import Dict, List, Optional
 
 from realhf.base import logging
+from realhf.base.process import tail
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +34,6 @@ class JobFailure(RuntimeError):
         self.name, self.code, self.log_tail = name, code, log_tail
         sig = f" (killed by signal {-code})" if code < 0 else ""
         super().__init__(f"{name} exited with code {code}{sig}. Last lines of its log:\n{log_tail}")
-
-
-def tail(path: str, n: int = 25) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - 16384))
-            lines = f.read().decode(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
-    except OSError:
-        return "(no log)"
 
 
 class LocalScheduler:

@@ -32,15 +32,9 @@ import time
 from typing import Deque, Dict, List, Optional
 
 from realhf.base import logging
+from realhf.base.process import env_with_source_path, exit_when_parent_dies, source_root, tail
 
 logger = logging.getLogger(__name__)
-
-
-def source_root() -> str:
-    """The folder holding ``realhf/`` and ``evaluation/``."""
-    import realhf
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(realhf.__file__)))
 
 
 def policy_model(spec):
@@ -61,16 +55,6 @@ def flatten_metrics(metrics: Dict[str, Dict[str, float]]) -> Dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[f"{ds}/{k}"] = float(v)
     return out
-
-
-def _tail(path: str, n: int = 3000) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - n))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return "(no log)"
 
 
 @dataclasses.dataclass
@@ -208,9 +192,8 @@ class AutoEvaluator:
         job_file = os.path.join(job.out_dir, "job.json")
         with open(job_file, "w") as f:
             json.dump(spec, f, indent=1)
-        env = dict(os.environ)
+        env = env_with_source_path()
         root = source_root()
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["OMP_NUM_THREADS"] = str(self.cfg.threads)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.update(self.extra_env)
@@ -269,9 +252,8 @@ class AutoEvaluator:
 
     def _report_failure(self, job: EvalJob, why: str):
         self.results[job.global_step] = {"error": why}
-        tail = _tail(job.log_path) if os.path.exists(job.log_path) else "(no log)"
         logger.error(f"auto_eval: evaluation of global step {job.global_step} ({job.model_path}) failed: {why}; "
-                     f"training continues. Log {job.log_path}, last lines:\n{tail}")
+                     f"training continues. Log {job.log_path}, last lines:\n{tail(job.log_path, n=40)}")
         self._log(job.global_step, {"auto_eval/failed": 1.0, "auto_eval/error": why})
 
     def _log(self, step: int, stats: dict):
@@ -299,8 +281,6 @@ def main(argv=None) -> int:
     if len(argv) != 1:
         print("usage: python -m realhf.system.evaluator JOB.json", file=sys.stderr)
         return 2
-    from realhf.base.process import exit_when_parent_dies
-
     exit_when_parent_dies(exit_code=1)  # never left running when the master is gone
 
     def _term(signum, frame):

@@ -123,7 +123,7 @@ class MasterWorker:
         m = spec.model(str(mfc.model_name))
         out_stats = {}
         if m.realloc_from is not None:
-            out_stats.update(self._sync_params(m, mfc.name))
+            out_stats.update(self._sync_params(m))
         topo = ProcessTopology(m.layout)
         parts = balanced_dp_split(ids, self.buffer.tokens, m.layout.dp)
         needs: Dict[int, List[str]] = {}
@@ -184,7 +184,7 @@ class MasterWorker:
         return results
 
     # ------------------------------------------------------------------ parameter reallocation
-    def _sync_params(self, m, mfc_name: str) -> dict:
+    def _sync_params(self, m) -> dict:
         """Before an MFC runs on replica ``m``, bring it the trained parameters of ``m.realloc_from`` if they
         changed since it last got them: in memory, point-to-point between the workers of both layouts,
         or through a checkpoint on disk (``param_realloc=disk``)."""

@@ -310,13 +310,12 @@ class BaseExperimentConfig:
         return mode.resolve_heuristic(self.n_devices)
 
     def _dp_of(self, mfc_name: str) -> Optional[int]:
-        mode = self.allocation()
-        if mode.kind == "manual":
+        """The MFC's data-parallel size, or None where a manual allocation does not give its layout (yet)."""
+        if self.allocation().kind == "manual":
             mc = getattr(self, mfc_name, None)
-            if isinstance(mc, MFCConfig) and mc.parallel:
-                return self.mfc_allocation(mfc_name)[0].dp
-            return None
-        return mode.layout_of(mfc_name).dp
+            if not (isinstance(mc, MFCConfig) and mc.parallel):
+                return None
+        return self.mfc_allocation(mfc_name)[0].dp
 
     def mfc_allocation(self, mfc_name: str) -> Tuple[ParallelDims, Tuple[int, ...]]:
         """(layout, device slots) of one MFC. Device slots are model-worker ranks: on CPU one worker

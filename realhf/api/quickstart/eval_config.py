@@ -22,9 +22,9 @@ EVAL_PROMPT_TYPES = ("qwen-boxed", "r1-distill", "plain", "chat")
 
 def default_eval_data_dir() -> str:
     """``evaluation/data`` of the source tree realhf is imported from."""
-    import realhf
+    from realhf.base.process import source_root
 
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(realhf.__file__))), "evaluation", "data")
+    return os.path.join(source_root(), "evaluation", "data")
 
 
 def _field(default=dataclasses.MISSING, help: str = "", factory=dataclasses.MISSING):

@@ -78,6 +78,14 @@ def shard_bounds(cfg: ReaLModelConfig, name: str, tp: int, rank: int) -> Optiona
     return rank * n, (rank + 1) * n
 
 
+def tied_source_name(cfg: ReaLModelConfig, name: str) -> str:
+    """The parameter whose values ``name`` holds: the embedding for the output head of a tied model (a last
+    stage that is not also the first keeps its own copy of it), else ``name`` itself."""
+    if name == "head.lm_head.weight" and cfg.tied_embedding and not cfg.is_critic:
+        return "embed.wte.weight"
+    return name
+
+
 def stage_layer_range(n_layers: int, pp: int, stage: int) -> Tuple[int, int]:
     """[start, end) of the blocks held by pipeline stage ``stage`` (earlier stages take the remainder)."""
     base, rem = divmod(n_layers, pp)
@@ -297,11 +305,9 @@ class ReaLModel(nn.Module):
 
     def init_random(self, seed: int = 0, std: float = 0.02):
         """Layout-independent random init: each full tensor is drawn from a generator seeded by its name."""
-        tied = self.config.tied_embedding and not self.config.is_critic
         for name in self.param_spec:
             full = list(self.full_shape(name))
-            # a last stage's copy of a tied embedding starts equal to the embedding
-            key = "embed.wte.weight" if tied and name == "head.lm_head.weight" else name
+            key = tied_source_name(self.config, name)  # a tied head's copy starts equal to the embedding
             g = torch.Generator().manual_seed(seed * 1000003 + int(hashlib.md5(key.encode()).hexdigest()[:8], 16))
             if name.endswith("norm.weight"):
                 t = torch.ones(full)

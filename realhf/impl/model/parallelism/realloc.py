@@ -26,13 +26,14 @@ the source layout saves a HF checkpoint and the destination layout loads it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from realhf.api.core.model_api import ReaLModelConfig
 from realhf.base.topology import ParallelDims, ProcessTopology
-from realhf.impl.model.nn.real_model import shard_bounds, tp_shard_dim
+from realhf.impl.model.nn.real_model import shard_bounds, tied_source_name, tp_shard_dim
 
 View = Tuple[int, Tuple[int, ...], Tuple[int, ...]]  # (storage offset, size, stride) into a flat buffer
 
@@ -105,9 +106,6 @@ class ReallocPlan:
     def remote_numel(self) -> int:
         return sum(m.numel for m in self.messages if m.src != m.dst)
 
-    def involves(self, rank: int) -> bool:
-        return rank in self.src.ranks or rank in self.dst.ranks
-
     def describe(self) -> str:
         n_local = sum(1 for m in self.messages if m.src == m.dst)
         return (f"realloc {self.src} -> {self.dst}: {len(self.messages)} messages ({n_local} local), "
@@ -116,24 +114,10 @@ class ReallocPlan:
 
 def _view(off: int, shape: torch.Size, dim: Optional[int], start: int, n: int) -> Tuple[View, bool]:
     """(view, contiguous) of parameter slice ``narrow(dim, start, n)`` of a tensor at ``off`` in a flat buffer."""
-    t = torch.empty(0, device="meta").new_empty_strided(shape, _contig_strides(shape))
+    t = torch.empty(shape, device="meta")
     if dim is not None:
         t = t.narrow(dim, start, n)
     return (off + t.storage_offset(), tuple(t.shape), tuple(t.stride())), t.is_contiguous()
-
-
-def _contig_strides(shape) -> Tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(list(shape)):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
-
-
-def _source_name(cfg: ReaLModelConfig, name: str) -> str:
-    if name == "head.lm_head.weight" and cfg.tied_embedding and not cfg.is_critic:
-        return "embed.wte.weight"
-    return name
 
 
 def check_compatible(cfg: ReaLModelConfig, src: Layout, dst: Layout):
@@ -161,7 +145,7 @@ def make_plan(cfg: ReaLModelConfig, src: Layout, dst: Layout) -> ReallocPlan:
         c = dtopo.get_coord(g)
         gd = dst.ranks[g]
         for name, (doff, dshape) in stage_param_spec(cfg, dst.dims, c.pipe, c.tensor).items():
-            sname = _source_name(cfg, name)
+            sname = tied_source_name(cfg, name)
             if sname not in stage_of:
                 raise KeyError(f"parameter {name!r} of layout {dst.dims} has no source in layout {src.dims}")
             sp = stage_of[sname]
@@ -190,9 +174,7 @@ def make_plan(cfg: ReaLModelConfig, src: Layout, dst: Layout) -> ReallocPlan:
                     sv, sc = _view(soff, sshape, d, lo - slo, hi - lo)
                     dv, dc = _view(doff, dshape, d, lo - dlo, hi - lo)
                 assert sv[1] == dv[1], (name, sv, dv)
-                numel = 1
-                for x in sv[1]:
-                    numel *= x
+                numel = math.prod(sv[1])
                 if gs != gd:
                     load[gs] += numel
                 pieces.setdefault((gs, gd), []).append((sv, sc, dv, dc, numel))
