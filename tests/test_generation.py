@@ -85,3 +85,33 @@ def test_sampled_logprobs_match_forward_and_seed_reproducible():
         assert err < 1e-4, f"generation log-probs differ from a fresh forward by {err:.3g}"
     c = run_distributed(_gen_worker, 1, path, (1, 1, 1), dict(gkw, seed=4), 2)[0]
     assert c.tokens != b.tokens, "a different seed should give different samples"
+
+
+def test_samples_of_a_prompt_share_its_prefill():
+    """With n samples per prompt the prompt is prefilled once and its cache rows copied: greedy samples
+    equal one greedy run per prompt, and sampled log-probs equal a fresh forward pass."""
+    import transformers
+
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn.generation import generate
+    from realhf.impl.model.utils.functional import packed_logprobs
+
+    path = ensure_tiny_model("qwen2")
+    model = build_from_hf(path, grid=single_process_grid(), dtype=torch.float32)
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompts = _prompts(m.config.vocab_size)
+    one = generate(model, prompts, GenerationHyperparameters(max_new_tokens=8, greedy=True))
+    three = generate(model, prompts, GenerationHyperparameters(max_new_tokens=8, greedy=True, n=3))
+    assert three.tokens == [t for t in one.tokens for _ in range(3)]
+    s = generate(model, prompts, GenerationHyperparameters(max_new_tokens=8, temperature=1.0, n=4),
+                 seeds=list(range(len(prompts))))
+    assert len({tuple(t) for t in s.tokens[:4]}) > 1, "the samples of one prompt should differ"
+    for i, (toks, lps) in enumerate(zip(s.tokens, s.logprobs)):
+        p = prompts[i // 4]
+        seq = torch.tensor(p + toks)
+        with torch.no_grad():
+            logits = m(seq[None]).logits[0]
+        fresh, _ = packed_logprobs(logits, seq, torch.tensor([0, len(seq)], dtype=torch.int32))
+        err = (fresh[len(p) - 1 : len(seq) - 1] - torch.tensor(lps)).abs().max().item()
+        assert err < 1e-4, f"sample {i}: log-probs differ from a fresh forward by {err:.3g}"

@@ -3,12 +3,51 @@
 All ranks of one model replica (one data-parallel rank: its tp x pp ranks) call ``generate`` with the
 same prompts. Prompts are prefilled packed (no padding); each decode step feeds one token per
 unfinished sequence; finished sequences are dropped from the batch and the cache so they stop costing
-work. The last stage samples (vocab-parallel logits are gathered only for sampling) and broadcasts the
-tokens to the other stages.
+work. The last stage samples (vocab-parallel logits are gathered only for sampling; its tensor ranks
+agree on the samples by a broadcast inside their tp group) and shares the tokens with the other stages.
 
 Returned log-probs are those of the sampled tokens under ``log_softmax(logits / temperature)``
 (temperature 1 for greedy), i.e. before top-k/top-p truncation — the same quantity a training forward
 pass with that temperature computes.
+
+Schedules
+---------
+* **Sequential** (pp == 1, or one group): the whole batch goes through the stages one after the
+  other at every step (a blocking send per stage, then a broadcast of the sampled tokens over the
+  pipeline group). With pp > 1 all stages but one are idle at any moment.
+* **Pipelined** (pp > 1, ``G = pipeline_groups`` > 1 groups; default ``G = min(pp, batch)``): the
+  batch rows are split into G contiguous groups, each with its own KV cache and its own list of
+  unfinished rows. Work items are ``(group g, step r)`` (step 0 = prefill, step r = r-th decode step)
+  and every rank walks them in the same round-robin order::
+
+      for r = 0, 1, ...:                 # rounds
+          for g = 0 .. G-1:              # groups still running
+              if r > 0: consume packet (g, r-1)   # may finish group g -> skipped from now on
+              run item (g, r)            # recv activation, forward, send activation / sample
+
+  so while stage s+1 runs item (g, r), stage s runs item (g+1, r) (or (0, r+1)). The tensor ranks of
+  a stage run the same item sequence, so their collectives match; each talks to the ranks of the same
+  (dp, tp) coordinate in the other stages. Point-to-point messages (receives are blocking; sends are
+  non-blocking, and a group's sends of item (g, r-1) are waited for just before its sends of item
+  (g, r), when they are known to have been received, so at most one item per group is in flight):
+
+  - activations of item (g, r): stage s -> stage s+1, tag ``_ACT_TAG``;
+  - packet of item (g, r) (``[alive rows, 2]`` float64: token, log-prob): last stage -> every other
+    stage of the same (dp, tp) coordinate, tag ``_TOK_TAG``. Stage 0 needs it to feed item (g, r+1);
+    every stage uses it to drop finished rows from group g's cache and to decide, identically on all
+    ranks, whether group g is finished.
+
+  Message sizes follow from the shared bookkeeping (alive rows per group), so there is no shape
+  handshake. Each rank sends and receives every message in the global item order, and an item only
+  depends on items earlier in that order, so the schedule cannot deadlock. Besides the distinct tags,
+  each directed (src, dst) pair carries a single kind of message (activations go s -> s+1, packets go
+  last -> s < last), so the messages cannot be confused even on a backend that ignores tags.
+  With G == pp the first stage always has G - 1 other groups to run while a group's tokens travel
+  through the pipeline and back.
+
+Results do not depend on the schedule (greedy tokens, and samples drawn with per-row ``seeds``, are the
+same as with pp == 1), except that draws from one shared unseeded ``generator`` are taken group by group
+in the pipelined schedule, so which sequence gets which random number differs from the sequential one.
 """
 from __future__ import annotations
 
@@ -93,6 +132,41 @@ def sample_tokens(
     return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
+# Message tags of the pipelined schedule (see the module docstring).
+_ACT_TAG = 1001  # activations of one work item, stage s -> stage s+1
+_TOK_TAG = 1002  # (token, log-prob) packet of one work item, last stage -> every other stage
+
+
+def _sample_packet(model: ReaLModel, out: torch.Tensor, gconfig: GenerationHyperparameters,
+                   generator: Optional[torch.Generator], banned: Optional[torch.Tensor],
+                   row_gens: Optional[List[torch.Generator]], tp_src: Optional[int]) -> torch.Tensor:
+    """On the last stage: sample one token per row of the head output ``out`` -> ``[rows, 2]`` float64
+    (token id, log-prob). Every tensor rank samples; they all keep tensor rank 0's result."""
+    logits = gather_from_tp(out.float(), model.tp_group)
+    tok, lp = sample_tokens(logits, gconfig, generator, banned, row_gens)
+    packed = torch.empty(out.shape[0], 2, dtype=torch.float64, device=out.device)
+    packed[:, 0] = tok.double()
+    packed[:, 1] = lp.double()
+    if tp_src is not None:
+        dist.broadcast(packed, src=tp_src, group=model.tp_group)
+    return packed
+
+
+def _record(rows: List[int], tl: List[int], ll: List[float], stop: set, tokens: List[List[int]],
+            logps: List[List[float]], no_eos: List[bool]) -> List[int]:
+    """Append one step's samples (``tl``/``ll``, one per entry of ``rows``: original sequence indices) to
+    the outputs; return the positions in ``rows`` of the sequences that did not stop."""
+    keep = []
+    for j, orig in enumerate(rows):
+        tokens[orig].append(tl[j])
+        logps[orig].append(ll[j])
+        if tl[j] in stop:
+            no_eos[orig] = False
+        else:
+            keep.append(j)
+    return keep
+
+
 @torch.no_grad()
 def generate(
     model: ReaLModel,
@@ -101,16 +175,25 @@ def generate(
     eos_token_id: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     seeds: Optional[Sequence[int]] = None,
+    pipeline_groups: Optional[int] = None,
 ) -> GenerationOutput:
     """Generate ``gconfig.n`` continuations for every prompt (the n samples of a prompt are adjacent).
 
     ``seeds`` (one per prompt) make sampling independent of batch composition and layout: sample j of
     prompt i draws from its own generator seeded by ``(seeds[i], j)``.
+
+    ``pipeline_groups`` (only used when ``model.pp > 1``): number G of row groups of the pipelined
+    schedule (see the module docstring); default ``pp``, capped at the number of sequences. ``1`` runs
+    the sequential schedule. Greedy tokens and ``seeds``-driven samples do not depend on G (log-probs
+    agree to rounding); with a shared ``generator`` and no ``seeds``, the random numbers are drawn group
+    by group, so with G > 1 a sequence may get a different (equally distributed) sample than with G = 1.
     """
     grid = model.grid
     prompts = [list(p) for p in prompts for _ in range(gconfig.n)]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and every prompt must be non-empty")
+    if pipeline_groups is not None and (not isinstance(pipeline_groups, int) or pipeline_groups < 1):
+        raise ValueError(f"pipeline_groups must be a positive integer or None, got {pipeline_groups!r}")
     device = model.flat.device
     cfg = model.config
     stop = set(gconfig.stop_token_ids)
@@ -128,6 +211,13 @@ def generate(
     seqlens = [len(p) for p in prompts]
     max_len = max(seqlens) + gconfig.max_new_tokens + 1
     pp = model.pp
+    tp_src = grid.global_rank_of(grid.pp_rank, grid.dp_rank, 0) if model.tp > 1 else None
+    n_groups = min(pipeline_groups or pp, B) if pp > 1 else 1
+    if n_groups > 1:
+        return _generate_pipelined(model, prompts, gconfig, stop, stop_t, generator, row_gens_all, max_len,
+                                   tp_src, n_groups)
+
+    # ------------------------------------------------------------ sequential schedule
     comm = None
     if pp > 1:
         from realhf.impl.model.parallelism.pipeline import StageComm
@@ -135,10 +225,8 @@ def generate(
         comm = StageComm(grid, cfg.hidden_dim, model.dtype, device)
         last_stage_rank = grid.global_rank_of(pp - 1, grid.dp_rank, grid.tp_rank)
     cache = KVCache(
-        model.n_local_layers, B, max_len, model.n_local_kv_heads, cfg.head_dim, model.dtype, device
+        model.n_local_layers, B // gconfig.n, max_len, model.n_local_kv_heads, cfg.head_dim, model.dtype, device
     )
-    tp_group = model.tp_group
-    tp_src = grid.global_rank_of(grid.pp_rank, grid.dp_rank, 0) if model.tp > 1 else None
 
     def run_stage(x_in, inp: PackedInput, n_tokens: int):
         if pp > 1 and not model.is_first:
@@ -150,49 +238,44 @@ def generate(
 
     def pick(out, n_generated: int):
         """On the last stage: sample from the head output; then share tokens with every rank."""
-        packed = torch.empty(out_rows, 2, dtype=torch.float64, device=device)
         if model.is_last:
-            logits = gather_from_tp(out.float(), tp_group)
             banned = stop_t if n_generated < gconfig.min_new_tokens else None
             rg = [row_gens_all[i] for i in alive.tolist()] if row_gens_all is not None else None
-            tok, lp = sample_tokens(logits, gconfig, generator, banned, rg)
-            packed[:, 0] = tok.double()
-            packed[:, 1] = lp.double()
-            if tp_src is not None:
-                dist.broadcast(packed, src=tp_src, group=tp_group)
+            packed = _sample_packet(model, out, gconfig, generator, banned, rg, tp_src)
+        else:
+            packed = torch.empty(out_rows, 2, dtype=torch.float64, device=device)
         if pp > 1:
             dist.broadcast(packed, src=last_stage_rank, group=grid.pp_group)
         return packed[:, 0].long(), packed[:, 1]
 
-    # ---- prefill
-    inp = make_packed_input(seqlens, device=device)
+    # ---- prefill: each distinct prompt once; its n samples then share copies of its cache rows and
+    # sample from the same last-token logits
+    n = gconfig.n
+    uniq = prompts[::n]
+    useqlens = seqlens[::n]
+    inp = make_packed_input(useqlens, device=device)
     inp.cache = cache
     inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
-    cache.begin_prefill(torch.tensor(seqlens, device=device))
-    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
+    cache.begin_prefill(torch.tensor(useqlens, device=device))
+    ids = torch.tensor([t for p in uniq for t in p], dtype=torch.long, device=device)
     out_rows = B
     alive = torch.arange(B, device=device)  # original index of each cache row
-    out = run_stage(ids if model.is_first else None, inp, sum(seqlens))
+    out = run_stage(ids if model.is_first else None, inp, sum(useqlens))
     cache.end_prefill()
+    if n > 1:
+        cache.keep(torch.arange(len(uniq), device=device).repeat_interleave(n))
+        if model.is_last:
+            out = out.repeat_interleave(n, dim=0)
     tok, lp = pick(out, 0)
 
     tokens: List[List[int]] = [[] for _ in range(B)]
     logps: List[List[float]] = [[] for _ in range(B)]
     no_eos = [True] * B
     for step in range(gconfig.max_new_tokens):
-        tl, ll = tok.tolist(), lp.tolist()
-        rows = alive.tolist()
-        keep = []
-        for j, orig in enumerate(rows):
-            tokens[orig].append(tl[j])
-            logps[orig].append(ll[j])
-            if tl[j] in stop:
-                no_eos[orig] = False
-            else:
-                keep.append(j)
+        keep = _record(alive.tolist(), tok.tolist(), lp.tolist(), stop, tokens, logps, no_eos)
         if step == gconfig.max_new_tokens - 1 or not keep:
             break
-        if len(keep) < len(rows):
+        if len(keep) < alive.numel():
             kt = torch.tensor(keep, dtype=torch.long, device=device)
             cache.keep(kt)
             alive, tok = alive[kt], tok[kt]
@@ -208,4 +291,173 @@ def generate(
         tok, lp = pick(out, step + 1)
     if comm is not None:
         comm.flush()
+    return GenerationOutput(tokens=tokens, logprobs=logps, no_eos=no_eos)
+
+
+# ---------------------------------------------------------------------------- pipelined schedule
+
+
+class _StageLinks:
+    """The point-to-point messages of the pipelined schedule, for one rank.
+
+    Sends are non-blocking and return their ``(work, buffer)`` pairs: the caller keeps them (a buffer must
+    live until its send completes) and waits for them with ``_wait_sends`` (see ``run_item`` for when that
+    is safe). Receives are blocking and allocate their buffer from the size the caller knows from the
+    shared bookkeeping.
+    """
+
+    def __init__(self, model: ReaLModel):
+        grid = model.grid
+        self.prev = grid.stage_neighbor(-1)  # None on the first stage
+        self.next = grid.stage_neighbor(+1)  # None on the last stage
+        self.last = grid.global_rank_of(model.pp - 1, grid.dp_rank, grid.tp_rank)
+        # where the last stage sends packets: every other stage of this (dp, tp) coordinate
+        self.others = [grid.global_rank_of(s, grid.dp_rank, grid.tp_rank) for s in range(model.pp - 1)]
+        self.hidden = model.config.hidden_dim
+        self.dtype = model.dtype
+        self.device = model.flat.device
+
+    def send_activation(self, y: torch.Tensor) -> List[tuple]:
+        y = y.detach().contiguous()
+        return [(dist.isend(y, dst=self.next, tag=_ACT_TAG), y)]
+
+    def recv_activation(self, n_tokens: int) -> torch.Tensor:
+        x = torch.empty(n_tokens, self.hidden, dtype=self.dtype, device=self.device)
+        dist.recv(x, src=self.prev, tag=_ACT_TAG)
+        return x
+
+    def send_packet(self, packet: torch.Tensor) -> List[tuple]:
+        # the same read-only buffer goes to every other stage
+        return [(dist.isend(packet, dst=dst, tag=_TOK_TAG), packet) for dst in self.others]
+
+    def recv_packet(self, n_rows: int) -> torch.Tensor:
+        packet = torch.empty(n_rows, 2, dtype=torch.float64, device=self.device)
+        dist.recv(packet, src=self.last, tag=_TOK_TAG)
+        return packet
+
+
+def _wait_sends(sends: List[tuple]):
+    for work, _ in sends:
+        work.wait()
+    sends.clear()
+
+
+@dataclasses.dataclass
+class _Group:
+    """Bookkeeping of one row group; identical on every rank of the replica (except ``packet``)."""
+
+    rows: List[int]  # original indices of the group's sequences
+    cache: Optional[KVCache]  # this stage's layers only; dropped once the group is finished
+    alive: torch.Tensor  # original index of each cache row (the group's unfinished sequences)
+    tok: Optional[torch.Tensor] = None  # last token of each alive row: the input of the next step
+    packet: Optional[torch.Tensor] = None  # last stage: packet of the item it ran last for this group
+    sends: List[tuple] = dataclasses.field(default_factory=list)  # (work, buffer) of its last item's sends
+    done: bool = False
+
+
+def split_rows(n_rows: int, n_groups: int) -> List[List[int]]:
+    """Contiguous, as even as possible groups of ``range(n_rows)`` (earlier groups take the remainder)."""
+    base, rem = divmod(n_rows, n_groups)
+    out, start = [], 0
+    for g in range(n_groups):
+        n = base + (1 if g < rem else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: GenerationHyperparameters, stop: set,
+                        stop_t: torch.Tensor, generator: Optional[torch.Generator],
+                        row_gens_all: Optional[List[torch.Generator]], max_len: int, tp_src: Optional[int],
+                        n_groups: int) -> GenerationOutput:
+    """The pipelined schedule of the module docstring (pp > 1, ``n_groups`` > 1)."""
+    device = model.flat.device
+    cfg = model.config
+    links = _StageLinks(model)
+    B = len(prompts)
+    groups = [
+        _Group(rows=rows, alive=torch.tensor(rows, dtype=torch.long, device=device),
+               cache=KVCache(model.n_local_layers, len(rows), max_len, model.n_local_kv_heads, cfg.head_dim,
+                             model.dtype, device))
+        for rows in split_rows(B, n_groups)
+    ]
+    tokens: List[List[int]] = [[] for _ in range(B)]
+    logps: List[List[float]] = [[] for _ in range(B)]
+    no_eos = [True] * B
+
+    def run_item(grp: _Group, x_first: Optional[torch.Tensor], inp: PackedInput, n_tokens: int, n_generated: int):
+        """This stage's part of one work item; the last stage also samples and sends the packet."""
+        x = x_first if model.is_first else links.recv_activation(n_tokens)
+        y = model(x, inp)
+        # The sends of this group's previous item (g, r-1) have all been received by now, so waiting for
+        # them depends on the transport only: a stage s < last runs (g, r) after consuming packet (g, r-1),
+        # which the last stage made after stage s+1 had received activation (g, r-1); the last stage has
+        # just received activation (g, r), which stage 0..last-1 sent after consuming packet (g, r-1).
+        # So each group has at most one item's sends in flight.
+        _wait_sends(grp.sends)
+        if not model.is_last:
+            grp.sends = links.send_activation(y)
+            return
+        banned = stop_t if n_generated < gconfig.min_new_tokens else None
+        rg = [row_gens_all[i] for i in grp.alive.tolist()] if row_gens_all is not None else None
+        grp.packet = _sample_packet(model, y, gconfig, generator, banned, rg, tp_src)
+        grp.sends = links.send_packet(grp.packet)
+
+    def prefill(grp: _Group):
+        seqlens = [len(prompts[i]) for i in grp.rows]
+        inp = make_packed_input(seqlens, device=device)
+        inp.cache = grp.cache
+        inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
+        grp.cache.begin_prefill(torch.tensor(seqlens, device=device))
+        ids = None
+        if model.is_first:
+            ids = torch.tensor([t for i in grp.rows for t in prompts[i]], dtype=torch.long, device=device)
+        run_item(grp, ids, inp, sum(seqlens), 0)  # the forward stores the prompt keys/values
+        grp.cache.end_prefill()
+
+    def decode(grp: _Group, n_generated: int):
+        n = grp.alive.numel()
+        inp = PackedInput(
+            cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=device),
+            max_seqlen=1,
+            position_ids=grp.cache.positions().clone(),
+            cache=grp.cache,
+        )
+        run_item(grp, grp.tok if model.is_first else None, inp, n, n_generated)
+        grp.cache.advance()
+
+    def consume(grp: _Group, step: int):
+        """Apply the packet of the group's item ``step``: record the tokens, drop finished rows, and
+        finish the group when no row is left or this was the last allowed token."""
+        if model.is_last:
+            packet, grp.packet = grp.packet, None
+        else:
+            packet = links.recv_packet(grp.alive.numel())
+        tok = packet[:, 0].long()
+        keep = _record(grp.alive.tolist(), tok.tolist(), packet[:, 1].tolist(), stop, tokens, logps, no_eos)
+        if step == gconfig.max_new_tokens - 1 or not keep:
+            grp.done, grp.cache, grp.tok = True, None, None  # free the cache now
+            return
+        if len(keep) < grp.alive.numel():
+            kt = torch.tensor(keep, dtype=torch.long, device=device)
+            grp.cache.keep(kt)
+            grp.alive, tok = grp.alive[kt], tok[kt]
+        grp.tok = tok
+
+    # Every rank walks the same item sequence; a group leaves it on every rank at the same point
+    # (``consume`` decides from the packet, which every rank of the replica sees).
+    r = 0
+    while not all(g.done for g in groups):
+        for grp in groups:
+            if grp.done:
+                continue
+            if r == 0:
+                prefill(grp)
+                continue
+            consume(grp, r - 1)  # its tokens after r steps; stage 0 feeds them to item (g, r)
+            if not grp.done:
+                decode(grp, r)
+        r += 1
+    for grp in groups:  # the last sends of every group (all received: every packet has been consumed)
+        _wait_sends(grp.sends)
     return GenerationOutput(tokens=tokens, logprobs=logps, no_eos=no_eos)

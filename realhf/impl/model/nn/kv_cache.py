@@ -23,6 +23,7 @@ class KVCache:
         self.decoding = False
         self._prefill_idx = None
         self._rows = torch.arange(batch, device=device)
+        self._mask = None
 
     @property
     def batch(self) -> int:
@@ -47,6 +48,7 @@ class KVCache:
 
     def end_prefill(self):
         self.lens = self._pending.clone()
+        self._mask = None
         self.decoding = True
         self._prefill_idx = None
 
@@ -54,16 +56,24 @@ class KVCache:
         """Position of the token each row decodes next."""
         return self.lens
 
+    def _step_mask(self):
+        """(attended length L, [B, 1, 1, L] mask of the positions each row attends to) of this decode step,
+        computed once per step and shared by every layer."""
+        if self._mask is None:
+            L = int(self.lens.max()) + 1
+            mask = torch.arange(L, device=self.lens.device).unsqueeze(0) <= self.lens.unsqueeze(1)  # [B, L]
+            self._mask = (L, mask[:, None, None, :])
+        return self._mask
+
     def decode_attention(self, layer: int, q, k, v, scale: float):
         """q: [B, hq, d]; k, v: [B, hkv, d] of the new token of each row -> [B, hq, d]."""
         rows = self._rows[: q.shape[0]]
         K, V = self.k[layer], self.v[layer]
         K[rows, :, self.lens] = k
         V[rows, :, self.lens] = v
-        L = int(self.lens.max()) + 1
-        mask = torch.arange(L, device=q.device).unsqueeze(0) <= self.lens.unsqueeze(1)  # [B, L]
+        L, mask = self._step_mask()
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), K[:, :, :L], V[:, :, :L], attn_mask=mask[:, None, None, :], scale=scale,
+            q.unsqueeze(2), K[:, :, :L], V[:, :, :L], attn_mask=mask, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out.squeeze(2)
@@ -71,12 +81,14 @@ class KVCache:
     def advance(self):
         """Every row consumed one more position (after all layers ran a decode step)."""
         self.lens += 1
+        self._mask = None
         if int(self.lens.max()) >= self.max_len:
             raise RuntimeError("KV cache overflow: max_len too small for the requested new tokens")
 
     def keep(self, rows: torch.Tensor):
-        """Keep only ``rows`` (indices of unfinished sequences), in that order."""
-        if rows.numel() == self.batch:
+        """Keep only cache rows ``rows``, in that order: the unfinished sequences, or (with repeated indices)
+        copies of a prefilled prompt for each of its samples."""
+        if rows.numel() == self.batch and bool((rows == self._rows[: self.batch]).all()):
             return
         L = int(self.lens.max()) + 1
         for i in range(len(self.k)):
@@ -87,3 +99,6 @@ class KVCache:
             nv[:, :, :L] = self.v[i][rows, :, :L]
             self.k[i], self.v[i] = nk, nv
         self.lens = self.lens[rows]
+        if rows.numel() > self._rows.numel():
+            self._rows = torch.arange(rows.numel(), device=self._rows.device)
+        self._mask = None
