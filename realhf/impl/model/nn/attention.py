@@ -2,8 +2,8 @@
 
 Packed layout: ``x`` is [total_tokens, ...] with sequence boundaries ``cu_seqlens`` (int32, [n+1]).
 No token attends across a boundary. On CUDA with flash-attn installed, ``flash_attn_varlen_func`` is
-used; otherwise the sequences are scattered into a padded [n, max_len] batch and attended with
-``scaled_dot_product_attention`` under a causal + key-padding mask, which is exact.
+used; otherwise sequences of similar length are right-padded into one batch per group and attended with
+``scaled_dot_product_attention`` under a causal mask, which is exact (see ``varlen_causal_attention``).
 """
 from __future__ import annotations
 
@@ -52,15 +52,59 @@ def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, 
         qb, kb, vb = (t.view(n, L, t.shape[1], d).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(T, hq, d)
-    # unequal lengths: one causal call per sequence (exact; no padded O(n * max_len^2) mask)
-    outs = []
-    for s, L in zip(cu_seqlens[:-1].tolist(), seqlens):
-        if L == 0:
-            continue
-        qs, ks, vs = (t[s : s + L].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-        outs.append(o.squeeze(0).transpose(0, 1))
-    return torch.cat(outs, 0) if outs else q.new_zeros(0, hq, d)
+    # Unequal lengths: sequences of similar length are right-padded into one batch per bucket and attended
+    # with a plain causal mask. That is exact: a real query at position t attends to keys 0..t, all real
+    # tokens of its own sequence; padded rows come after them and their outputs are dropped.
+    buckets = length_buckets(seqlens)
+    if len(buckets) == n:  # nothing to batch: one causal call per sequence
+        outs = []
+        for s, L in zip(cu_seqlens[:-1].tolist(), seqlens):
+            if L == 0:
+                continue
+            qs, ks, vs = (t[s : s + L].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            outs.append(o.squeeze(0).transpose(0, 1))
+        return torch.cat(outs, 0) if outs else q.new_zeros(0, hq, d)
+    if not buckets:
+        return q.new_zeros(0, hq, d)
+    dev = q.device
+    starts_t = cu_seqlens[:-1].long().to(dev)
+    lens_t = torch.tensor(seqlens, dtype=torch.long, device=dev)
+    outs, order = [], []
+    for members in buckets:
+        m = torch.tensor(members, dtype=torch.long, device=dev)
+        Lm = seqlens[members[0]]  # the longest member comes first
+        j = torch.arange(Lm, device=dev).unsqueeze(0)
+        st, ln = starts_t[m].unsqueeze(1), lens_t[m].unsqueeze(1)
+        # gather index of every (sequence, position) slot; padding slots repeat the sequence's last token
+        gidx = (st + torch.minimum(j, ln - 1)).reshape(-1)
+        qb, kb, vb = (t.index_select(0, gidx).view(len(members), Lm, t.shape[1], d).transpose(1, 2) for t in (q, k, v))
+        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
+        real = (j < ln).reshape(-1)
+        outs.append(ob.transpose(1, 2).reshape(len(members) * Lm, hq, d)[real])
+        order.append((st + j).reshape(-1)[real])
+    inv = torch.empty(T, dtype=torch.long, device=dev)
+    inv[torch.cat(order)] = torch.arange(T, device=dev)
+    return torch.cat(outs, 0).index_select(0, inv)
+
+
+def length_buckets(seqlens, slack: float = 1.25):
+    """Group sequence indices (sorted by length) so that padding each group to its longest member costs at
+    most ``slack`` times the group's real tokens: few batched attention calls, little padded work.
+    Zero-length sequences are left out."""
+    idx = sorted((i for i, L in enumerate(seqlens) if L > 0), key=lambda i: seqlens[i], reverse=True)
+    buckets, cur, cur_tokens = [], [], 0
+    for i in idx:
+        L = seqlens[i]
+        # the first (longest) member sets the padded length of the group
+        if cur and (len(cur) + 1) * seqlens[cur[0]] > slack * (cur_tokens + L):
+            buckets.append(cur)
+            cur, cur_tokens = [], 0
+        cur.append(i)
+        cur_tokens += L
+    if cur:
+        buckets.append(cur)
+    return buckets
 
 
 class RMSNorm(nn.Module):
@@ -70,6 +114,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x):
+        # Normalised in fp32, then cast back before the weight is applied (as the HF families do). Written
+        # out rather than F.rms_norm: on CPU its kernel measured 3x slower for 1152 x 256 inputs.
         dt = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -129,7 +175,11 @@ def rotary_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> torc
 
 
 class Rotary(nn.Module):
-    """cos/sin tables computed on demand for given positions (non-interleaved, rotate-half form)."""
+    """cos/sin tables computed on demand for given positions (non-interleaved, rotate-half form).
+
+    ``cos_sin`` returns ``cos`` and a *signed* ``sin`` (``-sin`` on the first half of the head dimension),
+    the form ``apply_rotary`` takes.
+    """
 
     def __init__(self, head_dim: int, base: float, scaling: Optional[dict]):
         super().__init__()
@@ -138,11 +188,14 @@ class Rotary(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device).unsqueeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        sin[:, : sin.shape[-1] // 2].neg_()
+        return emb.cos().to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, h, d]; cos/sin: [T, d]."""
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding. x: [T, h, d]; cos, sin_signed: [T, 1, d] from ``Rotary.cos_sin``.
+
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``: rolling x by half a head gives
+    ``[x2, x1]``, and the signed sin supplies the minus sign, so it is three kernels (roll, mul, addcmul)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
