@@ -3,7 +3,6 @@ for every save step to stats.jsonl and TensorBoard; a failing evaluation is repo
 import glob
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -11,11 +10,9 @@ import pytest
 
 from realhf.api.quickstart.eval_config import EvaluatorConfig
 from realhf.base.stats import StatsLogger
+from realhf.base.testing import run_quickstart
 from realhf.impl.model.tiny import ensure_tiny_model
 from realhf.system.evaluator import AutoEvaluator, flatten_metrics, policy_model
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def model():
@@ -30,9 +27,7 @@ def _write_sft(path, n):
 
 
 def _quickstart(args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    p = run_quickstart(args, timeout=timeout)
     assert p.returncode == 0, f"quickstart failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return p
 

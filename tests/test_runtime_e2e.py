@@ -15,9 +15,9 @@ import psutil
 import pytest
 import torch
 
+from realhf.base.process import env_with_source_path, source_root
+from realhf.base.testing import run_quickstart
 from realhf.impl.model.tiny import ensure_tiny_model
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _write_sft(path, n, seed):
@@ -40,9 +40,7 @@ def data(tmp_path_factory):
 
 
 def quickstart(args, timeout=300, check=True):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    p = run_quickstart(args, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"quickstart {args[0]} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
@@ -155,8 +153,8 @@ def test_kill_worker_fails_fast_and_auto_recovery_matches(model, data, tmp_path)
 
     def launch(exp, mode):
         args = sft_args(model, data, root, exp, "d2m1p1", *base, f"recover_mode={mode}")
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        return subprocess.Popen([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=ROOT, env=env,
+        return subprocess.Popen([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=source_root(),
+                                env=env_with_source_path(),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def kill_worker_after(exp, n_steps):
@@ -236,8 +234,8 @@ def test_forged_message_is_rejected_and_run_goes_on(model, data, tmp_path):
 
     root = str(tmp_path)
     args = sft_args(model, data, root, "forge", "d1m1p1", "dataset.train_bs_n_seqs=2", "exp_ctrl.total_train_epochs=3")
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.Popen([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=ROOT, env=env,
+    p = subprocess.Popen([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=source_root(),
+                         env=env_with_source_path(),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     nr = name_resolve.make_repository("file", root=os.path.join(root, "name_resolve"))
     addr = nr.wait(names.worker_address("forge", "trial0", "model_worker_0"), timeout=120)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import realhf.impl.model.conversion.families  # noqa: F401  (registers the families)
 from realhf.api.core.model_api import ReaLModelConfig, hf_family_for_model_type, get_hf_family
 from realhf.base import logging
-from realhf.impl.model.nn.real_model import ReaLModel, tp_shard_dim
+from realhf.impl.model.nn.real_model import ReaLModel, tied_source_name, tp_shard_dim
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +76,14 @@ def load_hf_into(model: ReaLModel, path: str):
     fam = get_hf_family(cfg.family)
     files = _weight_files(path)
     local = list(model.param_spec)
-    # A last stage of a tied model that is not also the first keeps its own copy of the embedding as
-    # its LM head: it reads the embedding tensor for it.
-    tied_copy = cfg.tied_embedding and not cfg.is_critic and model.is_last and not model.shares_tied_weight
+    # Each local parameter is read from the tensor whose values it holds: a last stage of a tied model
+    # that is not also the first keeps its own copy of the embedding as its LM head.
+    source = {n: tied_source_name(cfg, n) for n in local}
+    want = list(dict.fromkeys(source.values()))
     optional = set()
-    want = [n for n in local if not (tied_copy and n == "head.lm_head.weight")]
     if cfg.is_critic:
         optional.add("head.value.weight")  # a fresh critic starts from its random value head
     hf_names = fam.hf_names_for_real(want, cfg)
-    if tied_copy:
-        hf_names += fam.hf_names_for_real(["embed.wte.weight"], cfg)
     optional_hf = set(fam.hf_names_for_real(sorted(optional), cfg)) if optional else set()
     by_file: Dict[str, List[str]] = {}
     for n in hf_names:
@@ -103,23 +101,19 @@ def load_hf_into(model: ReaLModel, path: str):
             for n in names:
                 hf_sd[n] = f.get_tensor(n)
     real_sd = fam.hf_to_real(hf_sd, cfg)
-    if tied_copy:
-        real_sd["head.lm_head.weight"] = real_sd["embed.wte.weight"]
-        if not model.is_first:
-            real_sd.pop("embed.wte.weight")
     for k in list(real_sd):
         if k.startswith("<unknown>"):
             raise KeyError(f"checkpoint tensor {k[9:]!r} in {path!r} is not part of a {cfg.family} model")
-    missing = [n for n in local if n not in real_sd and n not in optional]
+    missing = [n for n in local if source[n] not in real_sd and n not in optional]
     if missing:
         raise KeyError(f"checkpoint at {path!r} lacks tensors for {missing[:5]}{'...' if len(missing) > 5 else ''}")
     for name in local:
-        if name not in real_sd:
+        if source[name] not in real_sd:
             continue
-        t = real_sd[name]
+        t = real_sd[source[name]]
         full = model.full_shape(name)
         if tuple(t.shape) != tuple(full):
-            hf = fam.hf_names_for_real([name], cfg)
+            hf = fam.hf_names_for_real([source[name]], cfg)
             raise ValueError(
                 f"checkpoint tensor {hf} (for {name}) in {path!r} has shape {tuple(t.shape)}, expected "
                 f"{tuple(full)} from config.json — the weights do not match the config"
