@@ -102,6 +102,6 @@ def test_bad_allocations_fail_before_workers_start(tiny_math_run, extra, fragmen
 
 def test_unimplemented_launcher_is_refused(tiny_math_run):
     model, d = tiny_math_run
-    p = run_quickstart(_args(model, d, "ray", 1, "mode=ray"), timeout=120)
-    assert p.returncode == 2 and "mode='ray' is not implemented yet" in p.stderr
-    assert not os.path.exists(os.path.join(d, "ray", "trial0", "logs", "master.log"))
+    p = run_quickstart(_args(model, d, "slurm", 1, "mode=slurm"), timeout=120)
+    assert p.returncode == 2 and "mode='slurm' is not implemented yet" in p.stderr
+    assert not os.path.exists(os.path.join(d, "slurm", "trial0", "logs", "master.log"))

@@ -1,4 +1,5 @@
-"""Launch an experiment locally: master + model workers as processes, with automatic recovery.
+"""Launch an experiment: master + model workers as processes (on this machine, or through Ray with
+``mode=ray``), with automatic recovery.
 
 ``run_experiment(exp_name, config)`` validates the config and builds the experiment spec *before*
 anything starts (so bad input fails fast), clears stale name-resolve entries of the same
@@ -16,6 +17,7 @@ import time
 from realhf.api.quickstart.entry import config_to_yaml
 from realhf.base import logging, name_resolve
 from realhf.base.name_resolve import names
+from realhf.base.process import env_with_source_path
 from realhf.experiments import build_spec
 from realhf.scheduler.local import JobFailure, LocalScheduler, python_cmd
 from realhf.system.request_reply_stream import new_run_secret
@@ -36,10 +38,18 @@ def _launch_once(exp_name: str, config, spec, resume: bool) -> None:
         f.write(config_to_yaml(config))
     env = {"REALHF_RUN_SECRET": new_run_secret().hex(), "OMP_NUM_THREADS": str(spec.threads_per_worker),
            "TOKENIZERS_PARALLELISM": "false"}
-    sched = LocalScheduler(spec.log_dir)
+    if config.mode == "ray":
+        from realhf.scheduler.ray_launcher import RayScheduler
+
+        # jobs on other nodes import the same source tree (a shared file system holds it and fileroot)
+        env["PYTHONPATH"] = env_with_source_path()["PYTHONPATH"]
+        sched = RayScheduler(spec.log_dir, config.ray_address, config.cpus_per_worker, config.ray_gpus_per_worker,
+                             spec.n_workers)
+    else:
+        sched = LocalScheduler(spec.log_dir)
     common = ["--exp", exp_name, "--config", cfg_path, "--resume", "1" if resume else "0"]
     try:
-        sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env)
+        sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env, worker=False)
         for r in range(spec.n_workers):
             sched.submit(f"model_worker_{r}", python_cmd("realhf.apps.remote", "--role", "model_worker", "--rank", str(r), *common), env)
         sched.wait("master")

@@ -16,21 +16,24 @@ logger = logging.getLogger("realhf.quickstart")
 
 def _runner(name: str):
     def run(cfg) -> int:
+        from realhf.api.quickstart.config import IMPLEMENTED_MODES
         from realhf.apps.main import run_experiment
         from realhf.experiments import build_spec
         from realhf.impl.dataset import DatasetError
 
+        if cfg.mode not in IMPLEMENTED_MODES:
+            sys.stderr.write(f"error: mode={cfg.mode!r} is not implemented yet; launchers available: "
+                             f"{list(IMPLEMENTED_MODES)}\n")
+            return 2
         try:
-            build_spec(name, cfg)  # fail fast, with a clear message, before anything starts
+            spec = build_spec(name, cfg)  # fail fast, with a clear message, before anything starts
+            if cfg.mode == "ray":  # the cluster must exist and hold the workers before anything starts
+                from realhf.scheduler.ray_launcher import connect
+
+                connect(cfg.ray_address, cfg.cpus_per_worker * spec.n_workers, cfg.ray_gpus_per_worker * spec.n_workers)
         except (ValueError, KeyError, FileNotFoundError, DatasetError) as e:
             msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
             sys.stderr.write(f"error: {msg}\n")
-            return 2
-        from realhf.api.quickstart.config import IMPLEMENTED_MODES
-
-        if cfg.mode not in IMPLEMENTED_MODES:
-            sys.stderr.write(f"error: mode={cfg.mode!r} is not implemented yet; launchers available: "
-                             f"{list(IMPLEMENTED_MODES)} (one machine)\n")
             return 2
         return run_experiment(name, cfg)
 

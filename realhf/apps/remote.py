@@ -50,6 +50,7 @@ def main(argv=None) -> int:
 
 
 def run_master(spec, secret, nr, resume: bool) -> int:
+    from realhf.base import network
     from realhf.base.name_resolve import names
     from realhf.experiments import final_hook
     from realhf.system.heartbeat import HeartbeatMonitor
@@ -58,7 +59,7 @@ def run_master(spec, secret, nr, resume: bool) -> int:
     from realhf.system.request_reply_stream import MasterClient, WorkerError, WorkerLostError
 
     exp, trial = spec.experiment_name, spec.trial_name
-    monitor = HeartbeatMonitor(secret, host="127.0.0.1", name_resolve=nr, key=names.master_heartbeat(exp, trial))
+    monitor = HeartbeatMonitor(secret, host=network.worker_host(), name_resolve=nr, key=names.master_heartbeat(exp, trial))
     addrs = {worker_name(r): nr.wait(names.worker_address(exp, trial, worker_name(r)), timeout=600)
              for r in range(spec.n_workers)}
     client = MasterClient(secret, addrs, heartbeat=monitor, lost_after=spec.worker_timeout_secs)

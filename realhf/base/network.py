@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 from typing import List
 
@@ -72,3 +73,9 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(socket.gethostbyname(h)).is_loopback
     except (OSError, ValueError):
         return False
+
+
+def worker_host() -> str:
+    """The address this process binds and advertises for its sockets and rendezvous: ``$REALHF_HOST`` when
+    a multi-node launcher set it (the node's IP), else ``127.0.0.1`` (every process on one machine)."""
+    return os.environ.get("REALHF_HOST") or "127.0.0.1"

@@ -36,14 +36,43 @@ class JobFailure(RuntimeError):
         super().__init__(f"{name} exited with code {code}{sig}. Last lines of its log:\n{log_tail}")
 
 
-class LocalScheduler:
+class WaitMixin:
+    """``wait``/``wait_others`` over ``self._codes()`` ({job name: exit code, None while running}) and
+    ``self.jobs[name].log_path``: shared by the launchers."""
+
+    def wait(self, main: str, poll: float = 0.2, timeout: Optional[float] = None) -> None:
+        """Return when ``main`` exits 0; raise JobFailure when any job exits non-zero (or is lost),
+        TimeoutError after ``timeout`` seconds."""
+        t0 = time.monotonic()
+        while True:
+            codes = self._codes()
+            for name, code in codes.items():
+                if code is not None and code != 0:
+                    raise JobFailure(name, code, tail(self.jobs[name].log_path))
+            if codes[main] == 0:
+                return
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"experiment did not finish within {timeout:.0f} s")
+            time.sleep(poll)
+
+    def wait_others(self, grace: float = 30.0):
+        """After the master finished: give the workers ``grace`` seconds to exit on their own."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < grace:
+            if all(c is not None for c in self._codes().values()):
+                return
+            time.sleep(0.1)
+
+
+class LocalScheduler(WaitMixin):
     def __init__(self, log_dir: str):
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
         self.jobs: Dict[str, Job] = {}
         atexit.register(self.stop_all)
 
-    def submit(self, name: str, cmd: List[str], env: Optional[dict] = None) -> Job:
+    def submit(self, name: str, cmd: List[str], env: Optional[dict] = None, worker: bool = True) -> Job:
+        """Start ``cmd`` as job ``name``. (``worker`` matters to launchers that reserve resources.)"""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         full_env = dict(os.environ)
         full_env.update(env or {})
@@ -56,29 +85,8 @@ class LocalScheduler:
         logger.info(f"started {name} (pid {proc.pid}), log: {log_path}")
         return job
 
-    def wait(self, main: str, poll: float = 0.2, timeout: Optional[float] = None) -> None:
-        """Return when ``main`` exits 0; raise JobFailure when any job exits non-zero (or ``main`` is
-        done but others are still failing), TimeoutError after ``timeout`` seconds."""
-        t0 = time.monotonic()
-        while True:
-            for job in list(self.jobs.values()):
-                code = job.proc.poll()
-                if code is not None and code != 0:
-                    raise JobFailure(job.name, code, tail(job.log_path))
-            code = self.jobs[main].proc.poll()
-            if code == 0:
-                return
-            if timeout is not None and time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"experiment did not finish within {timeout:.0f} s")
-            time.sleep(poll)
-
-    def wait_others(self, grace: float = 30.0):
-        """After the master finished: give the workers ``grace`` seconds to exit on their own."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < grace:
-            if all(j.proc.poll() is not None for j in self.jobs.values()):
-                return
-            time.sleep(0.1)
+    def _codes(self) -> Dict[str, Optional[int]]:
+        return {n: j.proc.poll() for n, j in self.jobs.items()}
 
     def stop_all(self, grace: float = 5.0):
         alive = [j for j in self.jobs.values() if j.proc.poll() is None]

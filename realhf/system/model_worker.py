@@ -94,7 +94,8 @@ class ModelWorker:
         torch.manual_seed(seed)
         key = names.distributed_init(spec.experiment_name, spec.trial_name)
         if self.rank == 0:
-            self.nr.add(key, f"tcp://127.0.0.1:{network.find_free_port()}", replace=True)
+            host = network.worker_host()
+            self.nr.add(key, f"tcp://{host}:{network.find_free_port(host)}", replace=True)
         addr = self.nr.wait(key, timeout=120)
         import datetime
 
@@ -108,7 +109,7 @@ class ModelWorker:
         self._setup_data()
         if self.resume_info is not None:
             self._load_ckpt()
-        self.server = WorkerServer(self.name, self.secret, host="127.0.0.1", name_resolve=self.nr,
+        self.server = WorkerServer(self.name, self.secret, host=network.worker_host(), name_resolve=self.nr,
                                    key=names.worker_address(spec.experiment_name, spec.trial_name, self.name))
         hb_addr = self.nr.wait(names.master_heartbeat(spec.experiment_name, spec.trial_name), timeout=120)
         self.heartbeat = HeartbeatSender(self.name, self.secret, hb_addr)

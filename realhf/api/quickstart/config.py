@@ -33,7 +33,7 @@ from realhf.base.topology import ParallelDims
 logger = logging.getLogger(__name__)
 
 MODES = ("local", "ray", "slurm")
-IMPLEMENTED_MODES = ("local",)
+IMPLEMENTED_MODES = ("local", "ray")
 RECOVER_MODES = ("disabled", "auto", "resume")
 WANDB_MODES = ("disabled", "offline", "online")
 DTYPES = ("float32", "bfloat16")
@@ -250,7 +250,11 @@ class BaseExperimentConfig:
 
     experiment_name: str = _field("quickstart", "experiment name (letters, digits, '_', '-', '.')")
     trial_name: str = _field("trial0", "trial name; one experiment may have several trials")
-    mode: str = _field("local", "launcher: local (implemented) | ray | slurm")
+    mode: str = _field("local", "launcher: local (processes on this machine) | ray (a Ray cluster; pip install "
+                                "'realhf[ray]') | slurm (not implemented)")
+    ray_address: str = _field("", "mode=ray: the Ray cluster to join ('auto', or host:port of its head); empty "
+                                  "starts a Ray instance on this machine for the run")
+    ray_gpus_per_worker: float = _field(0.0, "mode=ray: GPUs each model worker reserves (1 on GPU clusters)")
     fileroot: str = _field(help="root folder of logs and checkpoints (default $REALHF_FILEROOT or "
                                 "~/.cache/realhf/experiments)", factory=_default_fileroot)
     seed: int = _field(1, "random seed")
@@ -279,6 +283,7 @@ class BaseExperimentConfig:
                 raise ValueError(f"{key}={v!r} is not allowed; use letters, digits, '_', '-' and '.', "
                                  "starting with a letter or digit")
         _choice("mode", self.mode, MODES)
+        _num_in("ray_gpus_per_worker", self.ray_gpus_per_worker, lo=0)
         _choice("recover_mode", self.recover_mode, RECOVER_MODES)
         _choice("param_realloc", self.param_realloc, ("memory", "disk"))
         if not self.fileroot:

@@ -1,0 +1,73 @@
+"""``mode=ray``: the master and model workers start through Ray actors (a real Ray instance on this
+machine), bind the node's address, and train exactly as under the local launcher."""
+import os
+import re
+
+import psutil
+import pytest
+
+pytest.importorskip("ray")
+
+from realhf.base.testing import read_stats, run_quickstart  # noqa: E402
+from realhf.impl.model.tiny import ensure_tiny_model  # noqa: E402
+
+
+def _sft(model, data, root, exp, *extra):
+    return ["sft", f"model.path={model}", f"dataset.train_path={data}", "dataset.train_bs_n_seqs=8",
+            "model.optimizer.lr=1e-3", f"fileroot={root}", f"experiment_name={exp}", "allocation_mode=d2m1p1",
+            "n_devices_per_node=2", "exp_ctrl.benchmark_steps=3", *extra]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ray")
+    path = d / "train.jsonl"
+    with open(path, "w") as f:
+        for i in range(48):
+            f.write('{"prompt": "%d+%d=", "answer": "%d"}\n' % (i % 10, (7 * i) % 10, i % 10 + (7 * i) % 10))
+    return ensure_tiny_model("qwen2", tie_word_embeddings=True), str(path), str(d)
+
+
+def test_ray_run_trains_like_local(setup):
+    model, data, root = setup
+    p = run_quickstart(_sft(model, data, root, "viaray", "mode=ray"), timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = p.stdout + p.stderr
+    started = re.findall(r"started (\S+) through Ray on (\S+) \(pid (\d+)\)", out)
+    assert {n for n, _, _ in started} == {"master", "model_worker_0", "model_worker_1"}, out[-3000:]
+    for _, _, pid in started:  # every job is gone after the run
+        assert not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+    q = run_quickstart(_sft(model, data, root, "local"), timeout=300)
+    assert q.returncode == 0, q.stderr[-4000:]
+    ray_loss = [s["loss"] for s in read_stats(root, "viaray")]
+    local_loss = [s["loss"] for s in read_stats(root, "local")]
+    assert len(ray_loss) == 3 and len(local_loss) == 3
+    for a, b in zip(ray_loss, local_loss):
+        assert abs(a - b) < 1e-5, (ray_loss, local_loss)
+    # the jobs bound and advertised the node's address Ray gave them, not the loopback default
+    host = started[0][1]
+    nr_files = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(root, "name_resolve")) for f in fs]
+    if host != "127.0.0.1":
+        assert any(host in open(f).read() for f in nr_files if "viaray" in f), "no address on the node's IP"
+
+
+def test_unreachable_ray_cluster_fails_before_start(setup):
+    model, data, root = setup
+    p = run_quickstart(_sft(model, data, root, "noray", "mode=ray", "ray_address=127.0.0.1:1"), timeout=180)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "cannot connect to the Ray cluster at ray_address='127.0.0.1:1'" in p.stderr
+    assert not os.path.exists(os.path.join(root, "noray", "trial0", "logs", "master.log"))
+
+
+def test_cluster_too_small_is_refused():
+    import ray
+
+    from realhf.scheduler.ray_launcher import connect
+
+    ray.init(num_cpus=1, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:
+        with pytest.raises(ValueError, match=r"has 1 CPUs and 0 GPUs; this experiment's model workers need 4 CPUs and 2 GPUs"):
+            connect("", need_cpus=4, need_gpus=2)
+        assert connect("", need_cpus=1, need_gpus=0) is ray  # enough: joins the running instance
+    finally:
+        ray.shutdown()
