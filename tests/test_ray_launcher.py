@@ -71,3 +71,47 @@ def test_cluster_too_small_is_refused():
         assert connect("", need_cpus=1, need_gpus=0) is ray  # enough: joins the running instance
     finally:
         ray.shutdown()
+
+
+def test_killed_worker_under_ray_fails_fast_and_leaves_nothing(setup):
+    """kill -9 of a model worker started through Ray: the run stops within seconds, names the worker,
+    and no job process stays behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from realhf.base.process import env_with_source_path, source_root
+
+    model, data, root = setup
+    exp = "raykill"
+    args = _sft(model, data, root, exp, "mode=ray", "exp_ctrl.benchmark_steps=null", "exp_ctrl.total_train_epochs=50")
+    p = subprocess.Popen([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=source_root(),
+                         env=env_with_source_path(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stats_path = os.path.join(root, exp, "trial0", "logs", "stats.jsonl")
+    t0 = time.time()
+    while time.time() - t0 < 180 and not (os.path.exists(stats_path) and os.path.getsize(stats_path) > 0):
+        assert p.poll() is None, p.communicate()[0][-3000:]
+        time.sleep(0.1)
+
+    def jobs():
+        out = []
+        for q in psutil.process_iter(["cmdline"]):
+            try:
+                cmd = q.info["cmdline"] or []
+                if "realhf.apps.remote" in cmd and any(os.path.join(root, exp) in a for a in cmd):
+                    out.append(q)
+            except psutil.Error:
+                pass
+        return out
+
+    victim = [q for q in jobs() if "--rank" in q.cmdline() and q.cmdline()[q.cmdline().index("--rank") + 1] == "1"]
+    assert victim, "model_worker_1 not found"
+    victim[0].send_signal(signal.SIGKILL)
+    t_kill = time.time()
+    out, _ = p.communicate(timeout=90)
+    assert p.returncode != 0
+    assert time.time() - t_kill < 30, "the failure took too long to be noticed"
+    assert "model_worker_1" in out and "-9" in out, out[-3000:]
+    time.sleep(1)
+    assert not jobs(), "job processes left behind"
