@@ -55,18 +55,7 @@ def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, 
     # Unequal lengths: sequences of similar length are right-padded into one batch per bucket and attended
     # with a plain causal mask. That is exact: a real query at position t attends to keys 0..t, all real
     # tokens of its own sequence; padded rows come after them and their outputs are dropped.
-    buckets = length_buckets(seqlens)
-    if len(buckets) == n:  # nothing to batch: one causal call per sequence
-        outs = []
-        for s, L in zip(cu_seqlens[:-1].tolist(), seqlens):
-            if L == 0:
-                continue
-            qs, ks, vs = (t[s : s + L].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-            outs.append(o.squeeze(0).transpose(0, 1))
-        return torch.cat(outs, 0) if outs else q.new_zeros(0, hq, d)
-    if not buckets:
-        return q.new_zeros(0, hq, d)
+    buckets = length_buckets(seqlens)  # not empty: unequal lengths include a non-zero one
     dev = q.device
     starts_t = cu_seqlens[:-1].long().to(dev)
     lens_t = torch.tensor(seqlens, dtype=torch.long, device=dev)

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.impl.model.nn.kv_cache import KVCache
-from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, make_packed_input
+from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, even_range, make_packed_input
 from realhf.impl.model.parallelism.tensor_parallel import gather_from_tp
 
 
@@ -167,6 +167,32 @@ def _record(rows: List[int], tl: List[int], ll: List[float], stop: set, tokens: 
     return keep
 
 
+def _prefill_input(seqlens: List[int], cache: KVCache, device) -> PackedInput:
+    """The packed input of a prefill of prompts of ``seqlens`` into ``cache`` (the head runs on each
+    prompt's last token only)."""
+    inp = make_packed_input(seqlens, device=device)
+    inp.cache = cache
+    inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
+    cache.begin_prefill(torch.tensor(seqlens, device=device))
+    return inp
+
+
+def _decode_input(cache: KVCache, device) -> PackedInput:
+    """The input of one decode step: one token for every row of ``cache``."""
+    n = cache.batch
+    return PackedInput(cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=device), max_seqlen=1,
+                       position_ids=cache.positions().clone(), cache=cache)
+
+
+def _drop_finished(cache: KVCache, keep: List[int], alive: torch.Tensor, tok: torch.Tensor):
+    """Keep only the rows at positions ``keep`` (of ``alive``/``tok`` and the cache); returns (alive, tok)."""
+    if len(keep) == alive.numel():
+        return alive, tok
+    kt = torch.tensor(keep, dtype=torch.long, device=alive.device)
+    cache.keep(kt)
+    return alive[kt], tok[kt]
+
+
 @torch.no_grad()
 def generate(
     model: ReaLModel,
@@ -253,10 +279,7 @@ def generate(
     n = gconfig.n
     uniq = prompts[::n]
     useqlens = seqlens[::n]
-    inp = make_packed_input(useqlens, device=device)
-    inp.cache = cache
-    inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
-    cache.begin_prefill(torch.tensor(useqlens, device=device))
+    inp = _prefill_input(useqlens, cache, device)
     ids = torch.tensor([t for p in uniq for t in p], dtype=torch.long, device=device)
     out_rows = B
     alive = torch.arange(B, device=device)  # original index of each cache row
@@ -275,17 +298,9 @@ def generate(
         keep = _record(alive.tolist(), tok.tolist(), lp.tolist(), stop, tokens, logps, no_eos)
         if step == gconfig.max_new_tokens - 1 or not keep:
             break
-        if len(keep) < alive.numel():
-            kt = torch.tensor(keep, dtype=torch.long, device=device)
-            cache.keep(kt)
-            alive, tok = alive[kt], tok[kt]
+        alive, tok = _drop_finished(cache, keep, alive, tok)
         out_rows = alive.numel()
-        dinp = PackedInput(
-            cu_seqlens=torch.arange(out_rows + 1, dtype=torch.int32, device=device),
-            max_seqlen=1,
-            position_ids=cache.positions().clone(),
-            cache=cache,
-        )
+        dinp = _decode_input(cache, device)
         out = run_stage(tok if model.is_first else None, dinp, out_rows)
         cache.advance()
         tok, lp = pick(out, step + 1)
@@ -357,13 +372,7 @@ class _Group:
 
 def split_rows(n_rows: int, n_groups: int) -> List[List[int]]:
     """Contiguous, as even as possible groups of ``range(n_rows)`` (earlier groups take the remainder)."""
-    base, rem = divmod(n_rows, n_groups)
-    out, start = [], 0
-    for g in range(n_groups):
-        n = base + (1 if g < rem else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
+    return [list(range(*even_range(n_rows, n_groups, g))) for g in range(n_groups)]
 
 
 def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: GenerationHyperparameters, stop: set,
@@ -405,10 +414,7 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
 
     def prefill(grp: _Group):
         seqlens = [len(prompts[i]) for i in grp.rows]
-        inp = make_packed_input(seqlens, device=device)
-        inp.cache = grp.cache
-        inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
-        grp.cache.begin_prefill(torch.tensor(seqlens, device=device))
+        inp = _prefill_input(seqlens, grp.cache, device)
         ids = None
         if model.is_first:
             ids = torch.tensor([t for i in grp.rows for t in prompts[i]], dtype=torch.long, device=device)
@@ -416,14 +422,8 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
         grp.cache.end_prefill()
 
     def decode(grp: _Group, n_generated: int):
-        n = grp.alive.numel()
-        inp = PackedInput(
-            cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=device),
-            max_seqlen=1,
-            position_ids=grp.cache.positions().clone(),
-            cache=grp.cache,
-        )
-        run_item(grp, grp.tok if model.is_first else None, inp, n, n_generated)
+        run_item(grp, grp.tok if model.is_first else None, _decode_input(grp.cache, device), grp.alive.numel(),
+                 n_generated)
         grp.cache.advance()
 
     def consume(grp: _Group, step: int):
@@ -438,11 +438,7 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
         if step == gconfig.max_new_tokens - 1 or not keep:
             grp.done, grp.cache, grp.tok = True, None, None  # free the cache now
             return
-        if len(keep) < grp.alive.numel():
-            kt = torch.tensor(keep, dtype=torch.long, device=device)
-            grp.cache.keep(kt)
-            grp.alive, tok = grp.alive[kt], tok[kt]
-        grp.tok = tok
+        grp.alive, grp.tok = _drop_finished(grp.cache, keep, grp.alive, tok)
 
     # Every rank walks the same item sequence; a group leaves it on every rank at the same point
     # (``consume`` decides from the packet, which every rank of the replica sees).

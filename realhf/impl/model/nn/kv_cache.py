@@ -22,7 +22,6 @@ class KVCache:
         self.max_len = max_len
         self.decoding = False
         self._prefill_idx = None
-        self._rows = torch.arange(batch, device=device)
         self._mask = None
 
     @property
@@ -57,21 +56,21 @@ class KVCache:
         return self.lens
 
     def _step_mask(self):
-        """(attended length L, [B, 1, 1, L] mask of the positions each row attends to) of this decode step,
-        computed once per step and shared by every layer."""
+        """(row indices, attended length L, [B, 1, 1, L] mask of the positions each row attends to) of this
+        decode step, computed once per step and shared by every layer."""
         if self._mask is None:
+            dev = self.lens.device
             L = int(self.lens.max()) + 1
-            mask = torch.arange(L, device=self.lens.device).unsqueeze(0) <= self.lens.unsqueeze(1)  # [B, L]
-            self._mask = (L, mask[:, None, None, :])
+            mask = torch.arange(L, device=dev).unsqueeze(0) <= self.lens.unsqueeze(1)  # [B, L]
+            self._mask = (torch.arange(self.batch, device=dev), L, mask[:, None, None, :])
         return self._mask
 
     def decode_attention(self, layer: int, q, k, v, scale: float):
         """q: [B, hq, d]; k, v: [B, hkv, d] of the new token of each row -> [B, hq, d]."""
-        rows = self._rows[: q.shape[0]]
+        rows, L, mask = self._step_mask()
         K, V = self.k[layer], self.v[layer]
         K[rows, :, self.lens] = k
         V[rows, :, self.lens] = v
-        L, mask = self._step_mask()
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), K[:, :, :L], V[:, :, :L], attn_mask=mask, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
@@ -88,7 +87,7 @@ class KVCache:
     def keep(self, rows: torch.Tensor):
         """Keep only cache rows ``rows``, in that order: the unfinished sequences, or (with repeated indices)
         copies of a prefilled prompt for each of its samples."""
-        if rows.numel() == self.batch and bool((rows == self._rows[: self.batch]).all()):
+        if torch.equal(rows, torch.arange(self.batch, device=rows.device)):
             return
         L = int(self.lens.max()) + 1
         for i in range(len(self.k)):
@@ -99,6 +98,4 @@ class KVCache:
             nv[:, :, :L] = self.v[i][rows, :, :L]
             self.k[i], self.v[i] = nk, nv
         self.lens = self.lens[rows]
-        if rows.numel() > self._rows.numel():
-            self._rows = torch.arange(rows.numel(), device=self._rows.device)
         self._mask = None

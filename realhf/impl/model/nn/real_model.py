@@ -48,17 +48,20 @@ def tp_shard_dim(name: str) -> Optional[int]:
     return None
 
 
+def even_range(total: int, parts: int, i: int) -> Tuple[int, int]:
+    """[start, end) of part ``i`` when ``range(total)`` is cut into ``parts`` contiguous parts as even as
+    possible, earlier parts taking the remainder (layers over stages, kv heads over tensor ranks, rows
+    over generation groups)."""
+    base, rem = divmod(total, parts)
+    start = i * base + min(i, rem)
+    return start, start + base + (1 if i < rem else 0)
+
+
 def kv_head_partition(n_kv_heads: int, tp: int) -> List[Tuple[int, int]]:
     """(first kv head, number of kv heads) of every tensor rank: as even as possible, earlier ranks take
     the remainder. Query heads follow their kv head (GQA groups are never split), so 9 query / 3 kv heads
     over tp=2 become 6+3 query heads."""
-    base, rem = divmod(n_kv_heads, tp)
-    out, start = [], 0
-    for r in range(tp):
-        n = base + (1 if r < rem else 0)
-        out.append((start, n))
-        start += n
-    return out
+    return [(s, e - s) for s, e in (even_range(n_kv_heads, tp, r) for r in range(tp))]
 
 
 def shard_bounds(cfg: ReaLModelConfig, name: str, tp: int, rank: int) -> Optional[Tuple[int, int]]:
@@ -88,9 +91,7 @@ def tied_source_name(cfg: ReaLModelConfig, name: str) -> str:
 
 def stage_layer_range(n_layers: int, pp: int, stage: int) -> Tuple[int, int]:
     """[start, end) of the blocks held by pipeline stage ``stage`` (earlier stages take the remainder)."""
-    base, rem = divmod(n_layers, pp)
-    start = stage * base + min(stage, rem)
-    return start, start + base + (1 if stage < rem else 0)
+    return even_range(n_layers, pp, stage)
 
 
 @dataclasses.dataclass
