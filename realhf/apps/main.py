@@ -43,8 +43,7 @@ def _launch_once(exp_name: str, config, spec, resume: bool) -> None:
 
         # jobs on other nodes import the same source tree (a shared file system holds it and fileroot)
         env["PYTHONPATH"] = env_with_source_path()["PYTHONPATH"]
-        sched = RayScheduler(spec.log_dir, config.ray_address, config.cpus_per_worker, config.ray_gpus_per_worker,
-                             spec.n_workers)
+        sched = RayScheduler(spec.log_dir, config, spec.n_workers)
     else:
         sched = LocalScheduler(spec.log_dir)
     common = ["--exp", exp_name, "--config", cfg_path, "--resume", "1" if resume else "0"]

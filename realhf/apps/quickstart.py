@@ -28,9 +28,9 @@ def _runner(name: str):
         try:
             spec = build_spec(name, cfg)  # fail fast, with a clear message, before anything starts
             if cfg.mode == "ray":  # the cluster must exist and hold the workers before anything starts
-                from realhf.scheduler.ray_launcher import connect
+                from realhf.scheduler.ray_launcher import connect_for
 
-                connect(cfg.ray_address, cfg.cpus_per_worker * spec.n_workers, cfg.ray_gpus_per_worker * spec.n_workers)
+                connect_for(cfg, spec.n_workers)
         except (ValueError, KeyError, FileNotFoundError, DatasetError) as e:
             msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
             sys.stderr.write(f"error: {msg}\n")

@@ -74,12 +74,7 @@ class LocalScheduler(WaitMixin):
     def submit(self, name: str, cmd: List[str], env: Optional[dict] = None, worker: bool = True) -> Job:
         """Start ``cmd`` as job ``name``. (``worker`` matters to launchers that reserve resources.)"""
         log_path = os.path.join(self.log_dir, f"{name}.log")
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
-        with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=full_env,
-                                    start_new_session=True, stdin=subprocess.DEVNULL)
+        proc = start_logged(cmd, env or {}, log_path)
         job = Job(name, proc, log_path)
         self.jobs[name] = job
         logger.info(f"started {name} (pid {proc.pid}), log: {log_path}")
@@ -89,25 +84,43 @@ class LocalScheduler(WaitMixin):
         return {n: j.proc.poll() for n, j in self.jobs.items()}
 
     def stop_all(self, grace: float = 5.0):
-        alive = [j for j in self.jobs.values() if j.proc.poll() is None]
-        for j in alive:
-            try:
-                os.killpg(j.proc.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < grace and any(j.proc.poll() is None for j in alive):
-            time.sleep(0.05)
-        for j in self.jobs.values():
-            try:  # the group may hold grandchildren even when the leader is gone
-                os.killpg(j.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                j.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                logger.error(f"{j.name} (pid {j.proc.pid}) did not die")
+        stop_groups({j.name: j.proc for j in self.jobs.values()}, grace)
         self.jobs.clear()
+
+
+def start_logged(cmd: List[str], env: Dict[str, str], log_path: str) -> subprocess.Popen:
+    """Start ``cmd`` (environment: this one updated with ``env``) in its own session, its output appended
+    to ``log_path``."""
+    full_env = dict(os.environ)
+    full_env.update(env)
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    with open(log_path, "ab") as logf:
+        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def _killpg(pid: int, sig: int):
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_groups(procs: Dict[str, subprocess.Popen], grace: float = 5.0):
+    """SIGTERM the process group of every running process, give them ``grace`` seconds, then SIGKILL every
+    group (a group may hold grandchildren even when its leader is gone) and reap the leaders."""
+    alive = [p for p in procs.values() if p.poll() is None]
+    for p in alive:
+        _killpg(p.pid, signal.SIGTERM)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < grace and any(p.poll() is None for p in alive):
+        time.sleep(0.05)
+    for name, p in procs.items():
+        _killpg(p.pid, signal.SIGKILL)
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            logger.error(f"{name} (pid {p.pid}) did not die")
 
 
 def python_cmd(module: str, *args: str) -> List[str]:

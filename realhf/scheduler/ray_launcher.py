@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Dict, List, Optional
 
 from realhf.base import logging
-from realhf.scheduler.local import WaitMixin
+from realhf.scheduler.local import WaitMixin, start_logged, stop_groups
 
 logger = logging.getLogger(__name__)
 
@@ -36,40 +35,18 @@ def _actor_class():
         """Runs one job's command as a child process on this actor's node."""
 
         def start(self, cmd: List[str], env: Dict[str, str], log_path: str):
-            import subprocess
-
             import ray as _ray
 
-            full = dict(os.environ)
-            full.update(env)
-            full["REALHF_HOST"] = _ray.util.get_node_ip_address()
-            full.setdefault("PYTHONUNBUFFERED", "1")
+            host = _ray.util.get_node_ip_address()
             os.makedirs(os.path.dirname(log_path), exist_ok=True)
-            with open(log_path, "ab") as logf:
-                self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=full,
-                                             start_new_session=True, stdin=subprocess.DEVNULL)
-            return self.proc.pid, full["REALHF_HOST"]
+            self.proc = start_logged(cmd, dict(env, REALHF_HOST=host), log_path)
+            return self.proc.pid, host
 
         def poll(self) -> Optional[int]:
             return self.proc.poll()
 
         def stop(self, grace: float) -> Optional[int]:
-            import signal
-
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                if self.proc.poll() is not None:
-                    break
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    break
-                t0 = time.monotonic()
-                while time.monotonic() - t0 < grace and self.proc.poll() is None:
-                    time.sleep(0.05)
-            try:  # the group may hold grandchildren even when the leader is gone
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            stop_groups({"job": self.proc}, grace)
             return self.proc.poll()
 
     return _ProcessActor
@@ -127,12 +104,18 @@ def connect(address: str, need_cpus: float, need_gpus: float):
     return ray
 
 
+def connect_for(config, n_workers: int):
+    """``connect`` for an experiment config (``ray_address``, ``cpus_per_worker``, ``ray_gpus_per_worker``)
+    with ``n_workers`` model workers."""
+    return connect(config.ray_address, config.cpus_per_worker * n_workers, config.ray_gpus_per_worker * n_workers)
+
+
 class RayScheduler(WaitMixin):
-    def __init__(self, log_dir: str, address: str, cpus_per_worker: float, gpus_per_worker: float, n_workers: int):
+    def __init__(self, log_dir: str, config, n_workers: int):
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
-        self.cpus, self.gpus = cpus_per_worker, gpus_per_worker
-        self.ray = connect(address, cpus_per_worker * n_workers, gpus_per_worker * n_workers)
+        self.cpus, self.gpus = config.cpus_per_worker, config.ray_gpus_per_worker
+        self.ray = connect_for(config, n_workers)  # checked again at each (re)launch: nodes may have gone
         self.jobs: Dict[str, RayJob] = {}
 
     def submit(self, name: str, cmd: List[str], env: Optional[dict] = None, worker: bool = True) -> RayJob:
