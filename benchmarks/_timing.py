@@ -1,10 +1,16 @@
 """Timing helpers shared by the benchmark scripts (imported as ``_timing`` when a script runs)."""
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
 import torch
+
+
+def emit(**kw):
+    """Print one JSON line of figures (the benchmarks' output format)."""
+    print(json.dumps(kw), flush=True)
 
 
 def inprocess_copy_seconds(numel: int, repeats: int) -> float:

@@ -13,17 +13,14 @@ Usage: python benchmarks/bench_eval.py [--n-problems 32] [--new-tokens 64] [--th
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import sys
 import time
 
+from _timing import emit as _emit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _emit(**kw):
-    print(json.dumps(kw), flush=True)
 
 
 def _model_path() -> str:

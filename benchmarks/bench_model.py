@@ -13,7 +13,6 @@ Usage: python benchmarks/bench_model.py [--model smollm2|tiny-llama] [--dtype bf
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import resource
@@ -21,9 +20,7 @@ import statistics
 import sys
 import time
 
-
-def _emit(**kw):
-    print(json.dumps(kw), flush=True)
+from _timing import emit as _emit
 
 
 def _model_path(name: str, dtype: str) -> str:

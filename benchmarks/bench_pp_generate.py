@@ -24,17 +24,14 @@ Usage: python benchmarks/bench_pp_generate.py [--n-prompts 32] [--new-tokens 64]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
+from _timing import emit as _emit
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _emit(**kw):
-    print(json.dumps(kw), flush=True)
 
 
 def _model_path() -> str:

@@ -12,11 +12,10 @@ Usage: python benchmarks/bench_realloc.py [--pairs d1m1p1:d4m1p1,...] [--repeats
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
-from _timing import inprocess_copy_seconds
+from _timing import emit, inprocess_copy_seconds
 
 DEFAULT_PAIRS = (
     "d2m2p1:d4m1p1",   # the example: actor_train d2m2p1 -> actor_gen d4m1p1
@@ -98,13 +97,13 @@ def main():
     for r in res:
         nbytes = r["total"] * 4
         mc = inprocess_copy_seconds(r["total"], a.repeats)
-        print(json.dumps(dict(
+        emit(
             bench="realloc", pair=r["pair"], n_messages=r["n_messages"], plan_seconds=r["plan_seconds"],
             seconds=round(r["seconds"], 4), total_MB=round(nbytes / 2**20, 1),
             network_MB=round(r["remote"] * 4 / 2**20, 1), GB_per_s=round(nbytes / r["seconds"] / 1e9, 3),
             network_GB_per_s=round(r["remote"] * 4 / r["seconds"] / 1e9, 3) if r["remote"] else None,
             memcpy_seconds=round(mc, 4), memcpy_GB_per_s=round(nbytes / mc / 1e9, 3),
-            slowdown_vs_memcpy=round(r["seconds"] / mc, 1))), flush=True)
+            slowdown_vs_memcpy=round(r["seconds"] / mc, 1))
 
 
 if __name__ == "__main__":

@@ -7,18 +7,14 @@ Usage: python benchmarks/bench_runtime.py [--workers 2] [--calls 200] [--mb 64,2
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 import sys
 import time
 
 import torch
-from _timing import inprocess_copy_seconds
+from _timing import emit as _emit, inprocess_copy_seconds
 
-
-def _emit(**kw):
-    print(json.dumps(kw), flush=True)
 
 
 def _serve(name, secret, q):

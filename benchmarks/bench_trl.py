@@ -25,11 +25,9 @@ import sys
 import tempfile
 import time
 
+from _timing import emit as _emit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _emit(**kw):
-    print(json.dumps(kw), flush=True)
 
 
 def make_model():
