@@ -8,7 +8,11 @@ step time is read from ``stats.jsonl`` (the median over steps after the first); 
 (``pip install trl``; ``bf16=False``, ``use_vllm=False``) is timed per step with a callback, median
 after the first. Prints JSON lines and the ratio.
 
-The two run ``--rounds`` times, alternating, and the medians are compared. A third line, ``gemm_floor``,
+realhf runs twice a round: as configured by default, and with ``ppo.gen.compile_decode=true`` (the decode
+step compiled with torch.compile; its one-off compile falls in the first step, which the median leaves
+out; the wall time includes it). Each step's time split by MFC (``actor_gen/time``, ...) is printed too.
+
+They all run ``--rounds`` times, alternating, and the medians are compared. A third line, ``gemm_floor``,
 times the GEMMs alone that a step at this work runs (generation and one training pass): no implementation
 at equal work is faster, so TRL's time over it is the largest speed-up over TRL possible on this machine.
 
@@ -43,7 +47,7 @@ def make_rows(n):
     return make_arithmetic_problems(n, seed=7, kind="easy")
 
 
-def realhf_step(model, rows, a, work):
+def realhf_step(model, rows, a, work, extra=()):
     from realhf.impl.dataset import write_math_jsonl
 
     path = os.path.join(work, "math.jsonl")
@@ -53,7 +57,7 @@ def realhf_step(model, rows, a, work):
             "ppo.gen.temperature=1.0", "ppo.ppo_n_minibatches=1", "use_critic=false", "ppo.kl_ctl=0",
             "use_chat_template=false", "prompt_template={prompt}", "reward_allow_last_number=true",
             "actor.optimizer.lr=1e-5", f"fileroot={work}", "experiment_name=bench-trl", "allocation_mode=d1m1p1",
-            "n_devices_per_node=1", f"cpus_per_worker={os.cpu_count()}", f"exp_ctrl.benchmark_steps={a.steps}"]
+            "n_devices_per_node=1", f"cpus_per_worker={os.cpu_count()}", f"exp_ctrl.benchmark_steps={a.steps}", *extra]
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=ROOT))
@@ -138,27 +142,35 @@ def main():
     model = make_model()
     rows = make_rows(a.prompts * (a.steps + 2))
     common = dict(prompts=a.prompts, group=a.group, new_tokens=a.new_tokens, steps=a.steps, model="tiny-qwen2-h256-l4")
-    rs, ts = [], []
+    variants = {"realhf": (), "realhf+compile_decode": ("ppo.gen.compile_decode=true",)}
+    rs = {v: [] for v in variants}
+    ts = []
     with tempfile.TemporaryDirectory() as work:
-        # the two alternate, so that a slower or busier stretch of the machine hits both alike
+        # they alternate, so that a slower or busier stretch of the machine hits all alike
         for rnd in range(a.rounds):
-            wdir = os.path.join(work, f"round{rnd}")
-            os.makedirs(wdir)
-            r, r_wall, st = realhf_step(model, rows, a, wdir)
-            rs.append(r)
-            _emit(bench="grpo_step", impl="realhf", round=rnd, step_seconds=round(r, 3), wall_seconds=round(r_wall, 1),
-                  n_tokens=st[-1].get("n_tokens"), **common)
+            for name, extra in variants.items():
+                wdir = os.path.join(work, f"round{rnd}-{name}")
+                os.makedirs(wdir)
+                r, r_wall, st = realhf_step(model, rows, a, wdir, extra)
+                rs[name].append(r)
+                mfc = {k: round(statistics.median([s[k] for s in st[1:]] or [st[0][k]]), 3) for k in st[-1]
+                       if k.endswith("/time")}
+                _emit(bench="grpo_step", impl=name, round=rnd, step_seconds=round(r, 3), wall_seconds=round(r_wall, 1),
+                      n_tokens=st[-1].get("n_tokens"), **mfc, **common)
+            wdir = os.path.join(work, f"round{rnd}-trl")
             t, t_wall = trl_step(model, rows, a, wdir)
             ts.append(t)
             _emit(bench="grpo_step", impl="trl", round=rnd, step_seconds=round(t, 3), wall_seconds=round(t_wall, 1), **common)
-    r, t = statistics.median(rs), statistics.median(ts)
+    t = statistics.median(ts)
     fg, ft = gemm_floor(model, rows, a, int(st[-1]["n_tokens"]))
     _emit(bench="grpo_step", impl="gemm_floor", step_seconds=round(fg + ft, 3), generation_gemm_seconds=round(fg, 3),
           train_gemm_seconds=round(ft, 3), **common)
     # the floor bounds any implementation: trl / floor is the largest speed-up over TRL possible here
-    _emit(bench="grpo_step_ratio", realhf_step_seconds=round(r, 3), trl_step_seconds=round(t, 3),
-          trl_over_realhf=round(t / r, 2), trl_over_gemm_floor=round(t / (fg + ft), 2),
-          realhf_over_gemm_floor=round(r / (fg + ft), 2))
+    for name in variants:
+        r = statistics.median(rs[name])
+        _emit(bench="grpo_step_ratio", impl=name, realhf_step_seconds=round(r, 3), trl_step_seconds=round(t, 3),
+              trl_over_realhf=round(t / r, 2), trl_over_gemm_floor=round(t / (fg + ft), 2),
+              realhf_over_gemm_floor=round(r / (fg + ft), 2))
 
 
 if __name__ == "__main__":

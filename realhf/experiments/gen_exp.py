@@ -25,8 +25,7 @@ def build_gen(cfg: GenerationExpConfig) -> ExperimentSpec:
     g = cfg.gen.to_hyperparameters()
     out = cfg.output_path()
     model = ModelSpec(name="default", path=cfg.model.path, layout=layout, ranks=list(range(n)), dtype=cfg.model.dtype)
-    gen_args = dict(max_new_tokens=g.max_new_tokens, min_new_tokens=g.min_new_tokens, greedy=g.greedy,
-                    temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, n=g.n, stop_token_ids=list(g.stop_token_ids))
+    gen_args = cfg.gen.interface_args()
     mfc = MFCDef(name="gen", model_name="default", interface_type="generate", interface_impl="generation",
                  interface_args=dict(generation_config=gen_args, output_file=out + ".part",
                                      seed=g.seed if g.seed is not None else cfg.seed),

@@ -68,9 +68,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     models += replica_specs("reward", replicas["reward"], "", tokenizer_path=tok)
 
     g = p.gen.to_hyperparameters()
-    gen_cfg = dict(max_new_tokens=g.max_new_tokens, min_new_tokens=g.min_new_tokens, greedy=g.greedy,
-                   temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, n=cfg.group_size,
-                   stop_token_ids=list(g.stop_token_ids))
+    gen_cfg = p.gen.interface_args(n=cfg.group_size)
     ppo_args = dict(n_minibatches=p.ppo_n_minibatches, eps_clip=p.eps_clip, c_clip=p.c_clip, kl_ctl=p.kl_ctl,
                     kl_loss_coef=p.kl_loss_coef, discount=p.discount, gae_lambda=p.gae_lambda,
                     max_reward_clip=p.max_reward_clip, adv_norm=p.adv_norm, group_adv_norm=p.group_adv_norm,

@@ -150,6 +150,10 @@ class MasterWorker:
                 self.buffer.add(rep.data["output"], int(w.rsplit("_", 1)[1]))
             if "stats" in rep.data:
                 out_stats.update(rep.data["stats"])
+        # the slowest worker's own compute time; time - compute_time is messaging, data transfer, scheduling
+        secs = [rep.data["seconds"] for rep in replies.values() if "seconds" in rep.data]
+        if secs:
+            out_stats["compute_time"] = max(secs)
         # received inputs are now owned by consumers too; keep the original owner as the source
         out_stats["time"] = time.perf_counter() - t0
         return out_stats
@@ -279,7 +283,7 @@ class MasterWorker:
             stats = {}
             for name, st in mfc_stats.items():
                 for k, v in st.items():
-                    stats[f"{name}/{k}" if k in ("time", "realloc_time") else k] = v
+                    stats[f"{name}/{k}" if k in ("time", "compute_time", "realloc_time") else k] = v
             self._all("clear", {"ids": ids})
             self.buffer.clear()
             dt = time.perf_counter() - t0

@@ -81,6 +81,9 @@ class GenerationHyperparameters:
     stop_token_ids: Tuple[int, ...] = ()
     n: int = 1  # samples per prompt
     seed: Optional[int] = None
+    # decode with one compiled graph per step (torch.compile; see realhf/impl/model/nn/compiled_decode.py):
+    # much faster for small models, at a one-off compile cost; single-stage, tp = 1 replicas only
+    compile_decode: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

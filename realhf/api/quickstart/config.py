@@ -231,6 +231,9 @@ class GenConfig:
     n: int = _field(1, "samples per prompt")
     stop_token_ids: List[int] = _field(help="extra token ids that end an answer (EOS always does)", factory=list)
     seed: Optional[int] = _field(None, "sampling seed (null = derived from the experiment seed)")
+    compile_decode: bool = _field(
+        False, "compile the decode step with torch.compile (single-stage tp=1 generation; faster for small "
+        "models, at a compile cost of seconds to minutes once per run)")
 
     def __post_init__(self):
         self.to_hyperparameters()  # its checks name the fields
@@ -239,8 +242,17 @@ class GenConfig:
         return GenerationHyperparameters(
             max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens, greedy=self.greedy,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            stop_token_ids=tuple(self.stop_token_ids), n=self.n, seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids), n=self.n, seed=self.seed, compile_decode=self.compile_decode,
         )
+
+    def interface_args(self, **override) -> dict:
+        """The ``generation_config`` of a generating interface (everything but the seed, which the interface
+        takes separately), with ``override`` applied."""
+        g = dataclasses.asdict(self.to_hyperparameters())
+        g.pop("seed")
+        g["stop_token_ids"] = list(g["stop_token_ids"])
+        g.update(override)
+        return g
 
 
 # ----------------------------------------------------------------------------- experiments

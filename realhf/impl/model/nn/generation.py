@@ -100,36 +100,66 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 def sample_tokens(
     logits: torch.Tensor, g: GenerationHyperparameters, gen: Optional[torch.Generator], banned: Optional[torch.Tensor] = None,
-    row_gens: Optional[List[torch.Generator]] = None,
+    row_u: Optional[torch.Tensor] = None,
 ):
     """logits [B, V] (fp32, full vocab) -> (tokens [B], logprobs [B]).
 
     ``banned`` token ids (stop tokens before min_new_tokens) are never sampled, but the returned
-    log-probs are those of the unmodified distribution. With ``row_gens`` (one generator per row),
-    each row is sampled by inverse CDF from its own random stream, so a sequence's sample does not
-    depend on which other sequences share its batch (layout-independent sampling).
+    log-probs are those of the unmodified distribution. With ``row_u`` (one uniform number in [0, 1) per
+    row, float64, from that sequence's own random stream: ``RowStreams``), each row is sampled by inverse
+    CDF, so a sequence's sample does not depend on which other sequences share its batch
+    (layout-independent sampling).
     """
-    scaled = logits if g.greedy else logits / g.temperature
+    scaled = logits if g.greedy or g.temperature == 1.0 else logits / g.temperature
     logp = torch.log_softmax(scaled, -1)
-    if banned is not None and banned.numel():
-        scaled = scaled.clone()
-        scaled[:, banned] = float("-inf")
-    if g.greedy:
-        tok = scaled.argmax(-1)
-    else:
+    has_ban = banned is not None and banned.numel() > 0
+    if g.greedy or g.top_k or g.top_p < 1.0:
+        if has_ban:
+            scaled = scaled.clone()
+            scaled[:, banned] = float("-inf")
+        if g.greedy:
+            tok = scaled.argmax(-1)
+            return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         probs = filter_logits(scaled, g.top_k, g.top_p).softmax(-1)
-        if row_gens is not None:
-            u = torch.cat([torch.rand(1, generator=rg, dtype=torch.float64) for rg in row_gens]).to(probs.device)
-            cdf = probs.double().cumsum(-1)
-            u = u * cdf[:, -1]
-            tok = torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1).clamp(max=probs.shape[-1] - 1)
-            # never land on a zero-probability token through rounding at a CDF plateau
-            bad = probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1) <= 0
-            if bool(bad.any()):
-                tok[bad] = probs[bad].argmax(-1)
-        else:
-            tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    else:  # plain sampling: the probabilities are exp(logp); banned tokens get none (both samplers renormalise)
+        probs = logp.exp()
+        if has_ban:
+            probs[:, banned] = 0.0
+    if row_u is not None:
+        cdf = probs.double().cumsum(-1)
+        u = row_u.to(probs.device) * cdf[:, -1]
+        tok = torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+        # never land on a zero-probability token through rounding at a CDF plateau
+        bad = probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1) <= 0
+        if bool(bad.any()):
+            tok[bad] = probs[bad].argmax(-1)
+    else:
+        tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
     return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+
+class RowStreams:
+    """One random stream per sequence: ``uniforms(rows, step)`` is the ``step``-th number of each listed
+    sequence's own generator (seeded from ``seeds``, one per sequence, indexed by original sequence index),
+    whatever other sequences share the batch. Numbers are drawn ``CHUNK`` at a time per sequence (one call
+    per sequence every ``CHUNK`` steps instead of one per sequence and step); steps must not decrease."""
+
+    CHUNK = 64
+
+    def __init__(self, seeds: Sequence[int]):
+        self.gens = [torch.Generator().manual_seed(int(s) % (2**63)) for s in seeds]
+        self.block = -1
+        self.u: Optional[torch.Tensor] = None  # [n sequences, CHUNK]
+
+    def uniforms(self, rows: torch.Tensor, step: int) -> torch.Tensor:
+        b = step // self.CHUNK
+        if b != self.block:
+            if b < self.block:
+                raise ValueError(f"RowStreams: step {step} after block {self.block}")
+            for _ in range(b - self.block):
+                self.u = torch.stack([torch.rand(self.CHUNK, generator=g, dtype=torch.float64) for g in self.gens])
+            self.block = b
+        return self.u[rows.cpu(), step % self.CHUNK]
 
 
 # Message tags of the pipelined schedule (see the module docstring).
@@ -139,11 +169,11 @@ _TOK_TAG = 1002  # (token, log-prob) packet of one work item, last stage -> ever
 
 def _sample_packet(model: ReaLModel, out: torch.Tensor, gconfig: GenerationHyperparameters,
                    generator: Optional[torch.Generator], banned: Optional[torch.Tensor],
-                   row_gens: Optional[List[torch.Generator]], tp_src: Optional[int]) -> torch.Tensor:
+                   row_u: Optional[torch.Tensor], tp_src: Optional[int]) -> torch.Tensor:
     """On the last stage: sample one token per row of the head output ``out`` -> ``[rows, 2]`` float64
     (token id, log-prob). Every tensor rank samples; they all keep tensor rank 0's result."""
     logits = gather_from_tp(out.float(), model.tp_group)
-    tok, lp = sample_tokens(logits, gconfig, generator, banned, row_gens)
+    tok, lp = sample_tokens(logits, gconfig, generator, banned, row_u)
     packed = torch.empty(out.shape[0], 2, dtype=torch.float64, device=out.device)
     packed[:, 0] = tok.double()
     packed[:, 1] = lp.double()
@@ -229,18 +259,18 @@ def generate(
     if generator is None and gconfig.seed is not None:
         generator = torch.Generator(device=device).manual_seed(gconfig.seed)
     B = len(prompts)
-    row_gens_all = None
+    row_seeds = None
     if seeds is not None and not gconfig.greedy:
         if len(seeds) * gconfig.n != B:
             raise ValueError(f"seeds has {len(seeds)} entries for {B // gconfig.n} prompts")
-        row_gens_all = [torch.Generator().manual_seed((int(s) * 1000003 + j) % (2**63)) for s in seeds for j in range(gconfig.n)]
+        row_seeds = [int(s) * 1000003 + j for s in seeds for j in range(gconfig.n)]
     seqlens = [len(p) for p in prompts]
     max_len = max(seqlens) + gconfig.max_new_tokens + 1
     pp = model.pp
     tp_src = grid.global_rank_of(grid.pp_rank, grid.dp_rank, 0) if model.tp > 1 else None
     n_groups = min(pipeline_groups or pp, B) if pp > 1 else 1
     if n_groups > 1:
-        return _generate_pipelined(model, prompts, gconfig, stop, stop_t, generator, row_gens_all, max_len,
+        return _generate_pipelined(model, prompts, gconfig, stop, stop_t, generator, row_seeds, max_len,
                                    tp_src, n_groups)
 
     # ------------------------------------------------------------ sequential schedule
@@ -254,7 +284,18 @@ def generate(
         model.n_local_layers, B // gconfig.n, max_len, model.n_local_kv_heads, cfg.head_dim, model.dtype, device
     )
 
+    streams = RowStreams(row_seeds) if row_seeds is not None and model.is_last else None
+    decoder = None
+    if gconfig.compile_decode:
+        from realhf.impl.model.nn.compiled_decode import compiled_decoder
+
+        decoder = compiled_decoder(model)
+
     def run_stage(x_in, inp: PackedInput, n_tokens: int):
+        if decoder is not None and inp.cache is not None and inp.cache.decoding:
+            y = decoder(x_in, inp.cache)
+            if y is not None:
+                return y
         if pp > 1 and not model.is_first:
             x_in = comm.recv_forward(n_tokens)
         y = model(x_in, inp)
@@ -266,8 +307,8 @@ def generate(
         """On the last stage: sample from the head output; then share tokens with every rank."""
         if model.is_last:
             banned = stop_t if n_generated < gconfig.min_new_tokens else None
-            rg = [row_gens_all[i] for i in alive.tolist()] if row_gens_all is not None else None
-            packed = _sample_packet(model, out, gconfig, generator, banned, rg, tp_src)
+            u = streams.uniforms(alive, n_generated) if streams is not None else None
+            packed = _sample_packet(model, out, gconfig, generator, banned, u, tp_src)
         else:
             packed = torch.empty(out_rows, 2, dtype=torch.float64, device=device)
         if pp > 1:
@@ -368,6 +409,7 @@ class _Group:
     packet: Optional[torch.Tensor] = None  # last stage: packet of the item it ran last for this group
     sends: List[tuple] = dataclasses.field(default_factory=list)  # (work, buffer) of its last item's sends
     done: bool = False
+    streams: Optional[RowStreams] = None  # last stage with per-sequence seeds: the random streams of ``rows``
 
 
 def split_rows(n_rows: int, n_groups: int) -> List[List[int]]:
@@ -377,7 +419,7 @@ def split_rows(n_rows: int, n_groups: int) -> List[List[int]]:
 
 def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: GenerationHyperparameters, stop: set,
                         stop_t: torch.Tensor, generator: Optional[torch.Generator],
-                        row_gens_all: Optional[List[torch.Generator]], max_len: int, tp_src: Optional[int],
+                        row_seeds: Optional[List[int]], max_len: int, tp_src: Optional[int],
                         n_groups: int) -> GenerationOutput:
     """The pipelined schedule of the module docstring (pp > 1, ``n_groups`` > 1)."""
     device = model.flat.device
@@ -387,7 +429,8 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
     groups = [
         _Group(rows=rows, alive=torch.tensor(rows, dtype=torch.long, device=device),
                cache=KVCache(model.n_local_layers, len(rows), max_len, model.n_local_kv_heads, cfg.head_dim,
-                             model.dtype, device))
+                             model.dtype, device),
+               streams=RowStreams([row_seeds[i] for i in rows]) if row_seeds is not None and model.is_last else None)
         for rows in split_rows(B, n_groups)
     ]
     tokens: List[List[int]] = [[] for _ in range(B)]
@@ -408,8 +451,8 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
             grp.sends = links.send_activation(y)
             return
         banned = stop_t if n_generated < gconfig.min_new_tokens else None
-        rg = [row_gens_all[i] for i in grp.alive.tolist()] if row_gens_all is not None else None
-        grp.packet = _sample_packet(model, y, gconfig, generator, banned, rg, tp_src)
+        u = grp.streams.uniforms(grp.alive - grp.rows[0], n_generated) if grp.streams is not None else None
+        grp.packet = _sample_packet(model, y, gconfig, generator, banned, u, tp_src)
         grp.sends = links.send_packet(grp.packet)
 
     def prefill(grp: _Group):
