@@ -57,3 +57,22 @@ def test_gpu_example_config_builds(path, tmp_path):
     train, gen = spec.model("actor"), spec.model("actor@1")
     assert gen.realloc_from == "actor" and not set(train.ranks) & set(gen.ranks)
     assert len(set(train.ranks) | set(gen.ranks)) == spec.n_workers
+
+
+def test_compile_options_reach_the_workers(tmp_path):
+    """``actor.compile`` marks the actor's replicas (not the reference), and ``ppo.gen.compile_decode`` reaches
+    the generation MFC's interface arguments."""
+    from realhf.api.quickstart.entry import load_config
+    from realhf.experiments import build_spec, config_class
+    from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
+
+    model = ensure_tiny_model("qwen2")
+    math = tmp_path / "math.jsonl"
+    write_math_jsonl(make_arithmetic_problems(16, seed=1, kind="add"), str(math))
+    base = [f"actor.path={model}", f"dataset.path={math}", f"fileroot={tmp_path}", "ppo.kl_ctl=0.1"]
+    for on in (False, True):
+        flags = [f"actor.compile={str(on).lower()}", f"ppo.gen.compile_decode={str(on).lower()}"]
+        spec = build_spec("ppo-math", load_config(config_class("ppo-math"), [], base + flags))
+        assert spec.model("actor").compile is on and spec.model("ref").compile is False
+        gen = next(m for m in spec.mfcs if m.name == "actor_gen")
+        assert gen.interface_args["generation_config"]["compile_decode"] is on

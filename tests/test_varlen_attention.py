@@ -19,7 +19,7 @@ def _per_sequence(q, k, v, lens, scale):
 
 
 @pytest.mark.parametrize("lens", [[34, 35, 36, 38, 37, 34], [5, 100, 7, 0, 99, 3, 50], [3, 0, 3, 4], [200] + [2] * 40,
-                                  [9, 9, 9], [1, 64]])
+                                  [9, 9, 9], [1, 64], [60, 60]])
 def test_bucketed_attention_equals_per_sequence(lens):
     g = torch.Generator().manual_seed(sum(lens))
     T = sum(lens)

@@ -67,5 +67,6 @@ def replica_specs(role: str, replicas: Dict[str, Tuple[ParallelDims, Tuple[int, 
             name, path, dims, list(ranks), dtype=model_cfg.dtype if model_cfg is not None else "float32",
             is_critic=is_critic, optimizer=optimizer if trains else None, total_train_steps=total_train_steps,
             tokenizer_path=tokenizer_path, realloc_from=role if optimizer is not None and not trains else None,
-            offload=bool(model_cfg is not None and model_cfg.offload and not trains)))
+            offload=bool(model_cfg is not None and model_cfg.offload and not trains),
+            compile=bool(model_cfg is not None and model_cfg.compile)))
     return specs

@@ -24,7 +24,8 @@ def build_gen(cfg: GenerationExpConfig) -> ExperimentSpec:
     n = layout.world_size
     g = cfg.gen.to_hyperparameters()
     out = cfg.output_path()
-    model = ModelSpec(name="default", path=cfg.model.path, layout=layout, ranks=list(range(n)), dtype=cfg.model.dtype)
+    model = ModelSpec(name="default", path=cfg.model.path, layout=layout, ranks=list(range(n)), dtype=cfg.model.dtype,
+                      compile=cfg.model.compile)
     gen_args = cfg.gen.interface_args()
     mfc = MFCDef(name="gen", model_name="default", interface_type="generate", interface_impl="generation",
                  interface_args=dict(generation_config=gen_args, output_file=out + ".part",

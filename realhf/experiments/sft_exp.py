@@ -24,7 +24,7 @@ def build_sft(cfg: SFTConfig) -> ExperimentSpec:
     if cfg.exp_ctrl.benchmark_steps:
         total = min(total, cfg.exp_ctrl.benchmark_steps)
     model = ModelSpec(name="default", path=cfg.model.path, layout=layout, ranks=list(range(n)), dtype=cfg.model.dtype,
-                      optimizer=cfg.model.optimizer, total_train_steps=total)
+                      optimizer=cfg.model.optimizer, total_train_steps=total, compile=cfg.model.compile)
     mfcs = [MFCDef(name="trainDefault", model_name="default", interface_type="train_step", interface_impl="sft",
                    input_keys=("packed_input_ids", "prompt_mask"), n_seqs=cfg.dataset.train_bs_n_seqs,
                    mb_spec=cfg.mb_spec.to_spec())]

@@ -130,6 +130,10 @@ class ModelWorker:
             path = os.path.join(self.spec.recover_dir, m.name)
         dtype = getattr(torch, m.dtype)
         module = build_from_hf(path, grid=self.grids[m.name], dtype=dtype, is_critic=m.is_critic)
+        if m.compile:
+            why = module.compile_blocks()
+            if why is not None:
+                logger.info(f"model {m.name}: compile ignored: {why}")
         engine = TrainEngine(module, m.optimizer, m.total_train_steps) if m.optimizer is not None else InferenceEngine(module)
         tok = None
         try:

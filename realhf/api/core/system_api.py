@@ -34,6 +34,7 @@ class ModelSpec:
     tokenizer_path: Optional[str] = None
     realloc_from: Optional[str] = None  # the trained replica this one mirrors
     offload: bool = False  # keep the parameters in host memory between calls (inference-only replicas)
+    compile: bool = False  # run the blocks' non-attention parts as compiled graphs (ReaLModel.compile_blocks)
 
     @property
     def role(self) -> str:

@@ -175,6 +175,9 @@ class ModelConfig:
     dtype: str = _field("float32", "parameter dtype: float32 (CPU) | bfloat16 (GPU)")
     offload: bool = _field(False, "keep this model's inference-only replicas (the reference model, the actor's "
                                   "generation layout) in host memory between their calls, freeing GPU memory")
+    compile: bool = _field(False, "run the transformer blocks' parts around attention (norms, projections, "
+                                  "rotary, MLP) as torch.compile graphs in forward and backward passes (tp = 1; "
+                                  "faster for small models, at a compile cost of seconds once per worker)")
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)

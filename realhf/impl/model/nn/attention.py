@@ -44,14 +44,12 @@ def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, 
     n = cu_seqlens.numel() - 1
     T, hq, d = q.shape
     hkv = k.shape[1]
-    gqa = hq != hkv
     seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     if all(L == seqlens[0] for L in seqlens):
         # equal lengths: one batched causal call, no mask (the fused CPU kernel applies)
         L = seqlens[0]
         qb, kb, vb = (t.view(n, L, t.shape[1], d).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(T, hq, d)
+        return batched_causal_attention(qb, kb, vb, scale).transpose(1, 2).reshape(T, hq, d)
     # Unequal lengths: sequences of similar length are right-padded into one batch per bucket and attended
     # with a plain causal mask. That is exact: a real query at position t attends to keys 0..t, all real
     # tokens of its own sequence; padded rows come after them and their outputs are dropped.
@@ -68,13 +66,31 @@ def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, 
         # gather index of every (sequence, position) slot; padding slots repeat the sequence's last token
         gidx = (st + torch.minimum(j, ln - 1)).reshape(-1)
         qb, kb, vb = (t.index_select(0, gidx).view(len(members), Lm, t.shape[1], d).transpose(1, 2) for t in (q, k, v))
-        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
+        ob = batched_causal_attention(qb, kb, vb, scale)
         real = (j < ln).reshape(-1)
         outs.append(ob.transpose(1, 2).reshape(len(members) * Lm, hq, d)[real])
         order.append((st + j).reshape(-1)[real])
     inv = torch.empty(T, dtype=torch.long, device=dev)
     inv[torch.cat(order)] = torch.arange(T, device=dev)
     return torch.cat(outs, 0).index_select(0, inv)
+
+
+# Up to this many positions, causal attention as two batched matmuls and a masked softmax beats the fused
+# CPU kernel of scaled_dot_product_attention (forward and backward; measured 1.4x at 36 positions and
+# equal at ~50, 2 cores); longer sequences use the fused kernel.
+SHORT_ATTENTION_MAX_LEN = 48
+
+
+def batched_causal_attention(q, k, v, scale: float):
+    """Causal attention of equal-length batches: q [n, hq, L, d], k and v [n, hkv, L, d] -> [n, hq, L, d]."""
+    n, hq, L, d = q.shape
+    hkv = k.shape[1]
+    if q.is_cuda or L > SHORT_ATTENTION_MAX_LEN:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+    qg = q.view(n, hkv, hq // hkv, L, d)  # the query heads of each kv head
+    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
+    s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.matmul(s.softmax(-1), v.unsqueeze(2)).view(n, hq, L, d)
 
 
 def length_buckets(seqlens, slack: float = 1.25):

@@ -25,6 +25,8 @@ from typing import List, Optional
 
 import torch
 
+from realhf.impl.model.nn.compile_util import CompiledOrFallback
+
 logger = logging.getLogger("realhf.compiled_decode")
 
 
@@ -77,20 +79,18 @@ class CompiledDecoder:
             view = _StaticDecodeView(ks, vs, lens, bias[:, None, None, :])
             return model(ids, PI(cu_seqlens=lens, max_seqlen=1, position_ids=lens, cache=view))
 
-        self._compiled = torch.compile(step, dynamic=True, fullgraph=True, options={"cpp_wrapper": True})
-        self.failed: Optional[str] = None
+        # on failure the step returns None and generate runs the eager step
+        self._step = CompiledOrFallback(step, fallback=lambda *args: None, dynamic=True, fullgraph=True,
+                                        options={"cpp_wrapper": True})
+
+    @property
+    def failed(self) -> Optional[str]:
+        return self._step.failed
 
     def __call__(self, ids: torch.Tensor, cache) -> Optional[torch.Tensor]:
         """The head output of one decode step, or None if the step cannot be compiled here (the caller then
         runs the eager step; the failure is logged once)."""
-        if self.failed is not None:
-            return None
-        try:
-            return self._compiled(ids, cache.lens, cache.k, cache.v)
-        except Exception as e:  # no C++ compiler, or an op Inductor cannot compile
-            self.failed = f"{type(e).__name__}: {e}"
-            logger.warning(f"compiled decode step unavailable, decoding eagerly: {self.failed[:500]}")
-            return None
+        return self._step(ids, cache.lens, cache.k, cache.v)
 
 
 def compiled_decoder(model) -> Optional[CompiledDecoder]:

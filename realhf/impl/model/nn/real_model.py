@@ -26,6 +26,7 @@ from realhf.impl.model.nn.attention import (
     RMSNorm,
     varlen_causal_attention,
 )
+from realhf.impl.model.nn.compile_util import CompiledOrFallback
 from realhf.impl.model.nn.kv_cache import KVCache
 from realhf.impl.model.parallelism.tensor_parallel import (
     ColumnParallelLinear,
@@ -138,15 +139,20 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = self.d**-0.5
 
-    def forward(self, x, inp: PackedInput, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], layer: int):
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.hq, self.d)
-        k = self.k_proj(x).view(T, self.hkv, self.d)
-        v = self.v_proj(x).view(T, self.hkv, self.d)
+    def project(self, h, rope: Optional[Tuple[torch.Tensor, torch.Tensor]]):
+        """q [T, hq, d], k and v [T, hkv, d] of the normed input ``h`` (with qk-norm and rotary applied)."""
+        T = h.shape[0]
+        q = self.q_proj(h).view(T, self.hq, self.d)
+        k = self.k_proj(h).view(T, self.hkv, self.d)
+        v = self.v_proj(h).view(T, self.hkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return q, k, v
+
+    def attend(self, q, k, v, inp: PackedInput, layer: int):
+        """Attention over the packed sequences (or the KV cache) -> [T, hq * d], before the output projection."""
         cache = inp.cache
         if cache is not None and cache.decoding:
             out = cache.decode_attention(layer, q, k, v, self.scale)
@@ -154,7 +160,10 @@ class Attention(nn.Module):
             if cache is not None:
                 cache.store_prefill(layer, k, v)
             out = varlen_causal_attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, self.scale)
-        return self.o_proj(out.reshape(T, self.hq * self.d))
+        return out.reshape(q.shape[0], self.hq * self.d)
+
+    def forward(self, x, inp: PackedInput, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], layer: int):
+        return self.o_proj(self.attend(*self.project(x, rope), inp, layer))
 
 
 class MLP(nn.Module):
@@ -185,10 +194,38 @@ class Block(nn.Module):
         self.attn = Attention(cfg, tp_group, tp, tp_rank, dtype, device)
         self.mlp_norm = make_norm(cfg.layer_norm_type, cfg.hidden_dim, cfg.layer_norm_epsilon, dtype, device)
         self.mlp = MLP(cfg, tp_group, tp, dtype, device)
+        self.compiled = None  # (pre, post) compiled by ReaLModel.compile_blocks, else the eager functions run
 
     def forward(self, x, inp, rope, layer):
-        x = x + self.attn(self.attn_norm(x), inp, rope, layer)
-        return x + self.mlp(self.mlp_norm(x))
+        pre, post = _BLOCK_EAGER if self.compiled is None or torch.compiler.is_compiling() else self.compiled
+        q, k, v = pre(self, x, rope)
+        return post(self, x, self.attn.attend(q, k, v, inp, layer))
+
+
+def _block_pre(blk: "Block", x, rope):
+    """The part of a block before attention: its norm, the q/k/v projections, qk-norm and rotary."""
+    return blk.attn.project(blk.attn_norm(x), rope)
+
+
+def _block_post(blk: "Block", x, o):
+    """The part of a block after attention: the output projection and residual, the MLP and its residual."""
+    x = x + blk.attn.o_proj(o)
+    return x + blk.mlp(blk.mlp_norm(x))
+
+
+_BLOCK_EAGER = (_block_pre, _block_post)
+
+
+_COMPILED_BLOCK = None
+
+
+def compiled_block_fns():
+    """The compiled (pre, post) block functions, one pair per process shared by every block of every model:
+    Inductor sees blocks' parameters as inputs, so blocks of the same shapes reuse the same code."""
+    global _COMPILED_BLOCK
+    if _COMPILED_BLOCK is None:
+        _COMPILED_BLOCK = (CompiledOrFallback(_block_pre, dynamic=True), CompiledOrFallback(_block_post, dynamic=True))
+    return _COMPILED_BLOCK
 
 
 class Embedding(nn.Module):
@@ -350,6 +387,19 @@ class ReaLModel(nn.Module):
         if self.is_last:
             x = self.head(x if inp.head_rows is None else x[inp.head_rows])
         return x
+
+    def compile_blocks(self) -> Optional[str]:
+        """Run every block's parts before and after attention (norms, projections, rotary, MLP, residuals) as
+        compiled graphs (``torch.compile``, forward and backward); attention stays eager, as its packing
+        depends on the data. At small hidden sizes this removes much of the per-operation cost of training
+        and inference passes, at a one-off compile cost. Returns why not where unsupported (tensor
+        parallelism: the projections contain collectives), else None."""
+        if self.tp > 1:
+            return f"tensor parallelism (tp={self.tp}); compile_blocks serves tp = 1"
+        fns = compiled_block_fns()
+        for blk in self.blocks.values():
+            blk.compiled = fns
+        return None
 
     @property
     def n_local_kv_heads(self) -> int:
