@@ -190,7 +190,14 @@ def test_kill_worker_fails_fast_and_auto_recovery_matches(model, data, tmp_path)
     for k in ref:
         assert torch.allclose(ref[k], got[k], atol=1e-5), f"{k} differs after recovery"
     steps = [s["global_step"] for s in stats(root, "auto")]
-    assert steps[-1] == 48 and len(set(steps)) == 48, "every step of the run must appear exactly once after resume"
+    assert steps == list(range(1, 49)), "every step of the run must appear exactly once, in order, after resume"
+    # the crashed attempt's steps after its recover checkpoint (redone after the resume) are kept aside
+    aside = glob.glob(os.path.join(root, "auto", "trial0", "logs", "stats.before-*.jsonl"))
+    assert len(aside) == 1
+    with open(aside[0]) as f:
+        redone = [json.loads(l)["global_step"] for l in f]
+    # consecutive steps starting just after a recover checkpoint (every 5 steps)
+    assert redone and redone[0] % 5 == 1 and redone == list(range(redone[0], redone[0] + len(redone))), redone
     assert not _procs_of(os.path.join(root, "auto"))
 
 

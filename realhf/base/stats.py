@@ -1,11 +1,17 @@
 """Per-step statistics: appended to ``<log_dir>/stats.jsonl`` (one JSON object per step), and to
-TensorBoard event files and wandb when those are available/enabled."""
+TensorBoard event files and wandb when those are available/enabled.
+
+A run starts its ``stats.jsonl`` with its own steps only. A fresh run finding rows of an earlier run of the
+same trial, or a resumed run finding rows of steps after its recover checkpoint (steps it is about to redo),
+moves those rows to ``stats.before-<time>.jsonl`` beside it, so nothing is lost and no step appears twice.
+"""
 from __future__ import annotations
 
 import json
 import math
 import os
 import threading
+import time
 from typing import Dict, Optional
 
 from realhf.base import logging
@@ -13,10 +19,46 @@ from realhf.base import logging
 logger = logging.getLogger(__name__)
 
 
+def _set_aside_rows(path: str, resume_step: Optional[int]):
+    """Move the rows of ``path`` that do not belong to this run (all of them for a fresh run; those with a
+    ``global_step`` after ``resume_step`` for a resumed one) to ``stats.before-<time>.jsonl``."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    with open(path) as f:
+        lines = [l for l in f if l.strip()]
+    keep, move = [], []
+    for line in lines:
+        try:
+            step = json.loads(line).get("global_step")
+        except (ValueError, AttributeError):
+            step = None
+        (keep if resume_step is not None and isinstance(step, int) and step <= resume_step else move).append(line)
+    if not move:
+        return
+    aside = os.path.join(os.path.dirname(path), f"stats.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    n = 1
+    while os.path.exists(aside):
+        aside = os.path.join(os.path.dirname(path), f"stats.before-{time.strftime('%Y%m%d-%H%M%S')}-{n}.jsonl")
+        n += 1
+    with open(aside, "w") as f:
+        f.writelines(move)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+    what = "an earlier run" if resume_step is None else f"steps after the recover checkpoint (step {resume_step})"
+    logger.info(f"moved {len(move)} rows of {what} from {path} to {aside}")
+
+
 class StatsLogger:
-    def __init__(self, log_dir: str, tensorboard_dir: Optional[str] = None, wandb_config: Optional[dict] = None):
+    """``resume_step``: None for a fresh run, else the global step of the recover checkpoint it resumes from
+    (see the module docstring for what happens to rows already in ``stats.jsonl``)."""
+
+    def __init__(self, log_dir: str, tensorboard_dir: Optional[str] = None, wandb_config: Optional[dict] = None,
+                 resume_step: Optional[int] = None):
         os.makedirs(log_dir, exist_ok=True)
         self.path = os.path.join(log_dir, "stats.jsonl")
+        _set_aside_rows(self.path, resume_step)
         self._f = open(self.path, "a")
         self._lock = threading.Lock()  # rows may come from other threads (e.g. the checkpoint evaluator)
         self._tb = None

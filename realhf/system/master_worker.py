@@ -83,9 +83,10 @@ class MasterWorker:
         self.buffer = Buffer()
         if spec.wandb:
             os.makedirs(spec.wandb.get("dir", spec.log_dir), exist_ok=True)
-        self.stats = StatsLogger(spec.log_dir, wandb_config=spec.wandb)
-        self.evaluator = make_evaluator(spec, self.stats)  # None unless auto_eval.enabled
         self.resume_info = load_recover_info(spec) if resume else None
+        self.stats = StatsLogger(spec.log_dir, wandb_config=spec.wandb,
+                                 resume_step=self.resume_info["global_step"] if self.resume_info is not None else None)
+        self.evaluator = make_evaluator(spec, self.stats)  # None unless auto_eval.enabled
         self.dataset_keys: Optional[set] = None
         self.graph = None
         self.holders: List[int] = []
