@@ -47,11 +47,27 @@ def _run_cases(model, cases, group_counts):
 
     prompts = _prompts(model.config.vocab_size)
     out = {}
+    embedded = [0]
+    hook = model.embed.register_forward_pre_hook(lambda mod, args: embedded.__setitem__(0, embedded[0] + args[0].numel())) \
+        if model.is_first else None
     for name, (gkw, eos, use_seeds) in cases.items():
         for G in group_counts:
-            out[name, G] = generate(model, prompts, GenerationHyperparameters(**gkw), eos_token_id=eos,
-                                    seeds=_seeds() if use_seeds else None, pipeline_groups=G)
+            embedded[0] = 0
+            o = generate(model, prompts, GenerationHyperparameters(**gkw), eos_token_id=eos,
+                         seeds=_seeds() if use_seeds else None, pipeline_groups=G)
+            o.embedded = embedded[0] if hook is not None else None  # tokens the first stage took in
+            out[name, G] = o
+    if hook is not None:
+        hook.remove()
     return out
+
+
+def _expected_prefill_tokens(n_samples, n_seqs, pp, G):
+    """Prompt tokens a first stage prefills when each row group prefills each of its distinct prompts once."""
+    from realhf.impl.model.nn.generation import split_rows
+
+    n_groups = min(G or pp, n_seqs) if pp > 1 else 1
+    return sum(sum(PROMPT_LENS[p] for p in {i // n_samples for i in rows}) for rows in split_rows(n_seqs, n_groups))
 
 
 def _reference_worker(path):
@@ -147,6 +163,10 @@ def test_pipelined_equals_reference(reference, session):
             assert sorted(outs, key=str) == sorted(((n, G) for n in cases for G in group_counts), key=str)
             for (name, G), got in outs.items():
                 _assert_equal(got, ref[name], f"{layout} rank {rank} {name} pipeline_groups={G}")
+                if got.embedded is not None:  # first stage: prompt tokens prefilled = embedded - tokens fed back
+                    n = cases[name][0].get("n", 1)
+                    prefilled = got.embedded - sum(len(t) - 1 for t in got.tokens)
+                    assert prefilled == _expected_prefill_tokens(n, len(got.tokens), dims[2], G), (layout, name, G)
             shared = results[rank][dims, "shared_generator"]
             first = results[0][dims, "shared_generator"]
             assert shared.tokens == first.tokens and shared.logprobs == first.logprobs, f"{layout} rank {rank}"

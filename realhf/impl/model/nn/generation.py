@@ -45,6 +45,10 @@ Schedules
   With G == pp the first stage always has G - 1 other groups to run while a group's tokens travel
   through the pipeline and back.
 
+In both schedules the ``n`` samples of a prompt (adjacent rows) share one prefill: each distinct prompt
+is prefilled once (per row group in the pipelined schedule, where a group may hold only some of a
+prompt's samples) and its cache row is then copied for each of its samples.
+
 Results do not depend on the schedule (greedy tokens, and samples drawn with per-row ``seeds``, are the
 same as with pp == 1), except that draws from one shared unseeded ``generator`` are taken group by group
 in the pipelined schedule, so which sequence gets which random number differs from the sequential one.
@@ -214,6 +218,24 @@ def _decode_input(cache: KVCache, device) -> PackedInput:
                        position_ids=cache.positions().clone(), cache=cache)
 
 
+def _distinct_prompts(rows: Sequence[int], n: int, device):
+    """The samples of a prompt are ``n`` adjacent rows (row i holds prompt i // n). For the rows ``rows``
+    (ascending): the first row of each distinct prompt, and how many of ``rows`` each stands for."""
+    firsts, counts = [], []
+    for i in rows:
+        if firsts and i // n == firsts[-1] // n:
+            counts[-1] += 1
+        else:
+            firsts.append(i)
+            counts.append(1)
+    return firsts, torch.tensor(counts, dtype=torch.long, device=device)
+
+
+def _copy_prefilled_rows(cache: KVCache, copies: torch.Tensor):
+    """After prefilling each distinct prompt once: copy its cache row once per sample it stands for."""
+    cache.keep(torch.arange(copies.numel(), device=copies.device).repeat_interleave(copies))
+
+
 def _drop_finished(cache: KVCache, keep: List[int], alive: torch.Tensor, tok: torch.Tensor):
     """Keep only the rows at positions ``keep`` (of ``alive``/``tok`` and the cache); returns (alive, tok)."""
     if len(keep) == alive.numel():
@@ -317,19 +339,17 @@ def generate(
 
     # ---- prefill: each distinct prompt once; its n samples then share copies of its cache rows and
     # sample from the same last-token logits
-    n = gconfig.n
-    uniq = prompts[::n]
-    useqlens = seqlens[::n]
+    firsts, copies = _distinct_prompts(range(B), gconfig.n, device)
+    useqlens = [seqlens[i] for i in firsts]
     inp = _prefill_input(useqlens, cache, device)
-    ids = torch.tensor([t for p in uniq for t in p], dtype=torch.long, device=device)
+    ids = torch.tensor([t for i in firsts for t in prompts[i]], dtype=torch.long, device=device)
     out_rows = B
     alive = torch.arange(B, device=device)  # original index of each cache row
     out = run_stage(ids if model.is_first else None, inp, sum(useqlens))
     cache.end_prefill()
-    if n > 1:
-        cache.keep(torch.arange(len(uniq), device=device).repeat_interleave(n))
-        if model.is_last:
-            out = out.repeat_interleave(n, dim=0)
+    _copy_prefilled_rows(cache, copies)
+    if model.is_last:
+        out = out.repeat_interleave(copies, dim=0)
     tok, lp = pick(out, 0)
 
     tokens: List[List[int]] = [[] for _ in range(B)]
@@ -426,10 +446,12 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
     cfg = model.config
     links = _StageLinks(model)
     B = len(prompts)
+    n = gconfig.n
     groups = [
         _Group(rows=rows, alive=torch.tensor(rows, dtype=torch.long, device=device),
-               cache=KVCache(model.n_local_layers, len(rows), max_len, model.n_local_kv_heads, cfg.head_dim,
-                             model.dtype, device),
+               # sized for the group's distinct prompts: the prefill fills one row each, then copies them
+               cache=KVCache(model.n_local_layers, len({i // n for i in rows}), max_len, model.n_local_kv_heads,
+                             cfg.head_dim, model.dtype, device),
                streams=RowStreams([row_seeds[i] for i in rows]) if row_seeds is not None and model.is_last else None)
         for rows in split_rows(B, n_groups)
     ]
@@ -437,10 +459,14 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
     logps: List[List[float]] = [[] for _ in range(B)]
     no_eos = [True] * B
 
-    def run_item(grp: _Group, x_first: Optional[torch.Tensor], inp: PackedInput, n_tokens: int, n_generated: int):
-        """This stage's part of one work item; the last stage also samples and sends the packet."""
+    def run_item(grp: _Group, x_first: Optional[torch.Tensor], inp: PackedInput, n_tokens: int, n_generated: int,
+                 copies: Optional[torch.Tensor] = None):
+        """This stage's part of one work item; the last stage also samples and sends the packet. ``copies``
+        (prefill): how many rows each prefilled prompt stands for; its head output is repeated to match."""
         x = x_first if model.is_first else links.recv_activation(n_tokens)
         y = model(x, inp)
+        if copies is not None and model.is_last:
+            y = y.repeat_interleave(copies, dim=0)
         # The sends of this group's previous item (g, r-1) have all been received by now, so waiting for
         # them depends on the transport only: a stage s < last runs (g, r) after consuming packet (g, r-1),
         # which the last stage made after stage s+1 had received activation (g, r-1); the last stage has
@@ -456,13 +482,17 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
         grp.sends = links.send_packet(grp.packet)
 
     def prefill(grp: _Group):
-        seqlens = [len(prompts[i]) for i in grp.rows]
+        # the samples of a prompt are adjacent rows: prefill each distinct prompt of the group once, then
+        # copy its cache row for each of its samples in the group (as the sequential schedule does)
+        firsts, copies = _distinct_prompts(grp.rows, n, device)
+        seqlens = [len(prompts[i]) for i in firsts]
         inp = _prefill_input(seqlens, grp.cache, device)
         ids = None
         if model.is_first:
-            ids = torch.tensor([t for i in grp.rows for t in prompts[i]], dtype=torch.long, device=device)
-        run_item(grp, ids, inp, sum(seqlens), 0)  # the forward stores the prompt keys/values
+            ids = torch.tensor([t for i in firsts for t in prompts[i]], dtype=torch.long, device=device)
+        run_item(grp, ids, inp, sum(seqlens), 0, copies)  # the forward stores the prompt keys/values
         grp.cache.end_prefill()
+        _copy_prefilled_rows(grp.cache, copies)
 
     def decode(grp: _Group, n_generated: int):
         run_item(grp, grp.tok if model.is_first else None, _decode_input(grp.cache, device), grp.alive.numel(),
