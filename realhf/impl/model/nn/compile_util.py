@@ -1,12 +1,13 @@
 """``torch.compile`` with a fallback: compiled paths are optional speed-ups and must never stop a run."""
 from __future__ import annotations
 
-import logging
 from typing import Callable, Optional
 
 import torch
 
-logger = logging.getLogger("realhf.compile")
+from realhf.base import logging
+
+logger = logging.getLogger(__name__)
 
 
 class CompiledOrFallback:

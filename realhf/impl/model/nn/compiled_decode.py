@@ -20,14 +20,14 @@ small models and long rollouts. On CUDA the same graph is compiled by Inductor i
 """
 from __future__ import annotations
 
-import logging
 from typing import List, Optional
 
 import torch
 
+from realhf.base import logging
 from realhf.impl.model.nn.compile_util import CompiledOrFallback
 
-logger = logging.getLogger("realhf.compiled_decode")
+logger = logging.getLogger(__name__)
 
 
 class _StaticDecodeView:
