@@ -2,8 +2,9 @@
 step (``ReaLModel.compile_blocks``), on the model of ``bench_trl.py`` (tiny Qwen2, hidden 256, 4 layers)
 or on SmolLM2-135M (``--model smollm2``; compiling its decode step takes minutes).
 
-Decode: one step of ``--rows`` rows at cache position ``--pos`` (cache length ``2 * pos``). Training: forward,
-loss over the log-probs, backward and AdamW on ``--rows`` sequences of ``--seqlen`` tokens. Each variant runs
+Decode: one step of ``--rows`` rows at cache position ``--pos`` (cache length ``2 * pos``). Training: one
+``TrainEngine.train_batch`` (forward, the PPO actor loss, backward, clipping, AdamW) on ``--rows`` sequences of
+``--seqlen`` tokens. Each variant runs
 ``--rounds`` times, alternating, and medians are printed (JSON lines), with the one-off compile seconds.
 
 Usage: python benchmarks/bench_compile.py [--model tiny|smollm2] [--rows 32] [--pos 20] [--seqlen 36]
@@ -80,27 +81,26 @@ def bench_decode(path: str, a):
 
 def bench_train(path: str, a):
     from realhf.api.core.config import OptimizerConfig
+    from realhf.api.core.data_api import SequenceSample
     from realhf.impl.model.backend.engine import TrainEngine
     from realhf.impl.model.conversion.hf_io import build_from_hf
-    from realhf.impl.model.nn.real_model import make_packed_input
+    from realhf.impl.model.utils import ppo_functional as F
     from realhf.impl.model.utils.functional import packed_logprobs
 
     m = build_from_hf(path)
     eng = TrainEngine(m, OptimizerConfig(lr=1e-6), 10**6)
-    seqlens = [a.seqlen] * a.rows
+    T = a.seqlen * a.rows
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, m.config.vocab_size, (sum(seqlens),), generator=g)
-    inp = make_packed_input(seqlens)
-    old = torch.randn(sum(seqlens), generator=g) * 0.1 - 3
+    sample = SequenceSample.from_default(ids=list(range(a.rows)), seqlens=[a.seqlen] * a.rows, data={
+        "packed_input_ids": torch.randint(3, m.config.vocab_size, (T,), generator=g),
+        "old_logprobs": torch.randn(T, generator=g) * 0.1 - 3, "advantages": torch.randn(T, generator=g)})
+
+    def loss_fn(out, mb):  # the PPO actor's clipped surrogate over the packed log-probs
+        lp, valid = packed_logprobs(out, mb.data["packed_input_ids"], mb.cu_seqlens())
+        return F.actor_loss(lp, mb.data["old_logprobs"], mb.data["advantages"], 0.2, valid)[0], {}
 
     def step():
-        m.flat_grad.zero_()
-        lp, valid = packed_logprobs(m(ids, inp), ids, inp.cu_seqlens)
-        ratio = (lp - old).exp()
-        loss = -(torch.min(ratio, ratio.clamp(0.8, 1.2)) * valid).sum() / valid.sum()
-        loss.backward()
-        eng._reduce_and_clip()
-        eng.optimizer.step()
+        eng.train_batch(sample, loss_fn, lambda mb: mb.total_tokens())
 
     def set_compiled(on: bool):
         if on:

@@ -201,26 +201,13 @@ def _record(rows: List[int], tl: List[int], ll: List[float], stop: set, tokens: 
     return keep
 
 
-def _prefill_input(seqlens: List[int], cache: KVCache, device) -> PackedInput:
-    """The packed input of a prefill of prompts of ``seqlens`` into ``cache`` (the head runs on each
-    prompt's last token only)."""
-    inp = make_packed_input(seqlens, device=device)
-    inp.cache = cache
-    inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
-    cache.begin_prefill(torch.tensor(seqlens, device=device))
-    return inp
+def _prefill_input(prompts: List[List[int]], rows: Sequence[int], n: int, cache: KVCache, device):
+    """The prefill of ``prompts[i]`` for ``i`` in ``rows`` (ascending) into ``cache``. The samples of a prompt
+    are ``n`` adjacent rows (row i holds prompt i // n), so each distinct prompt is prefilled once.
 
-
-def _decode_input(cache: KVCache, device) -> PackedInput:
-    """The input of one decode step: one token for every row of ``cache``."""
-    n = cache.batch
-    return PackedInput(cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=device), max_seqlen=1,
-                       position_ids=cache.positions().clone(), cache=cache)
-
-
-def _distinct_prompts(rows: Sequence[int], n: int, device):
-    """The samples of a prompt are ``n`` adjacent rows (row i holds prompt i // n). For the rows ``rows``
-    (ascending): the first row of each distinct prompt, and how many of ``rows`` each stands for."""
+    Returns the packed input (the head runs on each prompt's last token only), the token ids, and ``copies``:
+    how many of ``rows`` each prefilled prompt stands for (``_end_prefill`` copies its cache row that often;
+    the caller repeats its head output to match)."""
     firsts, counts = [], []
     for i in rows:
         if firsts and i // n == firsts[-1] // n:
@@ -228,12 +215,27 @@ def _distinct_prompts(rows: Sequence[int], n: int, device):
         else:
             firsts.append(i)
             counts.append(1)
-    return firsts, torch.tensor(counts, dtype=torch.long, device=device)
+    seqlens = [len(prompts[i]) for i in firsts]
+    inp = make_packed_input(seqlens, device=device)
+    inp.cache = cache
+    inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
+    cache.begin_prefill(torch.tensor(seqlens, device=device))
+    ids = torch.tensor([t for i in firsts for t in prompts[i]], dtype=torch.long, device=device)
+    return inp, ids, torch.tensor(counts, dtype=torch.long, device=device)
 
 
-def _copy_prefilled_rows(cache: KVCache, copies: torch.Tensor):
-    """After prefilling each distinct prompt once: copy its cache row once per sample it stands for."""
+def _end_prefill(cache: KVCache, copies: torch.Tensor):
+    """After the prefill's forward: start decoding, with each prefilled row copied once per sample it
+    stands for."""
+    cache.end_prefill()
     cache.keep(torch.arange(copies.numel(), device=copies.device).repeat_interleave(copies))
+
+
+def _decode_input(cache: KVCache, device) -> PackedInput:
+    """The input of one decode step: one token for every row of ``cache``."""
+    n = cache.batch
+    return PackedInput(cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=device), max_seqlen=1,
+                       position_ids=cache.positions().clone(), cache=cache)
 
 
 def _drop_finished(cache: KVCache, keep: List[int], alive: torch.Tensor, tok: torch.Tensor):
@@ -339,15 +341,11 @@ def generate(
 
     # ---- prefill: each distinct prompt once; its n samples then share copies of its cache rows and
     # sample from the same last-token logits
-    firsts, copies = _distinct_prompts(range(B), gconfig.n, device)
-    useqlens = [seqlens[i] for i in firsts]
-    inp = _prefill_input(useqlens, cache, device)
-    ids = torch.tensor([t for i in firsts for t in prompts[i]], dtype=torch.long, device=device)
+    inp, ids, copies = _prefill_input(prompts, range(B), gconfig.n, cache, device)
     out_rows = B
     alive = torch.arange(B, device=device)  # original index of each cache row
-    out = run_stage(ids if model.is_first else None, inp, sum(useqlens))
-    cache.end_prefill()
-    _copy_prefilled_rows(cache, copies)
+    out = run_stage(ids if model.is_first else None, inp, ids.numel())
+    _end_prefill(cache, copies)
     if model.is_last:
         out = out.repeat_interleave(copies, dim=0)
     tok, lp = pick(out, 0)
@@ -484,15 +482,10 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
     def prefill(grp: _Group):
         # the samples of a prompt are adjacent rows: prefill each distinct prompt of the group once, then
         # copy its cache row for each of its samples in the group (as the sequential schedule does)
-        firsts, copies = _distinct_prompts(grp.rows, n, device)
-        seqlens = [len(prompts[i]) for i in firsts]
-        inp = _prefill_input(seqlens, grp.cache, device)
-        ids = None
-        if model.is_first:
-            ids = torch.tensor([t for i in firsts for t in prompts[i]], dtype=torch.long, device=device)
-        run_item(grp, ids, inp, sum(seqlens), 0, copies)  # the forward stores the prompt keys/values
-        grp.cache.end_prefill()
-        _copy_prefilled_rows(grp.cache, copies)
+        inp, ids, copies = _prefill_input(prompts, grp.rows, n, grp.cache, device)
+        # the forward stores the prompt keys/values
+        run_item(grp, ids if model.is_first else None, inp, ids.numel(), 0, copies)
+        _end_prefill(grp.cache, copies)
 
     def decode(grp: _Group, n_generated: int):
         run_item(grp, grp.tok if model.is_first else None, _decode_input(grp.cache, device), grp.alive.numel(),

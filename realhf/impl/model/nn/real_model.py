@@ -120,6 +120,9 @@ def make_packed_input(seqlens: List[int], device=None) -> PackedInput:
 
 
 class Attention(nn.Module):
+    """Self-attention of one block, in two calls around which ``Block.forward`` splits its work:
+    ``project`` (q/k/v) and ``attend``; the block applies ``o_proj`` itself."""
+
     def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, tp_rank: int, dtype, device):
         super().__init__()
         _, self.hkv = kv_head_partition(cfg.n_kv_heads, tp)[tp_rank]
@@ -161,9 +164,6 @@ class Attention(nn.Module):
                 cache.store_prefill(layer, k, v)
             out = varlen_causal_attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, self.scale)
         return out.reshape(q.shape[0], self.hq * self.d)
-
-    def forward(self, x, inp: PackedInput, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], layer: int):
-        return self.o_proj(self.attend(*self.project(x, rope), inp, layer))
 
 
 class MLP(nn.Module):
