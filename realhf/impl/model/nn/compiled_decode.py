@@ -20,12 +20,13 @@ small models and long rollouts. On CUDA the same graph is compiled by Inductor i
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from realhf.base import logging
 from realhf.impl.model.nn.compile_util import CompiledOrFallback
+from realhf.impl.model.nn.generation import sample_with_mask
 
 logger = logging.getLogger(__name__)
 
@@ -79,18 +80,32 @@ class CompiledDecoder:
             view = _StaticDecodeView(ks, vs, lens, bias[:, None, None, :])
             return model(ids, PI(cu_seqlens=lens, max_seqlen=1, position_ids=lens, cache=view))
 
-        # on failure the step returns None and generate runs the eager step
-        self._step = CompiledOrFallback(step, fallback=lambda *args: None, dynamic=True, fullgraph=True,
-                                        options={"cpp_wrapper": True})
+        def step_sample(ids, lens, ks, vs, ban, row_u, greedy: bool, temperature: float):
+            logits = step(ids, lens, ks, vs).float()
+            return sample_with_mask(logits, greedy, temperature, 0, 1.0, None, ban, row_u)
+
+        # on failure a step returns None and generate runs the eager step
+        kw = dict(fallback=lambda *args: None, dynamic=True, fullgraph=True, options={"cpp_wrapper": True})
+        self._step = CompiledOrFallback(step, **kw)
+        self._step_sample = CompiledOrFallback(step_sample, **kw)
 
     @property
     def failed(self) -> Optional[str]:
-        return self._step.failed
+        return self._step.failed or self._step_sample.failed
 
     def __call__(self, ids: torch.Tensor, cache) -> Optional[torch.Tensor]:
         """The head output of one decode step, or None if the step cannot be compiled here (the caller then
         runs the eager step; the failure is logged once)."""
         return self._step(ids, cache.lens, cache.k, cache.v)
+
+    def sample(self, ids: torch.Tensor, cache, ban: torch.Tensor, row_u: Optional[torch.Tensor], greedy: bool,
+               temperature: float) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """One decode step that also samples the next token of every row inside the graph, with the code of
+        the eager sampler (``sample_with_mask``: greedy, or inverse CDF with the per-row uniforms ``row_u``;
+        no top-k/top-p): (tokens [B], log-probs [B]). ``ban`` [V] bool marks tokens never sampled (pass an
+        all-False mask rather than None, so one graph serves steps with and without a ban). None if the
+        step cannot be compiled here."""
+        return self._step_sample(ids, cache.lens, cache.k, cache.v, ban, row_u, greedy, temperature)
 
 
 def compiled_decoder(model) -> Optional[CompiledDecoder]:

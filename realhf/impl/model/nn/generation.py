@@ -114,29 +114,38 @@ def sample_tokens(
     CDF, so a sequence's sample does not depend on which other sequences share its batch
     (layout-independent sampling).
     """
-    scaled = logits if g.greedy or g.temperature == 1.0 else logits / g.temperature
+    ban = None
+    if banned is not None and banned.numel() > 0:
+        ban = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        ban[banned] = True
+    return sample_with_mask(logits, g.greedy, g.temperature, g.top_k, g.top_p, gen, ban, row_u)
+
+
+def sample_with_mask(logits: torch.Tensor, greedy: bool, temperature: float, top_k: int, top_p: float,
+                     gen: Optional[torch.Generator], ban: Optional[torch.Tensor], row_u: Optional[torch.Tensor]):
+    """``sample_tokens`` with the banned tokens as a boolean mask ``ban`` [V] (or None). Without top-k/top-p
+    and with ``row_u`` or ``greedy`` it is a pure tensor function (no data-dependent Python branching), so
+    the compiled decode step (``compiled_decode.py``) samples inside its graph with this same code."""
+    scaled = logits if greedy or temperature == 1.0 else logits / temperature
     logp = torch.log_softmax(scaled, -1)
-    has_ban = banned is not None and banned.numel() > 0
-    if g.greedy or g.top_k or g.top_p < 1.0:
-        if has_ban:
-            scaled = scaled.clone()
-            scaled[:, banned] = float("-inf")
-        if g.greedy:
+    if greedy or top_k or top_p < 1.0:
+        if ban is not None:
+            scaled = scaled.masked_fill(ban, float("-inf"))
+        if greedy:
             tok = scaled.argmax(-1)
             return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-        probs = filter_logits(scaled, g.top_k, g.top_p).softmax(-1)
+        probs = filter_logits(scaled, top_k, top_p).softmax(-1)
     else:  # plain sampling: the probabilities are exp(logp); banned tokens get none (both samplers renormalise)
         probs = logp.exp()
-        if has_ban:
-            probs[:, banned] = 0.0
+        if ban is not None:
+            probs = probs.masked_fill(ban, 0.0)
     if row_u is not None:
         cdf = probs.double().cumsum(-1)
         u = row_u.to(probs.device) * cdf[:, -1]
         tok = torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1).clamp(max=probs.shape[-1] - 1)
         # never land on a zero-probability token through rounding at a CDF plateau
         bad = probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1) <= 0
-        if bool(bad.any()):
-            tok[bad] = probs[bad].argmax(-1)
+        tok = torch.where(bad, probs.argmax(-1), tok)
     else:
         tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
     return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
@@ -350,6 +359,14 @@ def generate(
         out = out.repeat_interleave(copies, dim=0)
     tok, lp = pick(out, 0)
 
+    # the compiled step can also sample (greedy, or plain sampling with per-row streams), saving a round of
+    # per-operation costs a step; top-k/top-p sample eagerly from its logits
+    fold = decoder is not None and not gconfig.top_k and gconfig.top_p >= 1.0 and (gconfig.greedy or streams is not None)
+    if fold:
+        no_ban = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=device)
+        ban = no_ban.clone()
+        ban[stop_t] = True
+
     tokens: List[List[int]] = [[] for _ in range(B)]
     logps: List[List[float]] = [[] for _ in range(B)]
     no_eos = [True] * B
@@ -359,6 +376,15 @@ def generate(
             break
         alive, tok = _drop_finished(cache, keep, alive, tok)
         out_rows = alive.numel()
+        if fold:
+            u = streams.uniforms(alive, step + 1) if streams is not None else None
+            r = decoder.sample(tok, cache, ban if step + 1 < gconfig.min_new_tokens else no_ban, u, gconfig.greedy,
+                               gconfig.temperature)
+            if r is not None:
+                cache.advance()
+                tok, lp = r
+                continue
+            fold = False
         dinp = _decode_input(cache, device)
         out = run_stage(tok if model.is_first else None, dinp, out_rows)
         cache.advance()
