@@ -87,7 +87,8 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
                mb_spec=cfg.rew_inf.mb_spec.to_spec()),
     ]
     if use_ref:
-        mfcs.append(MFCDef("ref_inf", model_of["ref_inf"], "inference", "ppo_actor", dict(ppo_args), input_keys=("packed_input_ids",),
+        mfcs.append(MFCDef("ref_inf", model_of["ref_inf"], "inference", "ppo_actor", dict(ppo_args),
+                           input_keys=("packed_input_ids", "prompt_mask"),
                            output_keys=("logprobs",), output_key_remap={"logprobs": "packed_ref_logprobs"}, n_seqs=bs,
                            mb_spec=cfg.ref_inf.mb_spec.to_spec()))
         train_inputs.append("packed_ref_logprobs")

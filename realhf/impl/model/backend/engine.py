@@ -30,9 +30,12 @@ logger = logging.getLogger(__name__)
 INPUT_KEY = "packed_input_ids"
 
 
-def _mb_inputs(mb: SequenceSample, device) -> Tuple[torch.Tensor, PackedInput]:
+def _mb_inputs(mb: SequenceSample, device, head_rows_fn=None) -> Tuple[torch.Tensor, PackedInput]:
     lens = mb.flat_seqlens(INPUT_KEY)
-    return mb.data[INPUT_KEY].to(device), make_packed_input(lens, device=device)
+    inp = make_packed_input(lens, device=device)
+    if head_rows_fn is not None:
+        inp.head_rows = head_rows_fn(mb).to(device)
+    return mb.data[INPUT_KEY].to(device), inp
 
 
 class InferenceEngine:
@@ -74,10 +77,13 @@ class InferenceEngine:
         sample: SequenceSample,
         max_tokens_per_mb: int = 2**31 - 1,
         post_fn: Optional[Callable[[torch.Tensor, SequenceSample], Any]] = None,
+        head_rows_fn: Optional[Callable[[SequenceSample], torch.Tensor]] = None,
     ) -> Optional[List[Any]]:
-        """Per micro-batch ``post_fn(output, mb)`` (or the raw output) on the last stage; None elsewhere."""
+        """Per micro-batch ``post_fn(output, mb)`` (or the raw output) on the last stage; None elsewhere.
+        ``head_rows_fn(mb)``: the packed positions the output head runs on (the output then has one row per
+        entry), e.g. only those whose next token is an answer token; default every position."""
         mbs = sample.split_mbs(max_tokens_per_mb, min_n_mbs=self.model.pp) if sample.bs > 1 else [sample]
-        inputs = [_mb_inputs(mb, self.device) for mb in mbs]
+        inputs = [_mb_inputs(mb, self.device, head_rows_fn) for mb in mbs]
         model = self.model
         if model.pp == 1:
             outs = [model(ids, inp) for ids, inp in inputs]
@@ -161,6 +167,7 @@ class TrainEngine(InferenceEngine):
         loss_weight_fn: Callable[[SequenceSample], float],
         max_tokens_per_mb: int = 2**31 - 1,
         n_mbs: int = 1,
+        head_rows_fn: Optional[Callable[[SequenceSample], torch.Tensor]] = None,
     ) -> TrainStats:
         model, grid = self.model, self.grid
         model.train()
@@ -173,7 +180,7 @@ class TrainEngine(InferenceEngine):
         if total <= 0:
             raise ValueError("total loss weight of the batch is 0: nothing to train on")
         model.flat_grad.zero_()
-        inputs = [_mb_inputs(mb, self.device) for mb in mbs]
+        inputs = [_mb_inputs(mb, self.device, head_rows_fn) for mb in mbs]
         loss_sum = torch.zeros((), dtype=torch.float64)
         stats_sum: Dict[str, float] = {}
 

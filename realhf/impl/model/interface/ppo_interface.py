@@ -24,7 +24,7 @@ from realhf.base import logging
 from realhf.impl.model.interface.gen_interface import GenerationInterface
 from realhf.impl.model.utils import ppo_functional as F
 from realhf.impl.model.utils.functional import answer_loss_mask as answer_mask
-from realhf.impl.model.utils.functional import packed_entropy, packed_logprobs
+from realhf.impl.model.utils.functional import logprobs_at, packed_entropy, packed_logprobs
 from realhf.impl.model.utils.gae import gae_packed
 
 logger = logging.getLogger(__name__)
@@ -148,11 +148,24 @@ class PPOActorInterface(GenerationInterface):
         tp = model.module.tp_group
         temp = self.cfg.temperature
 
-        def post(out, mb):
-            lp, _ = packed_logprobs(out, mb.data["packed_input_ids"], mb.cu_seqlens("packed_input_ids"), tp, temp)
-            return lp
+        if "prompt_mask" not in data.keys:  # every position
+            def post(out, mb):
+                return packed_logprobs(out, mb.data["packed_input_ids"], mb.cu_seqlens("packed_input_ids"), tp, temp)[0]
 
-        res = model.engine.forward(data, max_tokens_per_mb=mb_spec.max_tokens_per_mb, post_fn=post)
+            rows_fn = None
+        else:  # only the positions whose next token is an answer token (others are 0): the head and the
+            # log-softmax skip the prompt, as nothing uses log-probs of prompt tokens
+            def rows_fn(mb):
+                return answer_loss_mask(mb).nonzero().squeeze(-1)
+
+            def post(out, mb):
+                ids = mb.data["packed_input_ids"]
+                rows = rows_fn(mb)
+                lp = torch.zeros(ids.numel(), dtype=torch.float32, device=out.device)
+                lp[rows.to(out.device)] = logprobs_at(out, ids, rows, tp, temp).float()
+                return lp
+
+        res = model.engine.forward(data, max_tokens_per_mb=mb_spec.max_tokens_per_mb, post_fn=post, head_rows_fn=rows_fn)
         if res is None:
             return None
         lp = torch.cat(res).float()
@@ -167,16 +180,22 @@ class PPOActorInterface(GenerationInterface):
         tp = model.module.tp_group
         use_ref = cfg.kl_loss_coef > 0 and "packed_ref_logprobs" in sample.keys
 
+        # the output head runs only on the loss positions (their next token is a trained answer token)
+        def rows_fn(mb):
+            return mb.data["loss_mask"].nonzero().squeeze(-1)
+
         def loss_fn(out, mb):
-            ids = mb.data["packed_input_ids"]
-            lp, _ = packed_logprobs(out, ids, mb.cu_seqlens("packed_input_ids"), tp, cfg.temperature)
-            m = mb.data["loss_mask"]
-            loss, st = F.actor_loss(lp, mb.data["packed_logprobs"].float(), mb.data["advantages"], cfg.eps_clip, m, cfg.c_clip)
+            rows = rows_fn(mb)
+            lp = logprobs_at(out, mb.data["packed_input_ids"], rows, tp, cfg.temperature)
+            m = torch.ones_like(lp, dtype=torch.bool)
+            at = {k: mb.data[k][rows].float().to(lp.device) for k in ("packed_logprobs", "advantages", "packed_ref_logprobs")
+                  if k in mb.data}
+            loss, st = F.actor_loss(lp, at["packed_logprobs"], at["advantages"], cfg.eps_clip, m, cfg.c_clip)
             if cfg.entropy_coef > 0:
                 ent = packed_entropy(out if cfg.temperature == 1.0 else out.float() / cfg.temperature, tp)
                 loss = loss - cfg.entropy_coef * F.entropy_bonus(ent, m)
             if use_ref:
-                kl = F.kl_k3(lp, mb.data["packed_ref_logprobs"].float())
+                kl = F.kl_k3(lp, at["packed_ref_logprobs"])
                 loss = loss + cfg.kl_loss_coef * F.masked_mean(kl, m)
             return loss, {"actor_loss": float(st["loss"]) * float(m.sum()), "importance_weight": float(st["importance_weight"]) * float(m.sum()),
                           "actor_clip_ratio": float(st["clip_ratio"]) * float(m.sum()), "ppo_approx_kl": float(st["approx_kl"]) * float(m.sum()),
@@ -187,7 +206,8 @@ class PPOActorInterface(GenerationInterface):
         grad_norms = []
         for part in sample.split(n_mb):
             st = model.engine.train_batch(part, loss_fn, lambda mb: float(mb.data["loss_mask"].sum()),
-                                          max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs)
+                                          max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs,
+                                          head_rows_fn=rows_fn)
             grad_norms.append(st.grad_norm)
             for k, v in st.extra.items():
                 sums[k] = sums.get(k, 0.0) + v

@@ -29,6 +29,16 @@ def packed_logprobs(logits: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.T
     return lp * valid, valid
 
 
+def logprobs_at(logits: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, tp_group=None,
+                temperature: float = 1.0) -> torch.Tensor:
+    """log p(ids[t+1] | ids[:t+1]) for the packed positions ``t`` in ``rows`` (each before its sequence's last
+    token), from ``logits`` computed at those positions only (one row per entry of ``rows``: the head ran
+    with ``head_rows=rows``)."""
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    return vocab_parallel_logprobs(logits, ids[rows + 1].to(logits.device), tp_group)
+
+
 def packed_entropy(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
     return vocab_parallel_entropy(logits, tp_group)
 
