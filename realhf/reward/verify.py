@@ -91,6 +91,23 @@ def verify_math(completion: str, solutions: Sequence[str] | str, timeout: float 
     return verify_math_status(completion, solutions, timeout=timeout)[0]
 
 
+class _NeedsWorker(Exception):
+    """Raised by ``_NO_WORKERS``: this comparison needs a worker process."""
+
+
+class _NoWorkers:
+    """Stands in for the worker pool in ``verify_batch``'s first pass, which grades in the calling thread
+    only what needs no worker process; a comparison that would run in one is deferred instead."""
+
+    max_workers = 1
+
+    def run(self, task: str, args: list, timeout: float):
+        raise _NeedsWorker(task)
+
+
+_NO_WORKERS = _NoWorkers()
+
+
 class MathVerifier:
     """Batch grading with shared, bounded worker processes and status counts.
 
@@ -137,9 +154,14 @@ class MathVerifier:
                 self._stats[k] = 0
 
     def verify(self, completion: str, solutions, timeout: float | None = None) -> tuple[bool, str]:
+        return self._verify(completion, solutions, timeout, self.pool)
+
+    def _verify(self, completion: str, solutions, timeout: float | None, pool) -> tuple[bool, str]:
         t = self.timeout if timeout is None else timeout
         try:
-            ok, status = verify_math_status(completion, solutions, timeout=t, rel_tol=self.rel_tol, pool=self.pool)
+            ok, status = verify_math_status(completion, solutions, timeout=t, rel_tol=self.rel_tol, pool=pool)
+        except _NeedsWorker:
+            raise
         except Exception as e:  # grading must never take the trainer down
             logger.warning("math verification failed: %s: %s", type(e).__name__, e)
             ok, status = False, "error"
@@ -163,8 +185,23 @@ class MathVerifier:
         n_threads = max(1, max_workers or self.pool.max_workers)
         if n_threads == 1 or len(completions) <= 1:
             return [self.verify(c, s, timeout) for c, s in zip(completions, solutions_list)]
-        with ThreadPoolExecutor(n_threads, thread_name_prefix="math-verify") as ex:
-            return list(ex.map(lambda cs: self.verify(cs[0], cs[1], timeout), zip(completions, solutions_list)))
+        # Most answers are decided by the string/number comparisons, in microseconds: grade them all here
+        # first, and hand only those needing a worker process (a symbolic comparison) to the threads.
+        results: list = [None] * len(completions)
+        deferred = []
+        for i, (c, s) in enumerate(zip(completions, solutions_list)):
+            try:
+                results[i] = self._verify(c, s, timeout, _NO_WORKERS)
+            except _NeedsWorker:
+                deferred.append(i)
+        if len(deferred) == 1:
+            results[deferred[0]] = self.verify(completions[deferred[0]], solutions_list[deferred[0]], timeout)
+        elif deferred:
+            with ThreadPoolExecutor(min(n_threads, len(deferred)), thread_name_prefix="math-verify") as ex:
+                for i, r in zip(deferred, ex.map(lambda i: self.verify(completions[i], solutions_list[i], timeout),
+                                                  deferred)):
+                    results[i] = r
+        return results
 
     def close(self):
         """Stop the worker processes if this verifier created its own pool."""

@@ -188,6 +188,10 @@ class ModelInterface:
     def evaluate(self, model: Model, data_batches) -> Dict[str, float]:
         raise NotImplementedError(f"{type(self).__name__} does not implement evaluate")
 
+    def warmup(self, model: Model) -> None:
+        """Called once on the workers holding ``model`` before the first request: start, in the background,
+        what the first call would otherwise start inside a step (must not block)."""
+
     def state_dict(self) -> Dict[str, Any]:
         """Algorithm state that must survive a restart (e.g. running statistics); plain data."""
         return {}
