@@ -16,7 +16,11 @@ They all run ``--rounds`` times, alternating, and the medians are compared. A th
 times the GEMMs alone that a step at this work runs (generation and one training pass): no implementation
 at equal work is faster, so TRL's time over it is the largest speed-up over TRL possible on this machine.
 
+Each of ``--models`` (default both) is compared in turn: ``h256`` (hidden 256, 3.7M parameters) and ``h64``
+(hidden 64, the tiny model of the tests), both tiny Qwen2 models of 4 layers.
+
 Usage: python benchmarks/bench_trl.py [--steps 4] [--prompts 4] [--group 8] [--new-tokens 32] [--rounds 3]
+       [--models h256,h64]
 """
 from __future__ import annotations
 
@@ -34,11 +38,19 @@ from _timing import emit as _emit
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def make_model():
+# the tiny Qwen2 models compared (4 layers each): "h64" is the tiny model of the project's tests, where a step is
+# all per-operation cost; "h256" (3.7M parameters) is wide enough that GEMMs take about half of the step
+MODELS = {
+    "h64": dict(),
+    "h256": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4),
+}
+
+
+def make_model(size: str = "h256"):
     from realhf.impl.model.tiny import ensure_tiny_model
 
-    return ensure_tiny_model("qwen2", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=4)
+    return ensure_tiny_model("qwen2", **MODELS[size])
 
 
 def make_rows(n):
@@ -138,10 +150,19 @@ def main():
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3, help="alternating realhf/TRL rounds; medians are compared")
+    ap.add_argument("--models", default="h256,h64", help=f"comma-separated, of {sorted(MODELS)}")
     a = ap.parse_args()
-    model = make_model()
+    sizes = a.models.split(",")
+    for m in sizes:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
     rows = make_rows(a.prompts * (a.steps + 2))
-    common = dict(prompts=a.prompts, group=a.group, new_tokens=a.new_tokens, steps=a.steps, model="tiny-qwen2-h256-l4")
+    for size in sizes:
+        compare(make_model(size), rows, a, size)
+
+
+def compare(model, rows, a, size):
+    common = dict(prompts=a.prompts, group=a.group, new_tokens=a.new_tokens, steps=a.steps, model=f"tiny-qwen2-{size}-l4")
     variants = {"realhf": (), "realhf+compile": ("ppo.gen.compile_decode=true", "actor.compile=true")}
     rs = {v: [] for v in variants}
     ts = []
@@ -170,8 +191,8 @@ def main():
         r = statistics.median(rs[name])
         # each round's TRL step over the realhf step measured just before it: less exposed to slow stretches
         per_round = [round(tr / rr, 2) for tr, rr in zip(ts, rs[name])]
-        _emit(bench="grpo_step_ratio", impl=name, realhf_step_seconds=round(r, 3), trl_step_seconds=round(t, 3),
-              trl_over_realhf=round(t / r, 2), trl_over_realhf_per_round=per_round,
+        _emit(bench="grpo_step_ratio", impl=name, model=common["model"], realhf_step_seconds=round(r, 3),
+              trl_step_seconds=round(t, 3), trl_over_realhf=round(t / r, 2), trl_over_realhf_per_round=per_round,
               trl_over_realhf_per_round_median=statistics.median(per_round),
               trl_over_gemm_floor=round(t / (fg + ft), 2), realhf_over_gemm_floor=round(r / (fg + ft), 2))
 
