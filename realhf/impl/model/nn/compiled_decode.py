@@ -9,7 +9,10 @@ with Inductor's C++ wrapper, calls the kernels without going back to Python betw
 The compiled step attends over the whole cache length with a mask built from ``lens`` inside the graph,
 so its shapes do not change from step to step; rows (the batch) and the cache length are marked
 dynamic, so dropping finished rows or a new batch with longer prompts reuse the same compiled code.
-The step writes the new keys/values into the cache buffers in place, like the eager path.
+The step writes the new keys/values into the cache buffers in place, like the eager path. For greedy
+decoding and plain sampling with per-sequence random streams (what RL rollouts use), the graph also samples
+the next tokens, with the eager sampler's own code (``generation.sample_with_mask``), so a step is one call;
+top-k/top-p sampling runs eagerly on the step's logits.
 
 Used by ``generate`` when ``GenerationHyperparameters.compile_decode`` is set, for a model replica that
 is a single stage without tensor parallelism (a compiled graph would have to contain the tp collectives;
