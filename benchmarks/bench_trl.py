@@ -20,7 +20,7 @@ Each of ``--models`` (default both) is compared in turn: ``h256`` (hidden 256, 3
 (hidden 64, the tiny model of the tests), both tiny Qwen2 models of 4 layers.
 
 Usage: python benchmarks/bench_trl.py [--steps 4] [--prompts 4] [--group 8] [--new-tokens 32] [--rounds 3]
-       [--models h256,h64]
+       [--models h256,h64] [--trl-compile]
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def realhf_step(model, rows, a, work, extra=()):
     return statistics.median(times[1:] if len(times) > 1 else times), wall, st
 
 
-def trl_step(model, rows, a, work):
+def trl_step(model, rows, a, work, torch_compile=False):
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -114,6 +114,7 @@ def trl_step(model, rows, a, work):
         gradient_accumulation_steps=1, max_completion_length=a.new_tokens, temperature=1.0, learning_rate=1e-5,
         beta=0.0, bf16=False, max_steps=a.steps, logging_steps=1, report_to="none", save_strategy="no",
         generation_kwargs={"min_new_tokens": a.new_tokens}, use_vllm=False, seed=1, dataloader_num_workers=0,
+        torch_compile=torch_compile,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=cfg, train_dataset=ds, processing_class=tok,
                           callbacks=[Timer()])
@@ -151,6 +152,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3, help="alternating realhf/TRL rounds; medians are compared")
     ap.add_argument("--models", default="h256,h64", help=f"comma-separated, of {sorted(MODELS)}")
+    ap.add_argument("--trl-compile", action="store_true",
+                    help="also time TRL with its own torch_compile=True (once per model, after the rounds)")
     a = ap.parse_args()
     sizes = a.models.split(",")
     for m in sizes:
@@ -182,6 +185,10 @@ def compare(model, rows, a, size):
             t, t_wall = trl_step(model, rows, a, wdir)
             ts.append(t)
             _emit(bench="grpo_step", impl="trl", round=rnd, step_seconds=round(t, 3), wall_seconds=round(t_wall, 1), **common)
+        if a.trl_compile:  # TRL's own compile option, for completeness (slow here: see benchmarks/README.md)
+            tc, tc_wall = trl_step(model, rows, a, os.path.join(work, "trl-compile"), torch_compile=True)
+            _emit(bench="grpo_step", impl="trl+torch_compile", step_seconds=round(tc, 3), wall_seconds=round(tc_wall, 1),
+                  **common)
     t = statistics.median(ts)
     fg, ft = gemm_floor(model, rows, a, int(st[-1]["n_tokens"]))
     _emit(bench="grpo_step", impl="gemm_floor", step_seconds=round(fg + ft, 3), generation_gemm_seconds=round(fg, 3),
