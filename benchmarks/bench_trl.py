@@ -123,6 +123,17 @@ def trl_step(model, rows, a, work, torch_compile=False):
     return statistics.median(times[1:] if len(times) > 1 else times), time.perf_counter() - t0
 
 
+def trl_compile_step(size, a, work):
+    """TRL with ``torch_compile=True``, in a fresh process: accelerate keeps its first ``Accelerator``'s state
+    for the whole process, so a later trainer in this process would silently run without compiling."""
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-compile-child", size, "--steps", str(a.steps),
+                        "--prompts", str(a.prompts), "--group", str(a.group), "--new-tokens", str(a.new_tokens),
+                        "--work", work], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr[-3000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def gemm_floor(model, rows, a, n_tokens):
     """Seconds of the GEMMs alone that a GRPO step at this work runs: generation (prefill of the prompts,
     then one sweep over the weights per new token with one row per answer) and one training pass over
@@ -154,7 +165,14 @@ def main():
     ap.add_argument("--models", default="h256,h64", help=f"comma-separated, of {sorted(MODELS)}")
     ap.add_argument("--trl-compile", action="store_true",
                     help="also time TRL with its own torch_compile=True (once per model, after the rounds)")
+    ap.add_argument("--trl-compile-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.trl_compile_child:  # one TRL run with torch_compile=True (see trl_compile_step); prints [step, wall]
+        os.makedirs(a.work, exist_ok=True)
+        print(json.dumps(trl_step(make_model(a.trl_compile_child), make_rows(a.prompts * (a.steps + 2)), a, a.work,
+                                  torch_compile=True)))
+        return
     sizes = a.models.split(",")
     for m in sizes:
         if m not in MODELS:
@@ -186,7 +204,7 @@ def compare(model, rows, a, size):
             ts.append(t)
             _emit(bench="grpo_step", impl="trl", round=rnd, step_seconds=round(t, 3), wall_seconds=round(t_wall, 1), **common)
         if a.trl_compile:  # TRL's own compile option, for completeness (slow here: see benchmarks/README.md)
-            tc, tc_wall = trl_step(model, rows, a, os.path.join(work, "trl-compile"), torch_compile=True)
+            tc, tc_wall = trl_compile_step(size, a, os.path.join(work, "trl-compile"))
             _emit(bench="grpo_step", impl="trl+torch_compile", step_seconds=round(tc, 3), wall_seconds=round(tc_wall, 1),
                   **common)
     t = statistics.median(ts)
