@@ -82,9 +82,10 @@ def _worker(path, dims):
     grid = ParallelGrid(ParallelDims(*dims))
     res = {}
     iface = PPOActorInterface(**PPO)
-    sample = _sample(build_from_hf(path, grid=grid).config.vocab_size)
-    # inference: answer positions only, against every position masked to the answer positions
     m = build_from_hf(path, grid=grid)
+    start = m.flat.detach().clone()
+    sample = _sample(m.config.vocab_size)
+    # inference: answer positions only, against every position masked to the answer positions
     model = Model(name="actor", engine=TrainEngine(m, OptimizerConfig(lr=1e-2), 10), tokenizer=None, grid=grid, path="")
     out = iface.inference(model, sample, MicroBatchSpec(max_tokens_per_mb=20))
     full = model.engine.forward(sample, max_tokens_per_mb=20, post_fn=lambda o, mb: packed_logprobs(
@@ -102,8 +103,7 @@ def _worker(path, dims):
     ref_engine = TrainEngine(ref_m, OptimizerConfig(lr=1e-2), 10)
     gn, iw = _reference_step(ref_engine, sample, ref_m.tp_group)
     res.update(grad_norm=stats["actor_grad_norm"], ref_grad_norm=gn, iw=stats["importance_weight"], ref_iw=iw,
-               params=m.flat.detach().clone(), ref_params=ref_m.flat.detach().clone(),
-               start=build_from_hf(path, grid=grid).flat.detach().clone())
+               params=m.flat.detach().clone(), ref_params=ref_m.flat.detach().clone(), start=start)
     return res
 
 

@@ -35,11 +35,10 @@ def _set_aside_rows(path: str, resume_step: Optional[int]):
         (keep if resume_step is not None and isinstance(step, int) and step <= resume_step else move).append(line)
     if not move:
         return
-    aside = os.path.join(os.path.dirname(path), f"stats.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-    n = 1
+    stem = os.path.join(os.path.dirname(path), f"stats.before-{time.strftime('%Y%m%d-%H%M%S')}")
+    aside, n = stem + ".jsonl", 1
     while os.path.exists(aside):
-        aside = os.path.join(os.path.dirname(path), f"stats.before-{time.strftime('%Y%m%d-%H%M%S')}-{n}.jsonl")
-        n += 1
+        aside, n = f"{stem}-{n}.jsonl", n + 1
     with open(aside, "w") as f:
         f.writelines(move)
     tmp = path + ".tmp"

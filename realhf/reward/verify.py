@@ -194,9 +194,7 @@ class MathVerifier:
                 results[i] = self._verify(c, s, timeout, _NO_WORKERS)
             except _NeedsWorker:
                 deferred.append(i)
-        if len(deferred) == 1:
-            results[deferred[0]] = self.verify(completions[deferred[0]], solutions_list[deferred[0]], timeout)
-        elif deferred:
+        if deferred:
             with ThreadPoolExecutor(min(n_threads, len(deferred)), thread_name_prefix="math-verify") as ex:
                 for i, r in zip(deferred, ex.map(lambda i: self.verify(completions[i], solutions_list[i], timeout),
                                                   deferred)):

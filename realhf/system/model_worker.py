@@ -107,9 +107,14 @@ class ModelWorker:
             if self.grids[m.name].is_member:
                 self.models[m.name] = self._load_model(m)
         self._setup_data()
-        for mfc in spec.mfcs:  # let interfaces start what their first call would (e.g. grading processes)
-            if str(mfc.model_name) in self.models:
-                self.interfaces[mfc.name].warmup(self.models[str(mfc.model_name)])
+        # let interfaces start what their first call would (e.g. grading processes); once per interface
+        # object, as MFCs of one replica may share it (make_interfaces)
+        warmed = set()
+        for mfc in spec.mfcs:
+            iface = self.interfaces[mfc.name]
+            if str(mfc.model_name) in self.models and id(iface) not in warmed:
+                warmed.add(id(iface))
+                iface.warmup(self.models[str(mfc.model_name)])
         if self.resume_info is not None:
             self._load_ckpt()
         self.server = WorkerServer(self.name, self.secret, host=network.worker_host(), name_resolve=self.nr,

@@ -29,7 +29,6 @@ class MathRewardInterface(ModelInterface):
         self.allow_last_number = allow_last_number
         self.max_workers = max_workers
         self._verifier = None
-        self._warming = False
 
     @property
     def verifier(self):
@@ -42,9 +41,7 @@ class MathRewardInterface(ModelInterface):
     def warmup(self, model: Model) -> None:
         """Start the grading processes now (their imports take about a second) rather than inside the first
         step that needs a symbolic comparison."""
-        if not self._warming:  # one interface object may serve several MFCs
-            self._warming = True
-            threading.Thread(target=self.verifier.pool.warmup, name="rw-math-warmup", daemon=True).start()
+        threading.Thread(target=self.verifier.pool.warmup, name="rw-math-warmup", daemon=True).start()
 
     def answers(self, model: Model, data: SequenceSample) -> List[str]:
         ids = data.data["packed_input_ids"]
