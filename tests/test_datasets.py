@@ -19,6 +19,7 @@ from realhf.impl.dataset import (
     validate_jsonl,
     write_math_jsonl,
 )
+from realhf.impl.dataset.jsonl import epoch_steps
 from realhf.impl.model.tiny import tiny_tokenizer
 
 GSM8K = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "realhf", "data", "gsm8k", "test.jsonl")
@@ -220,8 +221,19 @@ def test_epoch_iterator_determinism_and_coverage():
     # drop_last=False keeps the remainder of 3 (>= dp_size)
     it3 = EpochIterator(ds, batch_size=5, seed=3, drop_last=False)
     assert len(it3) == 5 and sorted(x for b in it3 for x in b) == list(range(23))
-    # ... but not when some rank would get nothing
-    assert len(EpochIterator(ds, batch_size=5, seed=3, drop_last=False, dp_size=4)) == 4
+    # ... and folds it into the last full batch when some rank would get nothing
+    for shuffle in (False, True):
+        its = [EpochIterator(ds, batch_size=5, seed=3, drop_last=False, dp_size=4, dp_rank=r, shuffle=shuffle)
+               for r in range(4)]
+        assert len(its[0]) == 4 and epoch_steps(23, 5, 4, drop_last=False) == 4
+        shares = [[it.next_batch() for _ in range(4)] for it in its]
+        assert sum(len(s[-1]) for s in shares) == 8 and min(len(b) for s in shares for b in s) >= 1
+        assert sorted(x for s in shares for b in s for x in b) == list(range(23))
+    # without shuffling nothing is dropped by default (the same samples would be left out every epoch)
+    assert len(EpochIterator(ds, batch_size=5, shuffle=False)) == 5
+    assert len(EpochIterator(_Range(5), batch_size=4, shuffle=False, dp_size=2)) == 1  # 4 + 1 in one batch
+    with pytest.raises(ValueError, match="fewer than the 4 data-parallel ranks"):
+        EpochIterator(_Range(3), batch_size=5, dp_size=4, drop_last=False)
     with pytest.raises(ValueError, match="fewer than one batch"):
         EpochIterator(_Range(3), batch_size=5)
     with pytest.raises(ValueError, match="smaller than dp_size"):

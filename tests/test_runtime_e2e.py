@@ -109,7 +109,7 @@ def test_gen_layouts_identical_and_equal_transformers(model, data, tmp_path):
         with open(os.path.join(root, f"gen{layout}", "trial0", "logs", "generated.jsonl")) as f:
             outs[layout] = [json.loads(l) for l in f]
     ref = outs["d1m1p1"]
-    assert [r["query_id"] for r in ref] == [f"q{i}" for i in range(4)]  # drop_last: 6 prompts, batches of 4
+    assert [r["query_id"] for r in ref] == [f"q{i}" for i in range(6)]  # 6 prompts: a batch of 4, then one of 2
     for layout, rows in outs.items():
         assert [r["output_ids"] for r in rows] == [r["output_ids"] for r in ref], f"{layout} differs from d1m1p1"
     hf = transformers.AutoModelForCausalLM.from_pretrained(model)

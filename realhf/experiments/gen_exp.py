@@ -1,14 +1,16 @@
 """`gen`: batch generation over a JSONL of prompts; writes `generated.jsonl` (one row per prompt x sample)."""
 from __future__ import annotations
 
-import json
 import glob
+import json
 import os
+from typing import List
 
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.system_api import DatasetSpec, ExperimentSpec, ModelSpec
 from realhf.api.quickstart.config import GenerationExpConfig
 from realhf.base import logging
+from realhf.base.topology import ProcessTopology
 from realhf.experiments import register_experiment
 from realhf.experiments.common import check_model_fits, single_layout
 
@@ -17,10 +19,16 @@ logger = logging.getLogger(__name__)
 
 def build_gen(cfg: GenerationExpConfig) -> ExperimentSpec:
     from realhf.impl.dataset import PromptDataset, validate_jsonl
+    from realhf.impl.dataset.jsonl import epoch_steps
 
     layout = single_layout(cfg, "gen")
     check_model_fits(cfg.model.path, layout, "model.path")
-    validate_jsonl(cfg.dataset.path, PromptDataset.REQUIRED, PromptDataset.OPTIONAL)
+    n_prompts = validate_jsonl(cfg.dataset.path, PromptDataset.REQUIRED, PromptDataset.OPTIONAL)
+    # every prompt is generated for: the workers' EpochIterator (shuffle=False) keeps an epoch's last partial
+    # batch, or folds it into the batch before when it has fewer prompts than data-parallel ranks
+    if epoch_steps(n_prompts, cfg.dataset.train_bs_n_seqs, layout.dp, drop_last=False) == 0:
+        raise ValueError(f"dataset.path={cfg.dataset.path!r} has {n_prompts} prompts, fewer than the {layout.dp} "
+                         f"data-parallel ranks of allocation_mode={cfg.allocation_mode!r} that each need one")
     n = layout.world_size
     g = cfg.gen.to_hyperparameters()
     out = cfg.output_path()
@@ -36,8 +44,6 @@ def build_gen(cfg: GenerationExpConfig) -> ExperimentSpec:
                                               use_chat_template=cfg.use_chat_template),
                      batch_size=cfg.dataset.train_bs_n_seqs, holder_model="default", shuffle=False)
     c = cfg.exp_ctrl
-    for f in glob.glob(out + ".part.*"):  # partial outputs of an earlier run
-        os.remove(f)
     return ExperimentSpec(
         experiment_name=cfg.experiment_name, trial_name=cfg.trial_name, n_workers=n, models=[model], mfcs=[mfc],
         dataset=ds, total_train_epochs=1, seed=cfg.seed, log_dir=cfg.log_dir(), save_dir=cfg.ckpt_dir(),
@@ -46,12 +52,27 @@ def build_gen(cfg: GenerationExpConfig) -> ExperimentSpec:
     )
 
 
+def _writer_ranks(spec: ExperimentSpec) -> List[int]:
+    """Global ranks that write part files: tensor-rank 0 of the last pipeline stage of every dp rank."""
+    m = spec.models[0]
+    topo = ProcessTopology(m.layout)
+    return [m.ranks[g] for g in topo.filter_match(pipe=m.layout.pp - 1, tensor=0)]
+
+
 def merge_outputs(spec: ExperimentSpec, out: str):
-    """Concatenate the per-worker part files into ``out`` in (query order of the dataset, sample index)."""
+    """Concatenate this run's part files into ``out`` in (query order of the dataset, sample index).
+
+    Each writer rank starts its own ``<out>.part.<rank>`` afresh when it first writes in its process
+    (see :class:`~realhf.impl.model.interface.gen_interface.GenerationInterface`); only the files of
+    this layout's writer ranks are read, so files an earlier, unfinished run left behind under other
+    ranks are ignored. Every part file is removed afterwards.
+    """
     rows = []
-    for f in sorted(glob.glob(out + ".part.*")):
-        with open(f) as fh:
-            rows.extend(json.loads(l) for l in fh if l.strip())
+    for r in _writer_ranks(spec):
+        f = f"{out}.part.{r}"
+        if os.path.exists(f):
+            with open(f) as fh:
+                rows.extend(json.loads(line) for line in fh if line.strip())
     order = {}
     from realhf.impl.dataset import read_jsonl
 

@@ -23,6 +23,7 @@ GEN_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_ma
 
 def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     from realhf.impl.dataset import MathPromptDataset, validate_jsonl
+    from realhf.impl.dataset.jsonl import epoch_steps
     from realhf.impl.dataset.math import MATH_OPTIONAL, MATH_REQUIRED
 
     mode = cfg.allocation()
@@ -52,7 +53,8 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
             check_model_fits(paths[role], dims, f"{role}.path (replica {name!r})")
     n_samples = validate_jsonl(cfg.dataset.path, MATH_REQUIRED, MATH_OPTIONAL)
     bs = cfg.dataset.train_bs_n_seqs
-    steps = max(1, n_samples // bs) * cfg.exp_ctrl.total_train_epochs
+    # as the workers' EpochIterator: training drops an epoch's last partial batch (see build_sft)
+    steps = max(1, epoch_steps(n_samples, bs, drop_last=True)) * cfg.exp_ctrl.total_train_epochs
     if cfg.exp_ctrl.benchmark_steps:
         steps = min(steps, cfg.exp_ctrl.benchmark_steps)
     p = cfg.ppo

@@ -10,6 +10,7 @@ from realhf.experiments.common import check_model_fits, single_layout
 
 def build_sft(cfg: SFTConfig) -> ExperimentSpec:
     from realhf.impl.dataset import PromptAnswerDataset, validate_jsonl
+    from realhf.impl.dataset.jsonl import epoch_steps
 
     layout = single_layout(cfg, "trainDefault")
     check_model_fits(cfg.model.path, layout, "model.path")
@@ -19,7 +20,9 @@ def build_sft(cfg: SFTConfig) -> ExperimentSpec:
         validate_jsonl(cfg.dataset.valid_path, PromptAnswerDataset.REQUIRED, PromptAnswerDataset.OPTIONAL)
     n = layout.world_size
     ds_args = dict(path=cfg.dataset.train_path, max_seqlen=cfg.dataset.max_seqlen)
-    steps_per_epoch = max(1, n_samples // cfg.dataset.train_bs_n_seqs)
+    # as the workers' EpochIterator: training drops an epoch's last partial batch (the order is reshuffled every
+    # epoch, so other samples are left out each time); a file too small for one batch fails when the workers load it
+    steps_per_epoch = max(1, epoch_steps(n_samples, cfg.dataset.train_bs_n_seqs, drop_last=True))
     total = steps_per_epoch * cfg.exp_ctrl.total_train_epochs
     if cfg.exp_ctrl.benchmark_steps:
         total = min(total, cfg.exp_ctrl.benchmark_steps)

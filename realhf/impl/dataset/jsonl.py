@@ -273,6 +273,21 @@ class PromptDataset:
 
 
 # ----------------------------------------------------------------------------- iteration
+def epoch_steps(n_samples: int, batch_size: int, dp_size: int = 1, drop_last: bool = True) -> int:
+    """Global batches per epoch of :class:`EpochIterator` (0 when not even one batch can be formed).
+
+    ``drop_last=True``: ``n_samples // batch_size`` full batches. ``drop_last=False``: every sample is
+    used; a remainder of at least ``dp_size`` samples is one more, smaller batch, a smaller remainder
+    joins the last full batch (so that no data-parallel rank gets an empty share).
+    """
+    full, rest = divmod(int(n_samples), int(batch_size))
+    if drop_last:
+        return full
+    if rest >= dp_size:
+        return full + 1
+    return full  # 0 < rest < dp_size folds into the last full batch; no full batch: nothing fits
+
+
 class EpochIterator:
     """Global batches of ``batch_size`` samples, each split over ``dp_size`` data-parallel ranks.
 
@@ -280,18 +295,20 @@ class EpochIterator:
       when ``shuffle=False``), the same on every rank and independent of ``dp_size``.
     * Global batch ``s`` of an epoch is ``order[s*batch_size:(s+1)*batch_size]``; rank ``r`` gets a
       contiguous slice of it, sizes differing by at most one (lower ranks get the extra ones).
-    * ``drop_last=True`` (default): the last ``len % batch_size`` samples of each epoch's order are
-      not used that epoch (every step has exactly ``batch_size`` samples; with shuffling, different
-      samples are left out each epoch). ``drop_last=False``: the remainder forms a smaller last batch,
-      unless it has fewer samples than ``dp_size`` (some rank would get none), in which case it is
-      dropped too.
+    * ``drop_last=True``: the last ``len % batch_size`` samples of each epoch's order are not used
+      that epoch (every step has exactly ``batch_size`` samples; with shuffling, different samples are
+      left out each epoch). ``drop_last=False``: every sample is used exactly once per epoch; the
+      remainder forms a smaller last batch, or, when it has fewer samples than ``dp_size`` (some rank
+      would get none), joins the last full batch (see :func:`epoch_steps`).
+    * ``drop_last=None`` (default) drops only when shuffling: without shuffling the same samples
+      would be left out of every epoch, i.e. never seen (e.g. prompts of a generation run).
     * State: ``(epoch, position)`` = the next global batch to produce. After the last batch of an
       epoch the state is ``(epoch + 1, 0)``. :meth:`state_dict` / :meth:`load_state_dict` resume
       exactly, with the same or a different ``dp_size``.
     """
 
     def __init__(self, dataset, batch_size: int, seed: int = 1, dp_rank: int = 0, dp_size: int = 1,
-                 shuffle: bool = True, drop_last: bool = True):
+                 shuffle: bool = True, drop_last: Optional[bool] = None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
         if batch_size < dp_size:
@@ -303,17 +320,18 @@ class EpochIterator:
         self.n_samples = len(dataset)
         self.batch_size, self.seed = int(batch_size), int(seed)
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
-        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        self.shuffle = bool(shuffle)
+        self.drop_last = self.shuffle if drop_last is None else bool(drop_last)
         self.epoch = 0
         self.position = 0
         if self.steps_per_epoch == 0:
-            raise ValueError(f"the dataset has {self.n_samples} samples, fewer than one batch of {batch_size}"
-                             + (" (drop_last=True)" if drop_last else f" for {dp_size} ranks"))
+            raise ValueError(f"the dataset has {self.n_samples} samples, fewer than "
+                             + (f"one batch of {batch_size} (drop_last=True)" if self.drop_last
+                                else f"the {dp_size} data-parallel ranks that each need one"))
 
     @property
     def steps_per_epoch(self) -> int:
-        full, rest = divmod(self.n_samples, self.batch_size)
-        return full + (1 if not self.drop_last and rest >= self.dp_size else 0)
+        return epoch_steps(self.n_samples, self.batch_size, self.dp_size, self.drop_last)
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -326,7 +344,9 @@ class EpochIterator:
     def global_batch_indices(self, epoch: int, step: int) -> List[int]:
         if not 0 <= step < self.steps_per_epoch:
             raise IndexError(f"step {step} out of range [0, {self.steps_per_epoch})")
-        return self.epoch_order(epoch)[step * self.batch_size:(step + 1) * self.batch_size]
+        last = step == self.steps_per_epoch - 1
+        end = self.n_samples if last and not self.drop_last else (step + 1) * self.batch_size
+        return self.epoch_order(epoch)[step * self.batch_size:end]
 
     def rank_share(self, global_indices: Sequence[int], dp_rank: Optional[int] = None) -> List[int]:
         r = self.dp_rank if dp_rank is None else dp_rank

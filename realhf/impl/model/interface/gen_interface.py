@@ -3,8 +3,11 @@
 Output keys per prompt sample (``n`` sequences each): ``packed_input_ids`` (prompt + answer),
 ``packed_logprobs`` (one per next-token position: 0 on prompt positions), ``prompt_mask`` (True on
 prompt tokens), ``seq_no_eos_mask`` (one bool per sequence: hit max_new_tokens without a stop token).
-With ``output_file`` set, rows ``{query_id, prompt, output_ids, output_text, logprobs}`` are appended
-to ``<output_file>.<rank>`` by the worker that owns the outputs.
+With ``output_file`` set, rows ``{query_id, prompt, output_ids, output_text, logprobs}`` are written
+to ``<output_file>.<rank>`` by the worker that owns the outputs: the file is started afresh at this
+process's first write (so rows an earlier, unfinished run left there are not kept) and appended to
+after that. A run that writes outputs therefore always starts from its first batch (``gen`` has no
+recover checkpoints).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ class GenerationInterface(ModelInterface):
         self.gconfig = GenerationHyperparameters(**(generation_config or {}))
         self.output_file = output_file
         self.seed = seed
+        self._started_output = False  # this process has (re)started its part file
 
     @torch.no_grad()
     def generate(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
@@ -77,7 +81,9 @@ class GenerationInterface(ModelInterface):
         texts = data.metadata.get("prompt", [None] * data.bs)
         path = f"{self.output_file}.{model.grid.global_rank}"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a") as f:
+        mode = "a" if self._started_output else "w"
+        self._started_output = True
+        with open(path, mode) as f:
             for i, p in enumerate(prompts):
                 for j in range(n):
                     k = i * n + j
