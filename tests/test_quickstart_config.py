@@ -1,4 +1,5 @@
 import dataclasses
+from typing import List
 
 import pytest
 
@@ -239,3 +240,58 @@ def test_ppo_checks(paths):
         qc.PPOHyperparameters(c_clip=0.5)
     with pytest.raises(ValueError, match="critic.is_critic"):
         qc.PPOMathConfig(**base, critic=qc.ModelTrainEvalConfig())
+
+
+@pytest.mark.parametrize("key,value", [(k, v) for k in ("model.optimizer.lr", "model.optimizer.gradient_clipping",
+                                                          "worker_timeout_secs", "toy_factor")
+                                       for v in ("inf", "nan", "-inf")] + [("auto_eval.temperature", "inf")])
+def test_nonfinite_options_are_rejected(paths, registered, key, value):
+    with pytest.raises(ConfigError) as ei:
+        parse_cli(["toy-sft"] + _base_args(paths) + [f"{key}={value}"])
+    msg = str(ei.value)
+    assert key in msg and f"={value}" in msg and "finite" in msg, msg
+
+
+def test_nonfinite_ppo_options_are_rejected(paths):
+    base = [f"actor.path={paths[0]}", f"dataset.path={paths[1]}"]
+    for item, key in (("ppo.eps_clip=inf", "ppo.eps_clip"), ("ppo.kl_ctl=nan", "ppo.kl_ctl"),
+                      ("ppo.gen.temperature=inf", "ppo.gen.temperature"), ("correct_reward=-inf", "correct_reward"),
+                      ("critic.optimizer.lr=inf", "critic.optimizer.lr")):
+        with pytest.raises(ConfigError) as ei:
+            load_config(qc.PPOMathConfig, overrides=base + [item])
+        assert key in str(ei.value) and "finite" in str(ei.value), str(ei.value)
+
+
+def test_nonfinite_yaml_value_is_rejected(paths, registered, tmp_path):
+    y = tmp_path / "a.yaml"
+    y.write_text("model:\n  optimizer:\n    lr: .inf\n")
+    with pytest.raises(ConfigError, match=r"model\.optimizer\.lr=inf.*finite"):
+        parse_cli(["toy-sft", "--config", str(y)] + _base_args(paths))
+
+
+def test_a_float_option_added_later_is_covered(paths):
+    """No per-field check needed: every float option of an experiment must be finite."""
+
+    @dataclasses.dataclass
+    class WithNewOption(qc.SFTConfig):
+        new_coef: float = dataclasses.field(default=0.5, metadata={"help": "an option with no check of its own"})
+        new_list: List[float] = dataclasses.field(default_factory=lambda: [1.0], metadata={"help": "floats"})
+
+    base = [f"model.path={paths[0]}", f"dataset.train_path={paths[1]}"]
+    assert load_config(WithNewOption, overrides=base + ["new_coef=1e30"]).new_coef == 1e30
+    with pytest.raises(ConfigError, match=r"new_coef=inf.*finite"):
+        load_config(WithNewOption, overrides=base + ["new_coef=inf"])
+    with pytest.raises(ConfigError, match=r"new_list\[1\]=nan.*finite"):
+        load_config(WithNewOption, overrides=base + ["new_list=[1.0,nan]"])
+
+
+def test_optimizer_config_checks():
+    from realhf.api.core.config import OptimizerConfig
+
+    for kw in (dict(lr=float("inf")), dict(lr=float("nan")), dict(beta1=float("nan")), dict(eps=float("inf"))):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}=.*finite"):
+            OptimizerConfig(**kw)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="skip_nonfinite_steps"):
+            OptimizerConfig(skip_nonfinite_steps=bad)
+    assert OptimizerConfig(skip_nonfinite_steps=3).skip_nonfinite_steps == 3

@@ -12,11 +12,12 @@ Required strings (model and dataset paths) default to ``""`` so that sections ca
 defaults; the experiment config that needs them says so when they are empty.
 """
 import dataclasses
+import math
 import os
 import re
 from typing import List, Optional, Sequence, Tuple
 
-from realhf.api.core.config import OptimizerConfig
+from realhf.api.core.config import OptimizerConfig, check_finite
 from realhf.api.core.dfg import MicroBatchSpec
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.quickstart.allocation import (
@@ -65,7 +66,7 @@ def _int_at_least(key: str, value, lo: int, optional: bool = False) -> None:
 
 
 def _num_in(key: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok and lo is not None:
         ok = value > lo if lo_open else value >= lo
     if ok and hi is not None:
@@ -74,7 +75,7 @@ def _num_in(key: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> 
         lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo}"
         hi_s = "" if hi is None else f"{'<' if hi_open else '<='} {hi}"
         rng = " and ".join(x for x in (lo_s, hi_s) if x)
-        raise ValueError(f"{key}={value!r} is not allowed; expected a number {rng}")
+        raise ValueError(f"{key}={value!r} is not allowed; expected a finite number {rng}".rstrip())
 
 
 def _require_dir(key: str, path: str, what: str) -> None:
@@ -297,6 +298,7 @@ class BaseExperimentConfig:
             if not isinstance(v, str) or not _NAME_RE.fullmatch(v):
                 raise ValueError(f"{key}={v!r} is not allowed; use letters, digits, '_', '-' and '.', "
                                  "starting with a letter or digit")
+        check_finite(self)  # every float option of every section, including ones added later
         _choice("mode", self.mode, MODES)
         _num_in("ray_gpus_per_worker", self.ray_gpus_per_worker, lo=0)
         _choice("recover_mode", self.recover_mode, RECOVER_MODES)

@@ -9,10 +9,16 @@ micro-batch, ``loss_weight_fn(mb)`` its weight (e.g. its number of loss tokens).
 back-propagates ``loss * weight / total_weight`` where ``total_weight`` is summed over all
 micro-batches of all data-parallel ranks, and sums gradients across data-parallel ranks, so the update
 is that of the whole batch's mean loss however the batch is split.
+
+Non-finite steps: when the batch's loss or global grad norm is NaN or infinite (values reduced over the
+whole replica, so every rank decides alike), the update is not applied (parameters and optimizer state
+stay as they were) and counted; once more than ``skip_nonfinite_steps`` steps were skipped over the run,
+``train_batch`` raises :class:`NonFiniteError`.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -105,6 +111,10 @@ class InferenceEngine:
         return generate(self.model, prompts, gconfig, eos_token_id=eos_token_id, generator=generator, seeds=seeds)
 
 
+class NonFiniteError(RuntimeError):
+    """Training met a non-finite loss or grad norm more often than ``optimizer.skip_nonfinite_steps`` allows."""
+
+
 @dataclasses.dataclass
 class TrainStats:
     loss: float
@@ -112,6 +122,8 @@ class TrainStats:
     lr: float
     n_mbs: int
     extra: Dict[str, float]
+    skipped: bool = False  # this step's update was not applied (non-finite loss or grad norm)
+    skipped_nonfinite: int = 0  # steps skipped so far over the run
 
 
 class TrainEngine(InferenceEngine):
@@ -122,7 +134,8 @@ class TrainEngine(InferenceEngine):
         super().__init__(model)
         self.optim_cfg = optim
         self.total_train_steps = total_train_steps
-        self.step_count = 0
+        self.step_count = 0  # optimizer updates applied
+        self.skipped_nonfinite = 0  # updates skipped for a non-finite loss or grad norm
         model.attach_flat_grad()
         if model.dtype == torch.float32:
             self.master = model.flat
@@ -153,6 +166,26 @@ class TrainEngine(InferenceEngine):
 
     def offload(self):
         raise RuntimeError("a trained replica cannot be offloaded: its optimizer holds views of the parameters")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a recover checkpoint needs besides the model's parameters: the optimizer state, the step
+        and skip counts, and the fp32 master weights when the model's dtype is not float32."""
+        st = {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count,
+              "skipped_nonfinite": self.skipped_nonfinite}
+        if self.master is not self.model.flat:
+            st["master"] = self.master
+        return st
+
+    def load_state_dict(self, st: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (keys it does not know are ignored; a state without the skip count, from
+        before it existed, counts 0 skips)."""
+        if "master" in st:
+            self.master.copy_(st["master"])
+            self.model.flat.copy_(self.master)
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.step_count = int(st["step_count"])
+        self.skipped_nonfinite = int(st.get("skipped_nonfinite", 0))
+        self._set_lr()
 
     def _set_lr(self):
         lr = self.optim_cfg.lr * lr_multiplier(self.step_count, self.total_train_steps, self.optim_cfg)
@@ -206,14 +239,43 @@ class TrainEngine(InferenceEngine):
                 model.pp,
                 model.stage,
             )
-        grad_norm = self._reduce_and_clip()
-        self.optimizer.step()
-        if self.master is not model.flat:
-            model.flat.copy_(self.master)
-        self.step_count += 1
+        # before the update, so that every rank of the replica decides alike whether to apply it
+        vals, keys = self._reduce_stats(loss_sum, stats_sum)
+        loss = float(vals[0])
+        grad_norm, finite = self._reduce_and_clip(math.isfinite(loss))
         lr = self.optimizer.param_groups[0]["lr"]
-        self._set_lr()
-        # the loss lives on the last stage: share it (and stats) with the whole replica, then average dp
+        if finite:
+            self.optimizer.step()
+            if self.master is not model.flat:
+                model.flat.copy_(self.master)
+            self.step_count += 1
+            self._set_lr()
+        else:
+            self._skip_nonfinite(loss, grad_norm)
+        return TrainStats(
+            loss=loss, grad_norm=grad_norm, lr=lr, n_mbs=len(mbs),
+            extra={k: float(v) for k, v in zip(keys, vals[1:].tolist())},
+            skipped=not finite, skipped_nonfinite=self.skipped_nonfinite,
+        )
+
+    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
+        self.skipped_nonfinite += 1
+        budget = self.optim_cfg.skip_nonfinite_steps
+        what = f"loss={loss:.6g}, grad_norm={grad_norm:.6g} at optimizer step {self.step_count}"
+        if self.skipped_nonfinite > budget:
+            raise NonFiniteError(
+                f"non-finite training: {what} (of {self.total_train_steps} planned); {self.skipped_nonfinite} "
+                f"step(s) with a non-finite loss or grad norm, more than optimizer.skip_nonfinite_steps={budget} "
+                "allows. This update was not applied. Lower the learning rate (optimizer.lr) or keep gradient "
+                "clipping on (optimizer.gradient_clipping > 0), check the data of this step, or raise "
+                "optimizer.skip_nonfinite_steps to skip a few bad batches")
+        logger.warning(f"non-finite {what}: update skipped ({self.skipped_nonfinite} of "
+                       f"optimizer.skip_nonfinite_steps={budget} skips used)")
+
+    def _reduce_stats(self, loss_sum: torch.Tensor, stats_sum: Dict[str, float]) -> Tuple[torch.Tensor, List[str]]:
+        """[loss, *stats] of the whole batch on every rank, and the stats' keys. The loss lives on the last
+        stage: share it (and the stats) with the whole replica, then sum the loss and average the stats over dp."""
+        model, grid = self.model, self.grid
         vals = torch.tensor([float(loss_sum)] + [stats_sum[k] for k in sorted(stats_sum)], dtype=torch.float64)
         if model.pp > 1:
             n = torch.tensor([vals.numel()], dtype=torch.long)
@@ -231,12 +293,11 @@ class TrainEngine(InferenceEngine):
         if grid is not None and grid.dp_group is not None:
             dist.all_reduce(vals, group=grid.dp_group)
             vals[1:] /= grid.dp_size
-        return TrainStats(
-            loss=float(vals[0]), grad_norm=grad_norm, lr=lr, n_mbs=len(mbs),
-            extra={k: float(v) for k, v in zip(keys, vals[1:].tolist())},
-        )
+        return vals, keys
 
-    def _reduce_and_clip(self) -> float:
+    def _reduce_and_clip(self, loss_finite: bool) -> Tuple[float, bool]:
+        """Reduce the gradients over the replica and clip them by the global norm; (norm, whether the norm
+        and the loss are finite on every rank). The loss's flag rides with the squared norm's all-reduce."""
         model, grid = self.model, self.grid
         g = model.flat_grad
         if model.config.tied_embedding and not model.shares_tied_weight and grid is not None and grid.embedding_group is not None:
@@ -250,13 +311,15 @@ class TrainEngine(InferenceEngine):
         mg = self.master_grad
         norms = torch._foreach_norm(self._norm_views) if self._norm_views else []
         sq = torch.stack([n.double() for n in norms]).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
+        red = torch.stack([sq, torch.tensor(0.0 if loss_finite else 1.0, dtype=torch.float64)])
         if grid is not None:
             if grid.tp_group is not None:
-                dist.all_reduce(sq, group=grid.tp_group)
+                dist.all_reduce(red, group=grid.tp_group)
             if grid.pp_group is not None:
-                dist.all_reduce(sq, group=grid.pp_group)
-        norm = float(sq.sqrt())
+                dist.all_reduce(red, group=grid.pp_group)
+        norm = float(red[0].sqrt())
+        finite = math.isfinite(norm) and float(red[1]) == 0
         clip = self.optim_cfg.gradient_clipping
-        if clip > 0 and norm > clip:
+        if finite and clip > 0 and norm > clip:
             mg.mul_(clip / (norm + 1e-6))
-        return norm
+        return norm, finite

@@ -18,6 +18,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from realhf.api.core.config import check_finite
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface, register_interface
 from realhf.base import logging
@@ -83,6 +84,9 @@ class PPOConfig:
     value_eps_clip: float = 0.2
     value_norm: bool = False
     use_critic: bool = False
+
+    def __post_init__(self):
+        check_finite(self)
 
 
 def compute_advantages(sample: SequenceSample, cfg: PPOConfig, grid) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
@@ -230,6 +234,7 @@ class PPOActorInterface(GenerationInterface):
         for k, v in adv_stats.items():
             stats[k] = _dp_mean(v, n, grid)
         stats["actor_lr"] = model.engine.optimizer.param_groups[0]["lr"]
+        stats["actor_skipped_nonfinite"] = float(model.engine.skipped_nonfinite)  # over the run
         return stats
 
 
@@ -289,7 +294,8 @@ class PPOCriticInterface(ModelInterface):
             for k, v in st.extra.items():
                 sums[k] = sums.get(k, 0.0) + v
         n_tok = max(sums.get("n_loss_tokens", 0.0), 1.0)
-        return {"critic_loss": sums.get("critic_loss", 0.0) / n_tok, "value_clip_ratio": sums.get("value_clip_ratio", 0.0) / n_tok}
+        return {"critic_loss": sums.get("critic_loss", 0.0) / n_tok, "value_clip_ratio": sums.get("value_clip_ratio", 0.0) / n_tok,
+                "critic_skipped_nonfinite": float(model.engine.skipped_nonfinite)}
 
 
 register_interface("ppo_actor", PPOActorInterface)

@@ -33,7 +33,8 @@ class SFTInterface(ModelInterface):
             max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs,
         )
         return {"loss": st.loss, "grad_norm": st.grad_norm, "lr": st.lr, "n_mbs": st.n_mbs,
-                "n_answer_tokens": st.extra.get("n_answer_tokens", 0.0) * model.grid.dp_size}
+                "n_answer_tokens": st.extra.get("n_answer_tokens", 0.0) * model.grid.dp_size,
+                "skipped_nonfinite": float(st.skipped_nonfinite)}
 
     @torch.no_grad()
     def evaluate(self, model: Model, batches) -> Dict[str, float]:
