@@ -6,21 +6,23 @@ unexpected shape) raises with the tensor's name, file and the expected shape.
 
 Saving: tensor-parallel slices are gathered within each stage, and data-parallel rank 0 / tensor rank 0
 of every stage writes one safetensors shard; stage 0 writes the index and config.json. The folder
-loads with ``transformers.AutoModelForCausalLM.from_pretrained`` unchanged.
+loads with ``transformers.AutoModelForCausalLM.from_pretrained`` unchanged. It is written under a
+staging name beside the final one and renamed when complete, so a crash mid-save never leaves an
+incomplete folder under the final name; a model with non-finite parameters is not saved at all.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 import realhf.impl.model.conversion.families  # noqa: F401  (registers the families)
 from realhf.api.core.model_api import ReaLModelConfig, hf_family_for_model_type, get_hf_family
-from realhf.base import logging
+from realhf.base import failpoint, logging
 from realhf.impl.model.nn.real_model import ReaLModel, tied_source_name, tp_shard_dim
 
 logger = logging.getLogger(__name__)
@@ -151,11 +153,39 @@ def gather_full_state(model: ReaLModel) -> Dict[str, torch.Tensor]:
     return out
 
 
+def staging_paths(path: str) -> Tuple[str, str]:
+    """(folder a save of ``path`` is written into, name an existing ``path`` is moved to while replaced):
+    hidden siblings of ``path``, the same on every rank."""
+    parent, name = os.path.split(os.path.normpath(path))
+    return os.path.join(parent, f".{name}.saving"), os.path.join(parent, f".{name}.replaced")
+
+
+def _barrier(group) -> None:
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def _publish(tmp: str, path: str, old: str) -> None:
+    """Rename the complete folder ``tmp`` to ``path``, replacing a previous ``path``: ``path`` is at every
+    moment either the previous complete folder, absent (between the two renames), or the new one."""
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.lexists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_hf(model: ReaLModel, path: str, tokenizer_src: Optional[str] = None, dtype: Optional[torch.dtype] = None):
-    """Write the whole model (collective over its grid) as a HF folder at ``path``."""
+    """Write the whole model (collective over its grid) as a HF folder at ``path``.
+
+    Every writer writes into the staging folder of :func:`staging_paths`; when all are done, the first
+    stage's writer renames it to ``path`` (replacing an existing one) and every rank returns after that.
+    Raises ValueError on every rank, writing nothing, when a parameter to be saved is NaN or infinite.
+    """
     from safetensors.torch import save_file
 
     grid = model.grid
+    group = grid.all_group if grid is not None else None
     sd = gather_full_state(model)
     cfg = model.config
     if cfg.tied_embedding and not model.shares_tied_weight and not model.is_first:
@@ -168,30 +198,45 @@ def save_hf(model: ReaLModel, path: str, tokenizer_src: Optional[str] = None, dt
         hf_sd = {k: v.to(dtype) for k, v in hf_sd.items()}
     pp = model.pp
     writer = grid is None or (grid.dp_rank == 0 and grid.tp_rank == 0)
+    bad = torch.tensor([sum(int((~torch.isfinite(v)).sum()) for v in hf_sd.values() if v.is_floating_point())
+                        if writer else 0])
+    if group is not None:
+        dist.all_reduce(bad, group=group)
+    if int(bad):
+        raise ValueError(f"refusing to save the checkpoint {path!r}: {int(bad)} parameter values are not finite "
+                         "(NaN or inf); nothing was written")
+    leader = writer and model.stage == 0
+    tmp, old = staging_paths(path)
+    if leader:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        os.makedirs(tmp)
+    _barrier(group)
     fname = "model.safetensors" if pp == 1 else f"model-{model.stage + 1:05d}-of-{pp:05d}.safetensors"
     if writer:
-        os.makedirs(path, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in hf_sd.items()}, os.path.join(path, fname), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in hf_sd.items()}, os.path.join(tmp, fname), metadata={"format": "pt"})
     names = sorted(hf_sd)
     if pp > 1:
         all_names: List = [None] * pp
         dist.all_gather_object(all_names, (fname, names, sum(v.numel() * v.element_size() for v in hf_sd.values())), group=grid.pp_group)
     else:
         all_names = [(fname, names, 0)]
-    if writer and model.stage == 0:
+    if leader:
         if pp > 1:
             wm = {n: f for f, ns, _ in all_names for n in ns}
-            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": sum(s for _, _, s in all_names)}, "weight_map": wm}, f, indent=1)
         hf_cfg = fam.config_to_hf(cfg)
         if dtype is not None:
             hf_cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-        with open(os.path.join(path, "config.json"), "w") as f:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=1)
         if tokenizer_src:
-            copy_tokenizer(tokenizer_src, path)
-    if grid is not None and grid.all_group is not None:
-        dist.barrier(group=grid.all_group)
+            copy_tokenizer(tokenizer_src, tmp)
+    _barrier(group)  # every shard is in the staging folder
+    if leader:
+        failpoint.hit("save_hf.before_rename")
+        _publish(tmp, path, old)
+    _barrier(group)  # the folder is at its final name when save_hf returns on any rank
 
 
 def copy_tokenizer(src: str, dst: str):
