@@ -14,6 +14,8 @@ One implementation for training rewards and evaluation:
 Model text is never passed to ``eval``/``exec``/``sympify``: plain arithmetic is evaluated by a
 small safe parser (``arith.py``); everything else is parsed by a LaTeX grammar into sympy inside
 isolated worker processes (``safe.py``) that are killed when they overrun their timeout.
+What runs in the calling thread (extraction, normalisation, string and number comparisons) is
+linear in the text length or checks the deadline, so ``timeout`` bounds a grading call as a whole.
 Importing this package does not import sympy.
 """
 from realhf.reward.equal import MAX_ANSWER_CHARS, compare_answers, math_equal

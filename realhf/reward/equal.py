@@ -19,6 +19,10 @@ ground truth):
 6. Anything else goes to sympy (``symbolic.py``) in a worker process of the pool, bounded by
    ``timeout`` seconds for the whole comparison; overrunning gives False, ``"timeout"``.
 
+Steps 1-5 run in the calling thread. Each is linear in the (capped) answer length, except the
+item matching of structures (quadratic in at most ``MAX_ITEMS`` items per level), whose nested
+comparisons check the deadline and give up with ``"timeout"`` like a worker would.
+
 Status ``"ok"`` means the comparison was decided (True or False, including answers that do not
 parse); ``"timeout"``/``"error"`` mean the grader gave up and scored False.
 """
@@ -154,6 +158,8 @@ def _numbers_close(a: Fraction, b: Fraction, ctx: _Ctx) -> bool:
 def _eq(a_raw: str, b_raw: str, ctx: _Ctx, depth: int = 0) -> bool:
     if depth > 4:
         return False
+    if depth and time.monotonic() > ctx.deadline:
+        return ctx.fail("timeout")  # matching many nested items in this thread must respect the bound too
     a = normalize_answer(a_raw, strip_assign=False)
     b = normalize_answer(b_raw, strip_assign=False)
     if a == b:

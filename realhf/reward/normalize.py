@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from realhf.reward.extract import _scan_group
+from realhf.reward.extract import _groups
 
 # Unit words stripped after a number (plain text or inside \text{}). Single letters and short
 # ambiguous words ("m", "in", "s") are only stripped inside \text{...}.
@@ -46,8 +46,7 @@ _IN_RE = re.compile(r"^(?:[a-zA-Z]|\\[a-zA-Z]+)\\in(?![a-zA-Z])")
 
 def _matching_brace(s: str, i: int) -> int:
     """Index of the ``}`` closing the group opened at ``s[i]``, or -1 when it is never closed."""
-    close = _scan_group(s, i)
-    return -1 if close is None else close
+    return next((close for open_, close in _groups(s, i) if open_ == i), -1)
 
 
 def _is_unit_phrase(content: str) -> bool:
@@ -135,6 +134,7 @@ def normalize_answer(s: str, strip_assign: bool = True) -> str:
     s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ(?![a-zA-Z])|\\circ(?![a-zA-Z])|°|\\degree(?![a-zA-Z])", "", s)
     # text / units
     s = _unwrap_text_cmds(s)
+    s = re.sub(r"\s+", " ", s)  # one space per run: _PLAIN_UNIT_RE would retry at each space of a run
     s = _PLAIN_UNIT_RE.sub("", s)
     s = re.sub(r"(?<=\S)\s+(?:and|or)\s+(?=\S)", ",", s)  # "3 and 4" -> "3,4"
     # percent and currency

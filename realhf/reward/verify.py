@@ -21,7 +21,11 @@ from realhf.reward.safe import WorkerPool, get_default_pool
 
 logger = logging.getLogger(__name__)
 
-MAX_COMPLETION_CHARS = 200_000  # longer completions are scanned only at their end
+# A longer completion is graded on its last MAX_COMPLETION_CHARS characters (where its final answer
+# is). Extraction is linear in the length, so this caps the grading work done in the calling thread
+# (at most some tens of milliseconds, whatever the text) before the comparisons, which check the
+# deadline themselves.
+MAX_COMPLETION_CHARS = 200_000
 
 
 def reference_answer(solution) -> str | None:
@@ -59,16 +63,15 @@ def verify_math_status(
 ) -> tuple[bool, str]:
     """``(correct, status)``: the completion's extracted answer equals any reference answer.
 
-    ``timeout`` bounds the whole call (all references together). Status is ``"ok"`` unless a
-    comparison gave up (``"timeout"`` / ``"error"``) and no reference matched.
+    ``timeout`` bounds the whole call, extraction and all references together. Status is ``"ok"``
+    unless a comparison gave up (``"timeout"`` / ``"error"``) and no reference matched.
     """
+    deadline = time.monotonic() + timeout
     if not completion:
         return False, "ok"
-    text = completion if len(completion) <= MAX_COMPLETION_CHARS else completion[-MAX_COMPLETION_CHARS:]
-    pred = extract_answer(text)
+    pred = extract_answer(completion[-MAX_COMPLETION_CHARS:])
     if pred is None:
         return False, "ok"
-    deadline = time.monotonic() + timeout
     worst = "ok"
     for sol in _as_list(solutions):
         ref = reference_answer(sol)
