@@ -58,6 +58,22 @@ def test_bad_jsonl(tmp_path, lines, fragments):
         assert frag in str(ei.value), (frag, str(ei.value))
 
 
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_row_over_the_byte_limit_is_rejected_by_size(tmp_path, newline):
+    row = json.dumps({"prompt": "x" * 80, "answer": "y"})  # 101 bytes
+    p = tmp_path / "big.jsonl"
+    p.write_bytes(("{\"prompt\": \"a\", \"answer\": \"b\"}" + newline + row + newline + "[not json" + newline).encode())
+    req = PromptAnswerDataset.REQUIRED
+    with pytest.raises(DatasetError, match=rf"big\.jsonl:2: the row has {len(row)} bytes, over the limit of 100 bytes"):
+        validate_jsonl(str(p), req, max_row_bytes=100)
+    with pytest.raises(DatasetError, match=r"big\.jsonl:3: not valid JSON"):  # a row of exactly the limit is read
+        validate_jsonl(str(p), req, max_row_bytes=len(row))
+    # an oversized last row without a newline, measured in pieces
+    p.write_bytes(("{\"prompt\": \"a\", \"answer\": \"b\"}" + newline + "z" * 5000).encode())
+    with pytest.raises(DatasetError, match=r"big\.jsonl:2: the row has 5000 bytes, over the limit of 100 bytes"):
+        list(read_jsonl(str(p), req, max_row_bytes=100))
+
+
 def test_read_jsonl_basics(tmp_path):
     p = tmp_path / "x.jsonl"
     p.write_text('{"prompt": "a", "n": 1}\n\n{"prompt": "b", "n": 2.5}\n')

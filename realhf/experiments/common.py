@@ -1,7 +1,7 @@
 """Pieces shared by the experiment builders."""
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from realhf.api.core.system_api import ModelSpec
 from realhf.base.topology import ParallelDims
@@ -15,15 +15,36 @@ def single_layout(config, mfc_name: str) -> ParallelDims:
     return mode.layout_of(mfc_name)
 
 
-def check_model_fits(path: str, layout: ParallelDims, key: str):
-    """Fail before any worker starts when the layout does not divide the model's heads/layers/vocab."""
-    from realhf.impl.model.conversion.hf_io import config_from_hf_path
+def check_model_fits(path: str, layout: ParallelDims, key: str, seqlen: Optional[Dict[str, int]] = None,
+                     tokenizer: bool = False):
+    """Fail before any worker starts when the model folder cannot serve the run: config.json unreadable or
+    incomplete, a weight file missing, truncated or corrupt, (``tokenizer``) a tokenizer that does not load,
+    a layout that does not divide the model's heads/layers/vocab, or sequences longer than the model's
+    positions (``seqlen``: the config keys whose values add up to the longest sequence, e.g.
+    ``{"dataset.max_prompt_len": 256, "gen.max_new_tokens": 256}``). Errors name ``key``."""
+    from realhf.impl.model.conversion.hf_io import (check_tokenizer, check_weight_files, config_from_hf_path,
+                                                    max_positions)
 
-    cfg = config_from_hf_path(path)
+    try:
+        cfg = config_from_hf_path(path)
+        check_weight_files(path)
+        if tokenizer:
+            check_tokenizer(path)
+    except (ValueError, FileNotFoundError) as e:
+        kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
+        raise kind(f"{key}={path!r}: {e}") from None
     try:
         cfg.check_layout(layout.tp, layout.pp)
     except ValueError as e:
         raise ValueError(f"{key}={path!r} under layout {layout}: {e}") from None
+    limit = max_positions(path) if seqlen else None
+    total = sum(seqlen.values()) if seqlen else 0
+    if limit is not None and total > limit[1]:
+        what = " + ".join(f"{k}={v}" for k, v in seqlen.items()) + (f" = {total}" if len(seqlen) > 1 else "")
+        fix = (f"lower {' or '.join(seqlen)} so that they add up to at most {limit[1]}" if len(seqlen) > 1
+               else f"lower {next(iter(seqlen))} to at most {limit[1]}")
+        raise ValueError(f"{what} tokens per sequence is more than the {limit[1]} positions of {key}={path!r} "
+                         f"({limit[0]}={limit[1]} in its config.json); {fix}, or use a model with more positions")
     return cfg
 
 

@@ -22,7 +22,9 @@ def build_gen(cfg: GenerationExpConfig) -> ExperimentSpec:
     from realhf.impl.dataset.jsonl import epoch_steps
 
     layout = single_layout(cfg, "gen")
-    check_model_fits(cfg.model.path, layout, "model.path")
+    g = cfg.gen.to_hyperparameters()
+    check_model_fits(cfg.model.path, layout, "model.path", tokenizer=True,
+                     seqlen={"dataset.max_prompt_len": cfg.dataset.max_prompt_len, "gen.max_new_tokens": g.max_new_tokens})
     n_prompts = validate_jsonl(cfg.dataset.path, PromptDataset.REQUIRED, PromptDataset.OPTIONAL)
     # every prompt is generated for: the workers' EpochIterator (shuffle=False) keeps an epoch's last partial
     # batch, or folds it into the batch before when it has fewer prompts than data-parallel ranks
@@ -30,7 +32,6 @@ def build_gen(cfg: GenerationExpConfig) -> ExperimentSpec:
         raise ValueError(f"dataset.path={cfg.dataset.path!r} has {n_prompts} prompts, fewer than the {layout.dp} "
                          f"data-parallel ranks of allocation_mode={cfg.allocation_mode!r} that each need one")
     n = layout.world_size
-    g = cfg.gen.to_hyperparameters()
     out = cfg.output_path()
     model = ModelSpec(name="default", path=cfg.model.path, layout=layout, ranks=list(range(n)), dtype=cfg.model.dtype,
                       compile=cfg.model.compile)

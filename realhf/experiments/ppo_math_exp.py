@@ -48,9 +48,13 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
         raise ValueError("ppo.value_norm=true needs critic_inf and critic_train on one layout and device mesh: the "
                          "running value statistics that training updates are the ones inference denormalises with")
     paths = {"actor": cfg.actor.path, "ref": cfg.ref_path(), "critic": cfg.critic_path()}
+    g = cfg.ppo.gen.to_hyperparameters()
+    seqlen = {"dataset.max_prompt_len": cfg.dataset.max_prompt_len, "ppo.gen.max_new_tokens": g.max_new_tokens}
     for role in ("actor", "ref", "critic"):
         for name, (dims, _) in replicas.get(role, {}).items():
-            check_model_fits(paths[role], dims, f"{role}.path (replica {name!r})")
+            # every model reads whole sequences; the actor's tokenizer serves all of them
+            check_model_fits(paths[role], dims, f"{role}.path (replica {name!r})", seqlen=seqlen,
+                             tokenizer=name == "actor")
     n_samples = validate_jsonl(cfg.dataset.path, MATH_REQUIRED, MATH_OPTIONAL)
     bs = cfg.dataset.train_bs_n_seqs
     # as the workers' EpochIterator: training drops an epoch's last partial batch (see build_sft)
@@ -69,7 +73,6 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
                             tokenizer_path=tok)
     models += replica_specs("reward", replicas["reward"], "", tokenizer_path=tok)
 
-    g = p.gen.to_hyperparameters()
     gen_cfg = p.gen.interface_args(n=cfg.group_size)
     ppo_args = dict(n_minibatches=p.ppo_n_minibatches, eps_clip=p.eps_clip, c_clip=p.c_clip, kl_ctl=p.kl_ctl,
                     kl_loss_coef=p.kl_loss_coef, discount=p.discount, gae_lambda=p.gae_lambda,

@@ -13,7 +13,8 @@ def build_sft(cfg: SFTConfig) -> ExperimentSpec:
     from realhf.impl.dataset.jsonl import epoch_steps
 
     layout = single_layout(cfg, "trainDefault")
-    check_model_fits(cfg.model.path, layout, "model.path")
+    check_model_fits(cfg.model.path, layout, "model.path", tokenizer=True,
+                     seqlen={"dataset.max_seqlen": cfg.dataset.max_seqlen})
     # every row is checked here, before any worker starts: a bad line fails with file:line
     n_samples = validate_jsonl(cfg.dataset.train_path, PromptAnswerDataset.REQUIRED, PromptAnswerDataset.OPTIONAL)
     if cfg.dataset.valid_path:

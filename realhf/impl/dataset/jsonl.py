@@ -57,20 +57,47 @@ def _describe(required: Dict[str, TypeSpec], optional: Optional[Dict[str, TypeSp
     return f"required fields {req}" + (f"; optional {opt}" if opt else "")
 
 
+MAX_ROW_BYTES = 4 << 20  # default limit of one JSONL row (4 MiB): far above any prompt a model can take
+
+
+def _lines(f, path: str, max_row_bytes: int) -> Iterator[Tuple[int, bytes]]:
+    """``(line_no, line)`` of a binary file; a line over ``max_row_bytes`` (newline excluded) is a
+    DatasetError with its size, found without holding more than ``max_row_bytes`` of it in memory."""
+    line_no = 0
+    while True:
+        raw = f.readline(max_row_bytes + 2)  # room for the row, "\r\n", and one byte to see it is too long
+        if not raw:
+            return
+        line_no += 1
+        size = len(raw.rstrip(b"\r\n"))
+        if size > max_row_bytes:
+            while not raw.endswith(b"\n"):  # measure the rest of the row, a chunk at a time
+                raw = f.readline(1 << 20)
+                if not raw:
+                    break
+                size += len(raw.rstrip(b"\r\n"))
+            raise DatasetError(f"{path}:{line_no}: the row has {size} bytes, over the limit of {max_row_bytes} bytes "
+                               "(max_row_bytes) for one JSONL row; shorten it or remove it")
+        yield line_no, raw
+
+
 def read_jsonl(path: str, required: Dict[str, TypeSpec], optional: Optional[Dict[str, TypeSpec]] = None,
-               nonempty: Sequence[str] = ("prompt",)) -> Iterator[Tuple[int, dict]]:
+               nonempty: Sequence[str] = ("prompt",), max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[Tuple[int, dict]]:
     """Yield ``(line_no, row)`` for every non-blank line of ``path`` (1-based line numbers).
 
     ``required`` / ``optional`` map field names to a type or tuple of types (``bool`` is never
     taken for an ``int``; an ``int`` is accepted for ``float``); an optional field set to null
-    counts as absent. String fields named in ``nonempty`` must not be blank.
+    counts as absent. String fields named in ``nonempty`` must not be blank. A row longer than
+    ``max_row_bytes`` is rejected by its size before it is parsed.
     """
     if not os.path.isfile(path):
         raise DatasetError(f"{path}: no such file")
+    if max_row_bytes < 1:
+        raise ValueError(f"max_row_bytes must be >= 1, got {max_row_bytes}")
     optional = optional or {}
     n = 0
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
+        for line_no, raw in _lines(f, path, max_row_bytes):
             where = f"{path}:{line_no}"
             try:
                 line = raw.decode("utf-8")
@@ -114,9 +141,9 @@ def _short(v: Any, n: int = 60) -> str:
 
 
 def validate_jsonl(path: str, required: Dict[str, TypeSpec], optional: Optional[Dict[str, TypeSpec]] = None,
-                   nonempty: Sequence[str] = ("prompt",)) -> int:
+                   nonempty: Sequence[str] = ("prompt",), max_row_bytes: int = MAX_ROW_BYTES) -> int:
     """Check every row of ``path`` (see :func:`read_jsonl`); returns the number of rows."""
-    return sum(1 for _ in read_jsonl(path, required, optional, nonempty))
+    return sum(1 for _ in read_jsonl(path, required, optional, nonempty, max_row_bytes))
 
 
 def _eos_id(tokenizer) -> int:
