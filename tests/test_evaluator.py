@@ -50,7 +50,7 @@ def _tb_scalars(run_dir, tag):
 
 
 def _sft(model, train, root, exp, *extra):
-    return ["sft", f"model.path={model}", f"dataset.train_path={train}", "dataset.train_bs_n_seqs=8",
+    return ["sft", f"model.path={model}", "dataset.max_seqlen=512", f"dataset.train_path={train}", "dataset.train_bs_n_seqs=8",
             "model.optimizer.lr=1e-3", f"fileroot={root}", f"experiment_name={exp}", "allocation_mode=d1m1p1",
             "n_devices_per_node=1", "exp_ctrl.benchmark_steps=4", "exp_ctrl.save_freq_steps=2",
             "auto_eval.enabled=true", "auto_eval.max_problems=3", "auto_eval.n_sampling=2",

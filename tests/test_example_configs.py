@@ -46,7 +46,8 @@ def test_gpu_example_config_builds(path, tmp_path):
     from realhf.experiments import build_spec, config_class
     from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
 
-    model = ensure_tiny_model("qwen2", num_attention_heads=8, num_key_value_heads=8, hidden_size=64)
+    model = ensure_tiny_model("qwen2", num_attention_heads=8, num_key_value_heads=8, hidden_size=64,
+                               max_position_embeddings=32768)  # the GPU configs ask for 28672 positions
     math = tmp_path / "math.jsonl"
     write_math_jsonl(make_arithmetic_problems(64, seed=1, kind="add"), str(math))
     cfg = load_config(config_class("ppo-math"), [path], [f"actor.path={model}", f"dataset.path={math}",

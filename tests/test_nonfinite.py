@@ -213,7 +213,7 @@ def _sft_args(model, root, exp, *extra):
         for _ in range(48):
             a, b = r.randint(0, 9), r.randint(0, 9)
             f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
-    return ["sft", f"model.path={model}", f"dataset.train_path={data}", "dataset.train_bs_n_seqs=8",
+    return ["sft", f"model.path={model}", "dataset.max_seqlen=512", f"dataset.train_path={data}", "dataset.train_bs_n_seqs=8",
             f"fileroot={root}", f"experiment_name={exp}", "allocation_mode=d1m1p1", "n_devices_per_node=1", *extra]
 
 

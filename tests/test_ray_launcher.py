@@ -13,7 +13,7 @@ from realhf.impl.model.tiny import ensure_tiny_model  # noqa: E402
 
 
 def _sft(model, data, root, exp, *extra):
-    return ["sft", f"model.path={model}", f"dataset.train_path={data}", "dataset.train_bs_n_seqs=8",
+    return ["sft", f"model.path={model}", "dataset.max_seqlen=512", f"dataset.train_path={data}", "dataset.train_bs_n_seqs=8",
             "model.optimizer.lr=1e-3", f"fileroot={root}", f"experiment_name={exp}", "allocation_mode=d2m1p1",
             "n_devices_per_node=2", "exp_ctrl.benchmark_steps=3", *extra]
 

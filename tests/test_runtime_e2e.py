@@ -58,7 +58,7 @@ def n_devices(layout):
 
 
 def sft_args(model, data, root, exp, layout, *extra):
-    return ["sft", f"model.path={model}", f"dataset.train_path={data}/train.jsonl", "dataset.train_bs_n_seqs=8",
+    return ["sft", f"model.path={model}", "dataset.max_seqlen=512", f"dataset.train_path={data}/train.jsonl", "dataset.train_bs_n_seqs=8",
             "model.optimizer.lr=1e-3", "model.optimizer.gradient_clipping=0", f"fileroot={root}", f"experiment_name={exp}",
             f"allocation_mode={layout}", f"n_devices_per_node={n_devices(layout)}", *extra]
 

@@ -13,7 +13,7 @@ def test_sft_logs_to_an_offline_wandb_run(tmp_path):
     pytest.importorskip("wandb")
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(16)))
-    args = ["sft", f"model.path={ensure_tiny_model('qwen2')}", f"dataset.train_path={data}", "dataset.train_bs_n_seqs=4",
+    args = ["sft", f"model.path={ensure_tiny_model('qwen2')}", "dataset.max_seqlen=512", f"dataset.train_path={data}", "dataset.train_bs_n_seqs=4",
             f"fileroot={tmp_path}", "experiment_name=wb", "exp_ctrl.benchmark_steps=3", "wandb.mode=offline",
             "wandb.tags=[cpu,test]"]
     p = run_quickstart(args, timeout=300, env={"WANDB_SILENT": "true", "WANDB_API_KEY": None})
@@ -40,7 +40,7 @@ def test_wandb_without_the_package_is_a_config_error(tmp_path, monkeypatch):
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
-    cfg = load_config(config_class("sft"), [], [f"model.path={ensure_tiny_model('qwen2')}", f"dataset.train_path={data}",
+    cfg = load_config(config_class("sft"), [], [f"model.path={ensure_tiny_model('qwen2')}", "dataset.max_seqlen=512", f"dataset.train_path={data}",
                                                 f"fileroot={tmp_path}", "wandb.mode=offline"])
     with pytest.raises(ValueError, match="needs the wandb package"):
         cfg.wandb_init_kwargs()

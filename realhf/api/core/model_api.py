@@ -17,6 +17,7 @@ class ReaLModelConfig:
     intermediate_dim: int
     vocab_size: int
     n_positions: Optional[int] = None  # size of the learned position table (GPT-2 style); None = no table
+    max_positions: Optional[int] = None  # positions a rotary model was trained for (max_position_embeddings)
     layer_norm_epsilon: float = 1e-5
     layer_norm_type: str = "rms"  # "rms" | "layer"
     mlp_type: str = "gated"  # "gated" (SwiGLU-style gate*up) | "plain" (fc_in -> act -> fc_out)
