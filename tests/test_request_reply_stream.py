@@ -294,6 +294,78 @@ def test_forged_messages_rejected(cluster):
     assert out.data["after"] is True
 
 
+def _dealer(cluster, worker, identity):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(cluster.client.addresses[worker])
+    return sock
+
+
+def test_replayed_and_stale_requests_are_rejected(cluster):
+    """A captured, correctly signed request sent again is not executed, nor is one sent long ago."""
+    from realhf.system.wire import REPLAY_WINDOW_SECS, decode_payload
+
+    sock = _dealer(cluster, "w1", b"replayer")
+    n0 = cluster.client.call("status", {"w1": {}}, timeout=30)["w1"].data["n_rejected"]
+    try:
+        captured = [bytes(f) for f in encode_payload(cluster.secret, Payload("w1", "record", {"tag": "once"}))]
+        header = json.loads(captured[2])
+        header["ts"] -= REPLAY_WINDOW_SECS + 60
+        old = encode_payload(cluster.secret, Payload("w1", "record", {"tag": "old"}))
+        old_header = json.loads(bytes(old[2]))
+        old_header["ts"] = header["ts"]
+        from realhf.system.wire import sign_frames
+
+        stale = sign_frames(cluster.secret, [json.dumps(old_header).encode()])
+        for frames in (captured, captured, stale, captured):
+            sock.send_multipart(frames)
+        # requests are served in order: the reply to a fresh one after them proves the others were dropped
+        sock.send_multipart(encode_payload(cluster.secret, Payload("w1", "received", {})))
+        replies = []
+        while True:
+            assert sock.poll(30000), "no reply from the worker"
+            r = decode_payload(cluster.secret, sock.recv_multipart())
+            replies.append(r.handle_name)
+            if r.handle_name == "received":
+                break
+        assert replies == ["record", "received"], replies
+        assert r.data["tags"].count("once") == 1 and "old" not in r.data["tags"]
+    finally:
+        sock.close(linger=0)
+    n = cluster.client.call("status", {"w1": {}}, timeout=30)["w1"].data["n_rejected"]
+    assert n == n0 + 3
+    with open(cluster.logs["w1"]) as f:
+        log = f.read()
+    assert log.count("replayed request id") == 2 and "stale message" in log
+
+
+def test_an_oversized_frame_is_dropped_before_it_is_buffered(cluster):
+    """An unauthenticated 256 MiB frame does not grow the worker by its size; the worker keeps serving."""
+    from realhf.system.wire import MAX_FRAME_BYTES
+
+    pid = cluster.client.call("status", {"w0": {}}, timeout=30)["w0"].data["pid"]
+
+    def peak_rss():  # the kernel's high-water mark of the worker's resident memory, in bytes
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(l.split()[1]) << 10 for l in f if l.startswith("VmHWM:"))
+
+    hwm0 = peak_rss()
+    sock = _dealer(cluster, "w0", b"flooder")
+    try:
+        sock.send_multipart([MAGIC, b"\0" * 32, bytes(256 << 20)], copy=False)
+        # the worker serves genuine requests meanwhile and after
+        for _ in range(20):
+            assert cluster.client.call("echo", {"w0": {"ok": 1}}, timeout=30)["w0"].data["ok"] == 1
+            time.sleep(0.05)
+        grown = peak_rss() - hwm0
+    finally:
+        sock.close(linger=0)
+    assert grown < 64 << 20, f"the worker's peak memory grew by {grown >> 20} MiB on a rejected frame"
+    with pytest.raises(ValueError, match="frame limit"):
+        encode_payload(cluster.secret, Payload("w0", "echo", {}, tensors=[torch.zeros(MAX_FRAME_BYTES // 4 + 1)]))
+
+
 def test_heartbeats_forged_and_replayed(cluster):
     secret = new_run_secret()
     mon = HeartbeatMonitor(secret)

@@ -2,21 +2,29 @@
 ``mode=ray``), with automatic recovery.
 
 ``run_experiment(exp_name, config)`` validates the config and builds the experiment spec *before*
-anything starts (so bad input fails fast), clears stale name-resolve entries of the same
-experiment/trial, writes the config next to the logs, starts the processes and waits. When a
-process fails, every process is stopped and the failure (process name, exit code, log tail) is
+anything starts (so bad input fails fast), takes the trial's lock (one launch per
+trial folder), decides whether a recover checkpoint is resumed (only one written by this run: the same
+options, not finished; a fresh start moves an earlier ``recover/`` aside), clears stale name-resolve
+entries of the same experiment/trial, writes the config next to the logs, starts the processes and waits.
+When a process fails, every process is stopped and the failure (process name, exit code, log tail) is
 reported. With ``recover_mode=auto`` a failed run is relaunched (resuming from the last recover
-checkpoint) up to ``recover_retries`` times; ``recover_mode=resume`` resumes on the first launch.
+checkpoint of this run) up to ``recover_retries`` times; ``recover_mode=resume`` must find one to resume.
+SIGTERM and SIGHUP (a closed terminal) stop every process of the run; if the launcher is killed outright,
+its processes notice their parent is gone and exit within seconds (``realhf.apps.remote``).
 """
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+import uuid
 
 from realhf.api.quickstart.entry import config_to_yaml
 from realhf.base import logging, name_resolve
 from realhf.base.name_resolve import names
+from realhf.base.recover import RecoverError, RecoverStore
+from realhf.base.run_lock import RunLock, RunLocked
 from realhf.base.process import env_with_source_path
 from realhf.experiments import build_spec
 from realhf.scheduler.local import JobFailure, LocalScheduler, python_cmd
@@ -29,7 +37,12 @@ def name_resolve_root(config) -> str:
     return os.path.join(os.path.expanduser(config.fileroot), "name_resolve")
 
 
-def _launch_once(exp_name: str, config, spec, resume: bool) -> None:
+class LaunchError(ValueError):
+    """Something found before any process starts (a locked trial, an unwritable fileroot, a recover checkpoint
+    that cannot be used); the message is for the user as is."""
+
+
+def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str) -> None:
     nr = name_resolve.make_repository("file", root=name_resolve_root(config))
     nr.clear_subtree(names.trial_root(config.experiment_name, config.trial_name))
     os.makedirs(spec.log_dir, exist_ok=True)
@@ -46,7 +59,7 @@ def _launch_once(exp_name: str, config, spec, resume: bool) -> None:
         sched = RayScheduler(spec.log_dir, config, spec.n_workers)
     else:
         sched = LocalScheduler(spec.log_dir)
-    common = ["--exp", exp_name, "--config", cfg_path, "--resume", "1" if resume else "0"]
+    common = ["--exp", exp_name, "--config", cfg_path, "--resume", "1" if resume else "0", "--run-id", run_id]
     try:
         sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env, worker=False)
         for r in range(spec.n_workers):
@@ -57,21 +70,81 @@ def _launch_once(exp_name: str, config, spec, resume: bool) -> None:
         sched.stop_all()
 
 
+def _option_diff(old: dict, new: dict) -> str:
+    keys = sorted(set(old) | set(new))
+    diff = [f"{k}: {old.get(k, '(absent)')!r} -> {new.get(k, '(absent)')!r}" for k in keys if old.get(k) != new.get(k)]
+    return "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "") if diff else "(none listed)"
+
+
+def _first_launch(config, store: RecoverStore):
+    """(run id, resume?) of a new launch. A checkpoint is resumed only when it belongs to this run: written under
+    the same options and not by a run that finished. A fresh start moves any earlier recover folder aside."""
+    mode = config.recover_mode
+    try:
+        latest = store.latest()
+    except RecoverError as e:
+        if mode != "disabled":
+            raise LaunchError(f"recover_mode={mode}: {e}") from None
+        latest = None
+    fp, options = config.fingerprint(), config.resume_options()
+    if mode == "resume":
+        if latest is None:
+            raise LaunchError(f"recover_mode=resume but {store.root} holds no recover checkpoint; start the run with "
+                              "recover_mode=auto or recover_mode=disabled")
+        if latest["finished"]:
+            raise LaunchError(f"recover_mode=resume: the run that wrote the checkpoint in {store.root} finished (global "
+                              f"step {latest['global_step']}); there is nothing to resume")
+        if latest.get("fingerprint") != fp:
+            raise LaunchError(f"recover_mode=resume: the checkpoint in {store.root} was written with other options "
+                              f"({_option_diff(latest.get('options', {}), options)}); resume with the same options, or "
+                              "start afresh with recover_mode=disabled (the old checkpoint is then moved aside)")
+        return latest["run_id"], True
+    if mode == "auto" and latest is not None and not latest["finished"] and latest.get("fingerprint") == fp:
+        logger.info(f"recover_mode=auto: resuming run {latest['run_id']} from its recover checkpoint at global step "
+                    f"{latest['global_step']}")
+        return latest["run_id"], True
+    if store.exists():
+        if latest is None:
+            why = "no usable checkpoint in it"
+        elif latest["finished"]:
+            why = f"its run {latest['run_id']} finished"
+        elif latest.get("fingerprint") != fp:
+            why = f"written with other options: {_option_diff(latest.get('options', {}), options)}"
+        else:
+            why = f"recover_mode={mode} starts afresh"
+        store.archive(why)
+    return uuid.uuid4().hex[:12], False
+
+
 def run_experiment(exp_name: str, config) -> int:
     spec = build_spec(exp_name, config)  # validates: raises before any process starts
-    mode = config.recover_mode
-    retries = config.recover_retries if mode == "auto" else 0
-    resume = mode == "resume"
-    from realhf.system.model_worker import load_recover_info
-
+    run_dir = os.path.dirname(spec.log_dir)
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire()
+        store = RecoverStore(spec.recover_dir)
+        run_id, resume = _first_launch(config, store)
+    except (LaunchError, RunLocked) as e:
+        lock.release()
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    except OSError as e:  # an unwritable or missing fileroot, found before anything starts
+        lock.release()
+        msg = (f"fileroot={config.fileroot!r}: cannot write the run folder {run_dir} ({e.strerror or e}); set fileroot "
+               "to a writable folder")
+        sys.stderr.write(f"error: {msg}\n")
+        return 2
+    retries = config.recover_retries if config.recover_mode == "auto" else 0
     attempt = 0
-    prev_handler = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    for s in handlers:  # a closed terminal (SIGHUP) or a kill (SIGTERM) stops every process of the run
+        signal.signal(s, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         while True:
             t0 = time.time()
             try:
-                _launch_once(exp_name, config, spec, resume=resume and load_recover_info(spec) is not None)
+                _launch_once(exp_name, config, spec, resume=resume, run_id=run_id)
+                store.mark_finished()
                 logger.info(f"experiment {config.experiment_name}/{config.trial_name} finished in {time.time() - t0:.1f}s; logs in {spec.log_dir}")
                 return 0
             except JobFailure as e:
@@ -79,14 +152,21 @@ def run_experiment(exp_name: str, config) -> int:
                 if attempt >= retries:
                     return 1
                 attempt += 1
-                resume = True
-                has_ckpt = load_recover_info(spec) is not None
+                try:
+                    latest = store.latest()
+                except RecoverError as err:
+                    logger.error(f"recover_mode=auto: cannot relaunch: {err}")
+                    return 1
+                resume = latest is not None and latest["run_id"] == run_id
                 logger.warning(
                     f"recover_mode=auto: relaunching (attempt {attempt}/{retries}), "
-                    + ("resuming from the last recover checkpoint" if has_ckpt else "no recover checkpoint yet: starting over")
+                    + (f"resuming from the last recover checkpoint (global step {latest['global_step']})" if resume
+                       else "no recover checkpoint of this run yet: starting over")
                 )
     except KeyboardInterrupt:
         logger.error("interrupted: all processes stopped")
         return 130
     finally:
-        signal.signal(signal.SIGTERM, prev_handler)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        lock.release()

@@ -1,6 +1,8 @@
 """Entry point of one experiment process: ``--role master`` or ``--role model_worker --rank i``.
 
-Every process rebuilds the same experiment spec from the config file the launcher wrote.
+Every process rebuilds the same experiment spec from the config file the launcher wrote. Each one ends
+itself within about a second when its parent (the launcher, or the Ray actor that started it) is gone,
+so killing the launcher, even with SIGKILL, never leaves a run training unsupervised.
 """
 from __future__ import annotations
 
@@ -27,7 +29,11 @@ def main(argv=None) -> int:
     ap.add_argument("--exp", required=True)
     ap.add_argument("--config", required=True)
     ap.add_argument("--resume", type=int, default=0)
+    ap.add_argument("--run-id", default="")
     a = ap.parse_args(argv)
+    from realhf.base.process import exit_when_parent_dies
+
+    exit_when_parent_dies()
     from realhf.apps.main import name_resolve_root
     from realhf.base import name_resolve
     from realhf.experiments import build_spec
@@ -46,14 +52,15 @@ def main(argv=None) -> int:
             return w.run()
         finally:
             w.close()
-    return run_master(spec, secret, nr, bool(a.resume))
+    identity = {"run_id": a.run_id, "fingerprint": config.fingerprint(), "options": config.resume_options()}
+    return run_master(spec, secret, nr, bool(a.resume), identity)
 
 
-def run_master(spec, secret, nr, resume: bool) -> int:
+def run_master(spec, secret, nr, resume: bool, identity: dict) -> int:
     from realhf.base import network
     from realhf.base.name_resolve import names
     from realhf.experiments import final_hook
-    from realhf.system.heartbeat import HeartbeatMonitor
+    from realhf.system.heartbeat import HeartbeatMonitor, HeartbeatSender
     from realhf.system.master_worker import MasterWorker
     from realhf.system.model_worker import worker_name
     from realhf.system.request_reply_stream import MasterClient, WorkerError, WorkerLostError
@@ -62,9 +69,13 @@ def run_master(spec, secret, nr, resume: bool) -> int:
     monitor = HeartbeatMonitor(secret, host=network.worker_host(), name_resolve=nr, key=names.master_heartbeat(exp, trial))
     addrs = {worker_name(r): nr.wait(names.worker_address(exp, trial, worker_name(r)), timeout=600)
              for r in range(spec.n_workers)}
+    # the master's own heartbeats, so that workers end the run when the master stops or hangs
+    beats = HeartbeatSender("master", secret, [nr.wait(names.worker_heartbeat(exp, trial, worker_name(r)), timeout=600)
+                                               for r in range(spec.n_workers)])
+    beats.start()
     client = MasterClient(secret, addrs, heartbeat=monitor, lost_after=spec.worker_timeout_secs)
     try:
-        code = MasterWorker(spec, client, resume).run()
+        code = MasterWorker(spec, client, resume, identity).run()
         if code == 0 and spec.final_hook:
             final_hook(spec.final_hook)(spec)
         return code
@@ -76,6 +87,7 @@ def run_master(spec, secret, nr, resume: bool) -> int:
         return 1
     finally:
         client.close()
+        beats.stop()
         monitor.close()
 
 

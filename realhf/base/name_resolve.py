@@ -258,6 +258,11 @@ class names:
         return f"{names.trial_root(experiment_name, trial_name)}/master_heartbeat"
 
     @staticmethod
+    def worker_heartbeat(experiment_name: str, trial_name: str, worker_name: str) -> str:
+        """Where a worker receives the master's heartbeats."""
+        return f"{names.trial_root(experiment_name, trial_name)}/worker_heartbeat/{worker_name}"
+
+    @staticmethod
     def master_address(experiment_name: str, trial_name: str) -> str:
         return f"{names.trial_root(experiment_name, trial_name)}/master_address"
 

@@ -5,6 +5,10 @@ import os
 import threading
 import time
 
+# exit code of a worker that ended itself because its master stopped sending heartbeats (the launchers report
+# the master as the failed process)
+MASTER_LOST_EXIT = 75
+
 
 def exit_when_parent_dies(exit_code: int = 1, interval: float = 1.0) -> None:
     """Start a daemon thread that ends this process (``os._exit``) as soon as its parent is gone, even in

@@ -125,3 +125,63 @@ def read_stats(fileroot: str, experiment: str, trial: str = "trial0") -> List[di
 
     with open(os.path.join(fileroot, experiment, trial, "logs", "stats.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def start_quickstart(args, env=None):
+    """``python -m realhf.apps.quickstart *args`` started in the background in its own session (so a test can
+    signal it like a terminal would); output captured as text. Returns the ``subprocess.Popen``."""
+    import subprocess
+    import sys
+
+    from realhf.base.process import env_with_source_path, source_root
+
+    full = env_with_source_path()
+    full.update(env or {})
+    started = time.time()
+    p = subprocess.Popen([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=source_root(), env=full,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    p.started_at = started
+    return p
+
+
+def wait_for_steps(fileroot: str, experiment: str, n: int, timeout: float = 180.0, proc=None, trial: str = "trial0"):
+    """Wait until the run's ``stats.jsonl`` has ``n`` rows; AssertionError after ``timeout`` s or when ``proc`` (the
+    launcher, from :func:`start_quickstart`) ends first. Rows of an earlier run (a file not written since ``proc``
+    started) do not count."""
+    path = os.path.join(fileroot, experiment, trial, "logs", "stats.jsonl")
+    since = getattr(proc, "started_at", 0.0)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and os.path.getmtime(path) >= since:
+            with open(path) as f:
+                if sum(1 for _ in f) >= n:
+                    return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before step {n}:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach {n} rows within {timeout:.0f} s")
+
+
+def run_processes(fileroot: str) -> list:
+    """The live processes (psutil) whose command line mentions ``fileroot``: a run's launcher, master and workers."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and any(fileroot in a for a in (p.info["cmdline"] or [])):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def wait_until_gone(fileroot: str, timeout: float = 30.0) -> list:
+    """Wait up to ``timeout`` s for every process of the run under ``fileroot`` to end; returns those left."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = run_processes(fileroot)
+        if not left:
+            return []
+        time.sleep(0.2)
+    return run_processes(fileroot)

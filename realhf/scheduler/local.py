@@ -17,7 +17,7 @@ import time
 from typing import Dict, List, Optional
 
 from realhf.base import logging
-from realhf.base.process import tail
+from realhf.base.process import MASTER_LOST_EXIT, tail
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +30,10 @@ class Job:
 
 
 class JobFailure(RuntimeError):
-    def __init__(self, name: str, code: int, log_tail: str):
+    def __init__(self, name: str, code: int, log_tail: str, reason: Optional[str] = None):
         self.name, self.code, self.log_tail = name, code, log_tail
         sig = f" (killed by signal {-code})" if code < 0 else ""
-        super().__init__(f"{name} exited with code {code}{sig}. Last lines of its log:\n{log_tail}")
+        super().__init__(f"{reason or f'{name} exited with code {code}{sig}'}. Last lines of its log:\n{log_tail}")
 
 
 class WaitMixin:
@@ -47,6 +47,10 @@ class WaitMixin:
         while True:
             codes = self._codes()
             for name, code in codes.items():
+                if code == MASTER_LOST_EXIT and name != main:
+                    raise JobFailure(main, code, tail(self.jobs[name].log_path),
+                                     reason=f"{main} stopped responding: {name} heard no heartbeat from it and ended "
+                                            f"(exit code {code}); the {main} was stopped")
                 if code is not None and code != 0:
                     raise JobFailure(name, code, tail(self.jobs[name].log_path))
             if codes[main] == 0:

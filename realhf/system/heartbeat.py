@@ -6,11 +6,16 @@ signed ``{"worker", "time", "pid", "status"}`` every ``interval`` seconds to the
 HMAC signing as the request/reply stream; forged, tampered or replayed heartbeats are dropped and
 counted. The monitor records when (on its own monotonic clock) it last heard from each worker;
 ``MasterClient.gather`` asks it which of the workers owing replies went silent.
+
+The other direction uses the same parts: the master sends its own heartbeats to a monitor in every
+worker, and :func:`exit_when_silent` ends a worker whose master went silent (stopped with SIGSTOP, hung,
+or gone) with exit code ``MASTER_LOST_EXIT``, which the launchers report as a lost master.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from typing import Dict, List, Optional
@@ -18,14 +23,17 @@ from typing import Dict, List, Optional
 import zmq
 
 from realhf.base import logging
+from realhf.base.process import MASTER_LOST_EXIT
 from realhf.system.request_reply_stream import (
     RejectedMessage,
+    RejectionLog,
     bind_socket,
     _check_secret,
     _peer_address,
     sign_frames,
     verify_frames,
 )
+from realhf.system.wire import MAX_HEARTBEAT_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +66,14 @@ class HeartbeatMonitor:
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: Optional[int] = None,
                  name_resolve=None, key: Optional[str] = None):
         self._secret = _check_secret(secret)
-        self.n_rejected = 0
+        self._rejections = RejectionLog("heartbeat monitor")
         self._lock = threading.Lock()
         # worker -> {"mono": receipt time (monotonic), "wall": receipt time (time.time()), "sent": sender time, "pid", "status"}
         self._seen: Dict[str, dict] = {}
         self._created = time.monotonic()
         self._stop = threading.Event()
-        self._sock, self.address = bind_socket(zmq.PULL, host, port, "HeartbeatMonitor", name_resolve, key)
+        self._sock, self.address = bind_socket(zmq.PULL, host, port, "HeartbeatMonitor", name_resolve, key,
+                                                max_frame_bytes=MAX_HEARTBEAT_BYTES)
         self._thread = threading.Thread(target=self._loop, name="realhf-heartbeat-monitor", daemon=True)
         self._thread.start()
 
@@ -95,9 +104,11 @@ class HeartbeatMonitor:
                 self._seen[beat["worker"]] = {"mono": time.monotonic(), "wall": time.time(), "sent": beat["time"],
                                               "pid": beat["pid"], "status": beat["status"]}
         except RejectedMessage as e:
-            self.n_rejected += 1
-            logger.warning("heartbeat monitor rejected a message from %s: %s [%d rejected so far]",
-                           _peer_address(frames[0]) if frames else "?", e, self.n_rejected)
+            self._rejections.reject(_peer_address(frames[0]) if frames else "?", e)
+
+    @property
+    def n_rejected(self) -> int:
+        return self._rejections.count
 
     def last_seen(self, worker: str) -> Optional[float]:
         """``time.time()`` when the last heartbeat of ``worker`` arrived, or None if never."""
@@ -110,6 +121,12 @@ class HeartbeatMonitor:
         with self._lock:
             rec = self._seen.get(worker)
             return None if rec is None else rec["status"]
+
+    def silent_for(self, worker: str) -> Optional[float]:
+        """Seconds since the last heartbeat of ``worker``, or None if never heard from."""
+        with self._lock:
+            rec = self._seen.get(worker)
+            return None if rec is None else time.monotonic() - rec["mono"]
 
     def pid(self, worker: str) -> Optional[int]:
         with self._lock:
@@ -145,17 +162,18 @@ class HeartbeatMonitor:
 
 
 class HeartbeatSender:
-    """Worker side: a daemon thread that sends a signed heartbeat every ``interval`` seconds.
+    """A daemon thread that sends a signed heartbeat every ``interval`` seconds to one address (a worker to the
+    master) or to several (the master to every worker).
 
     ``set_status`` changes the status string carried by the heartbeats and sends one at once.
     """
 
-    def __init__(self, worker_name: str, secret: bytes, address: str, interval: float = 1.0):
+    def __init__(self, worker_name: str, secret: bytes, address, interval: float = 1.0):
         if interval <= 0:
             raise ValueError(f"heartbeat interval must be > 0, got {interval}")
         self.worker_name = worker_name
         self._secret = _check_secret(secret)
-        self.address = address
+        self.addresses = [address] if isinstance(address, str) else list(address)
         self.interval = interval
         self._status: Optional[str] = None
         self._stop = threading.Event()
@@ -173,27 +191,59 @@ class HeartbeatSender:
         self._thread.start()
 
     def _loop(self) -> None:
-        sock = zmq.Context.instance().socket(zmq.PUSH)  # created and used only in this thread
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 4)  # stale heartbeats are worthless: never queue many
+        socks = []  # created and used only in this thread; one PUSH per address (a PUSH would round-robin)
         try:
-            sock.connect(self.address)
+            for address in self.addresses:
+                sock = zmq.Context.instance().socket(zmq.PUSH)
+                socks.append(sock)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 4)  # stale heartbeats are worthless: never queue many
+                sock.connect(address)
             pid = os.getpid()
             while not self._stop.is_set():
-                try:
-                    sock.send_multipart(_encode_beat(self._secret, self.worker_name, pid, self._status),
-                                        flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:  # monitor unreachable for now; the next beat tries again
-                    pass
+                frames = _encode_beat(self._secret, self.worker_name, pid, self._status)
+                for sock in socks:
+                    try:
+                        sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
+                    except zmq.Again:  # receiver unreachable for now; the next beat tries again
+                        pass
                 self._wake.wait(self.interval)
                 self._wake.clear()
         except zmq.ZMQError as e:
             logger.error("heartbeat sender of %r stopped: %s", self.worker_name, e)
         finally:
-            sock.close(linger=0)
+            for sock in socks:
+                sock.close(linger=0)
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval + 5)
+
+
+def exit_when_silent(monitor: HeartbeatMonitor, peer: str, timeout_s: float, first_timeout_s: float,
+                     what: str, exit_code: int = MASTER_LOST_EXIT, poll: float = 0.5) -> threading.Event:
+    """Start a daemon thread that ends this process (``os._exit(exit_code)``, also in the middle of a computation)
+    when ``peer`` was heard from and then stayed silent for ``timeout_s`` seconds, or was not heard from at all
+    within ``first_timeout_s`` seconds; it logs why first. ``what`` names this process in the message. Setting the
+    returned event disarms it (e.g. when the process is ending anyway)."""
+    t0 = time.monotonic()
+    disarm = threading.Event()
+
+    def watch():
+        while not disarm.wait(poll):
+            silent = monitor.silent_for(peer)
+            if silent is None and time.monotonic() - t0 > first_timeout_s:
+                why = f"no heartbeat from the {peer} within {first_timeout_s:.0f} s"
+            elif silent is not None and silent > timeout_s:
+                why = (f"the {peer} (pid {monitor.pid(peer)}) sent no heartbeat for {silent:.1f} s (limit {timeout_s} s): "
+                       "it is stopped, hung or gone")
+            else:
+                continue
+            logger.error(f"{what}: {why}; ending this process (exit code {exit_code})")
+            sys.stderr.flush()
+            os._exit(exit_code)
+
+    threading.Thread(target=watch, name=f"realhf-watch-{peer}", daemon=True).start()
+    return disarm

@@ -8,7 +8,6 @@ and save / recover-checkpoint / evaluation hooks run at their frequencies.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
@@ -20,11 +19,12 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.system_api import ExperimentSpec
 from realhf.base import logging
+from realhf.base.recover import RecoverStore
 from realhf.base.stats import StatsLogger
 from realhf.base.topology import ProcessTopology
 from realhf.system.data_manager import plan_transfers
 from realhf.system.evaluator import make_evaluator
-from realhf.system.model_worker import RECOVER_INFO, load_recover_info, worker_name
+from realhf.system.model_worker import load_recover_info, worker_name
 from realhf.system.request_reply_stream import MasterClient, Payload
 
 logger = logging.getLogger(__name__)
@@ -76,8 +76,11 @@ def balanced_dp_split(ids: List[str], tokens: Dict[str, int], dp: int) -> List[L
 
 
 class MasterWorker:
-    def __init__(self, spec: ExperimentSpec, client: MasterClient, resume: bool):
+    def __init__(self, spec: ExperimentSpec, client: MasterClient, resume: bool, identity: Optional[dict] = None):
+        """``identity``: ``{"run_id", "fingerprint", "options"}`` of the run, recorded in its recover checkpoints."""
         self.spec = spec
+        self.identity = dict(identity or {})
+        self.recover_store = RecoverStore(spec.recover_dir)
         self.client = client
         self.workers = [worker_name(r) for r in range(spec.n_workers)]
         self.buffer = Buffer()
@@ -226,21 +229,11 @@ class MasterWorker:
             self.evaluator.on_save(self.spec, tag, global_step)  # queued; runs in a background process
 
     def _ckpt(self, info: dict):
-        """Write a recover checkpoint; it becomes valid only when recover_info.json lands last."""
-        d = self.spec.recover_dir
-        tmp = d + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp, exist_ok=True)
-        self._all("ckpt", {"dir": tmp})
-        with open(os.path.join(tmp, RECOVER_INFO), "w") as f:
-            json.dump(info, f)
-        old = d + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.isdir(d):
-            os.replace(d, old)
-        os.replace(tmp, d)
-        shutil.rmtree(old, ignore_errors=True)
-        logger.info(f"recover checkpoint at global step {info['global_step']} -> {d}")
+        """Write a recover checkpoint into a fresh folder; it replaces the previous one only when complete."""
+        path = self.recover_store.begin(info["global_step"])
+        self._all("ckpt", {"dir": path})
+        self.recover_store.commit(path, {**self.identity, **info})
+        logger.info(f"recover checkpoint at global step {info['global_step']} -> {path}")
 
     def _evaluate(self) -> dict:
         out = {}

@@ -5,13 +5,20 @@ every model (collectively, in spec order), loads its shards, and then answers re
 master over an authenticated ZMQ socket: ``fetch`` (next dataset batch, kept here), ``mfc`` (move the
 inputs the plan says, then run the interface method), ``evaluate``, ``save``, ``ckpt``, ``clear``,
 ``exit``. A request that raises is answered with the traceback, after which the worker exits: its
-collective state can no longer be trusted.
+collective state can no longer be trusted. A worker whose master stops sending heartbeats (stopped, hung
+or gone) ends itself (``realhf.system.heartbeat.exit_when_silent``).
+
+The torch.distributed rendezvous store listens only on the address the worker binds its sockets to
+(loopback for a run on one machine; the node's address under a cluster launcher). Recover checkpoints are
+read with ``torch.load(weights_only=True)``: a file planted in the run folder cannot run code.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
+import socket
 import time
 import traceback
 from typing import Dict, Optional
@@ -27,15 +34,13 @@ from realhf.api.core.system_api import ExperimentSpec, ModelSpec
 import realhf.impl.model.interface  # noqa: F401  (registers the interfaces)
 from realhf.base import logging, network
 from realhf.base.name_resolve import names
+from realhf.base.recover import RecoverError, RecoverStore
 from realhf.base.topology import ParallelGrid
 from realhf.system.data_manager import DataManager
-from realhf.system.heartbeat import HeartbeatSender
+from realhf.system.heartbeat import HeartbeatMonitor, HeartbeatSender, exit_when_silent
 from realhf.system.request_reply_stream import Payload, WorkerServer
 
 logger = logging.getLogger(__name__)
-
-RECOVER_INFO = "recover_info.json"
-
 
 def worker_name(rank: int) -> str:
     return f"model_worker_{rank}"
@@ -46,16 +51,56 @@ def owner_rank(grid: ParallelGrid, dp_rank: int) -> int:
     return grid.global_rank_of(grid.pp_size - 1, dp_rank, 0)
 
 
-def recover_info_path(spec: ExperimentSpec) -> str:
-    return os.path.join(spec.recover_dir, RECOVER_INFO)
-
-
 def load_recover_info(spec: ExperimentSpec) -> Optional[dict]:
-    p = recover_info_path(spec)
-    if not os.path.isfile(p):
-        return None
-    with open(p) as f:
-        return json.load(f)
+    """The current recover checkpoint's info (its folder under ``"path"``), or None (see realhf.base.recover)."""
+    return RecoverStore(spec.recover_dir).latest()
+
+
+def _load_recover_file(path: str) -> dict:
+    """A recover file's state, read without unpickling code; RecoverError naming the file otherwise."""
+    try:
+        return torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise RecoverError(f"cannot load recover file {path}: {type(e).__name__}: {e}") from e
+
+
+def _np_state_plain(state) -> list:
+    name, keys, pos, has_gauss, cached = state
+    return [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+
+
+def _np_state_from_plain(state) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    return name, keys.numpy().astype(np.uint32), pos, has_gauss, cached
+
+
+def _init_distributed(spec: ExperimentSpec, rank: int, nr) -> Optional[socket.socket]:
+    """Join the model workers' gloo world. Rank 0 serves the rendezvous store on a socket it binds itself on
+    this worker's host (so it listens there only, not on every interface) and publishes the address; gloo's
+    own connections use the loopback interface when the run is on one machine. Returns the store's socket
+    (it must stay open)."""
+    import datetime
+
+    host = network.worker_host()
+    key = names.distributed_init(spec.experiment_name, spec.trial_name)
+    timeout = datetime.timedelta(seconds=1800)
+    if network.is_loopback(host) and "lo" in {n for _, n in socket.if_nameindex()}:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    lsock = None
+    if rank == 0:
+        lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        lsock.bind((host.strip("[]"), 0))
+        lsock.listen(max(128, spec.n_workers))
+        port = lsock.getsockname()[1]
+        store = dist.TCPStore(host.strip("[]"), port, spec.n_workers, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=lsock.fileno())
+        nr.add(key, f"tcp://{host}:{port}", replace=True)
+    else:
+        addr = nr.wait(key, timeout=120)
+        h, _, port = addr[len("tcp://"):].rpartition(":")
+        store = dist.TCPStore(h.strip("[]"), int(port), spec.n_workers, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=spec.n_workers, timeout=timeout)
+    return lsock
 
 
 def make_interfaces(mfcs) -> Dict[str, object]:
@@ -92,15 +137,7 @@ class ModelWorker:
         random.seed(seed)
         np.random.seed(seed % (2**32))
         torch.manual_seed(seed)
-        key = names.distributed_init(spec.experiment_name, spec.trial_name)
-        if self.rank == 0:
-            host = network.worker_host()
-            self.nr.add(key, f"tcp://{host}:{network.find_free_port(host)}", replace=True)
-        addr = self.nr.wait(key, timeout=120)
-        import datetime
-
-        dist.init_process_group("gloo", init_method=addr, rank=self.rank, world_size=spec.n_workers,
-                                timeout=datetime.timedelta(seconds=1800))
+        self._store_sock = _init_distributed(spec, self.rank, self.nr)
         for m in spec.models:  # collective: every worker builds every grid in the same order
             self.grids[m.name] = ParallelGrid(m.layout, ranks=m.ranks)
         for m in spec.models:
@@ -117,8 +154,14 @@ class ModelWorker:
                 iface.warmup(self.models[str(mfc.model_name)])
         if self.resume_info is not None:
             self._load_ckpt()
+        exp, trial = spec.experiment_name, spec.trial_name
+        # the master's heartbeats: it connects once every worker is up (it waits up to 600 s for their addresses)
+        self.master_beats = HeartbeatMonitor(self.secret, host=network.worker_host(), name_resolve=self.nr,
+                                             key=names.worker_heartbeat(exp, trial, self.name))
+        self._master_watch = exit_when_silent(self.master_beats, "master", spec.worker_timeout_secs,
+                                              first_timeout_s=660.0, what=self.name)
         self.server = WorkerServer(self.name, self.secret, host=network.worker_host(), name_resolve=self.nr,
-                                   key=names.worker_address(spec.experiment_name, spec.trial_name, self.name))
+                                   key=names.worker_address(exp, trial, self.name))
         hb_addr = self.nr.wait(names.master_heartbeat(spec.experiment_name, spec.trial_name), timeout=120)
         self.heartbeat = HeartbeatSender(self.name, self.secret, hb_addr)
         self.heartbeat.start()
@@ -135,7 +178,7 @@ class ModelWorker:
             return Model(name=m.name, engine=None, tokenizer=tok, grid=self.grids[m.name], path="")
         path = m.path
         if self.resume_info is not None and m.optimizer is not None:
-            path = os.path.join(self.spec.recover_dir, m.name)
+            path = os.path.join(self.resume_info["path"], m.name)
         dtype = getattr(torch, m.dtype)
         module = build_from_hf(path, grid=self.grids[m.name], dtype=dtype, is_critic=m.is_critic)
         if m.compile:
@@ -143,13 +186,13 @@ class ModelWorker:
             if why is not None:
                 logger.info(f"model {m.name}: compile ignored: {why}")
         engine = TrainEngine(module, m.optimizer, m.total_train_steps) if m.optimizer is not None else InferenceEngine(module)
-        tok = None
-        try:
-            import transformers
+        import transformers
 
-            tok = transformers.AutoTokenizer.from_pretrained(m.tokenizer_path or m.path)
-        except (OSError, ValueError) as e:
-            logger.warning(f"no tokenizer for model {m.name} at {m.tokenizer_path or m.path}: {e}")
+        src = m.tokenizer_path or m.path
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(src)
+        except (OSError, ValueError) as e:  # checked at build time already; a folder changed since then
+            raise RuntimeError(f"model {m.name}: cannot load the tokenizer of {src}: {e}") from e
         return Model(name=m.name, engine=engine, tokenizer=tok, grid=self.grids[m.name], path=m.path)
 
     def _is_data_holder(self, model_name: str) -> Optional[ParallelGrid]:
@@ -292,12 +335,8 @@ class ModelWorker:
             if spec.optimizer is None:
                 continue
             save_hf(m.module, os.path.join(d, name), tokenizer_src=spec.tokenizer_path or spec.path)
-            eng = m.engine
-            st = {"optimizer": eng.optimizer.state_dict(), "step_count": eng.step_count, "version": m.version}
-            if eng.master is not m.module.flat:
-                st["master"] = eng.master
-            torch.save(st, os.path.join(d, name, f"engine_rank{self.rank}.pt"))
-        st = {"rng": torch.get_rng_state(), "py": random.getstate(), "np": np.random.get_state(),
+            torch.save({**m.engine.state_dict(), "version": m.version}, os.path.join(d, name, f"engine_rank{self.rank}.pt"))
+        st = {"rng": torch.get_rng_state(), "py": random.getstate(), "np": _np_state_plain(np.random.get_state()),
               "interfaces": {n: i.state_dict() for n, i in self.interfaces.items()}}
         if self.data_iter is not None:
             st["data_iter"] = self.data_iter.state_dict()
@@ -306,23 +345,18 @@ class ModelWorker:
         return {}, []
 
     def _load_ckpt(self):
-        d = self.spec.recover_dir
+        d = self.resume_info["path"]
         for name, m in self.models.items():
             spec = self.spec.model(name)
             if spec.optimizer is None:
                 continue
-            st = torch.load(os.path.join(d, name, f"engine_rank{self.rank}.pt"), weights_only=False)
-            eng = m.engine
-            if "master" in st:
-                eng.master.copy_(st["master"])
-            eng.optimizer.load_state_dict(st["optimizer"])
-            eng.step_count = st["step_count"]
-            eng._set_lr()
+            st = _load_recover_file(os.path.join(d, name, f"engine_rank{self.rank}.pt"))
+            m.engine.load_state_dict(st)
             m.version = st["version"]
-        st = torch.load(os.path.join(d, f"worker_rank{self.rank}.pt"), weights_only=False)
+        st = _load_recover_file(os.path.join(d, f"worker_rank{self.rank}.pt"))
         torch.set_rng_state(st["rng"])
         random.setstate(st["py"])
-        np.random.set_state(st["np"])
+        np.random.set_state(_np_state_from_plain(st["np"]))
         if self.data_iter is not None:
             self.data_iter.load_state_dict(st["data_iter"])
         for mfc in self.spec.mfcs:
@@ -386,9 +420,11 @@ class ModelWorker:
         return {}, []
 
     def close(self):
-        for x in ("heartbeat",):
-            if hasattr(self, x):
-                getattr(self, x).stop()
+        if hasattr(self, "_master_watch"):
+            self._master_watch.set()
+            self.master_beats.close()
+        if hasattr(self, "heartbeat"):
+            self.heartbeat.stop()
         if hasattr(self, "server"):
             self.server.close()
         if dist.is_initialized():

@@ -8,7 +8,9 @@ Wire format (no pickle anywhere), one ZMQ multipart message per payload::
 every following frame, each prefixed with its 8-byte length, so frames can be neither altered,
 re-split, dropped nor appended. A receiver checks the magic and the signature (constant-time)
 before it parses anything; a message that fails is dropped, counted in ``n_rejected`` and logged
-as a warning naming the sender — never deserialised.
+as a warning naming the sender (rate-limited) — never deserialised. A worker also rejects requests that
+are stale or replayed (``ReplayGuard``: send time within a window, request ids never executed twice), and
+every receiving socket drops a peer sending a frame over ``MAX_FRAME_BYTES`` before buffering it.
 
 The header is UTF-8 JSON ``{"handler", "handle_name", "request_id", "data", "tensors":
 [{"dtype", "shape"}, ...], "error"}``; ``data`` must be plain JSON (checked on send). Tensors travel
@@ -37,6 +39,9 @@ from realhf.base.network import gethostip
 # the wire format lives in realhf.system.wire; its public names are re-exported here
 from realhf.system.wire import (  # noqa: F401
     MAGIC,
+    MAX_FRAME_BYTES,
+    RejectionLog,
+    ReplayGuard,
     MIN_SECRET_BYTES,
     Payload,
     RUN_SECRET_ENV,
@@ -64,11 +69,14 @@ def _bind_address(host: str) -> Tuple[str, str]:
     return host, host
 
 
-def bind_socket(kind: int, host: str, port: Optional[int], what: str, name_resolve=None, key: Optional[str] = None):
+def bind_socket(kind: int, host: str, port: Optional[int], what: str, name_resolve=None, key: Optional[str] = None,
+                max_frame_bytes: int = MAX_FRAME_BYTES):
     """A ZMQ socket of ``kind`` bound on ``host``:``port`` (a random port when None), LINGER 0, its address
-    registered under ``key`` when given. Returns ``(socket, address)``; a failed bind names ``what``."""
+    registered under ``key`` when given. A peer that sends a frame over ``max_frame_bytes`` is disconnected before
+    the frame is buffered. Returns ``(socket, address)``; a failed bind names ``what``."""
     sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     try:
         address = _bind(sock, host, port)
     except zmq.ZMQError as e:
@@ -100,7 +108,8 @@ class WorkerServer:
                  name_resolve=None, key: Optional[str] = None):
         self.name = name
         self._secret = _check_secret(secret)
-        self.n_rejected = 0
+        self._rejections = RejectionLog(f"worker {name!r}")
+        self._replay = ReplayGuard()
         self._sock, self.address = bind_socket(zmq.ROUTER, host, port, f"worker {name!r} (ROUTER)", name_resolve, key)
         logger.debug("worker %r serving on %s", name, self.address)
 
@@ -114,14 +123,18 @@ class WorkerServer:
             frames = self._sock.recv_multipart(copy=False)
             peer = frames[0].bytes
             try:
-                return peer, decode_payload(self._secret, frames[1:])
+                payload = decode_payload(self._secret, frames[1:])
+                self._replay.check(payload)
+                return peer, payload
             except RejectedMessage as e:
-                self.n_rejected += 1
                 addr = _peer_address(frames[1]) if len(frames) > 1 else "?"
-                logger.warning("worker %r rejected a message from peer %r (%s): %s [%d rejected so far]",
-                               self.name, peer, addr, e, self.n_rejected)
+                self._rejections.reject(f"peer {peer!r} ({addr})", e)
             if time.monotonic() >= deadline:
                 return None
+
+    @property
+    def n_rejected(self) -> int:
+        return self._rejections.count
 
     def reply(self, peer: bytes, payload: Payload) -> None:
         """Sends ``payload`` to the peer a request came from."""
@@ -186,7 +199,7 @@ class MasterClient:
         self.addresses = dict(addresses)
         self._heartbeat = heartbeat
         self.lost_after = lost_after
-        self.n_rejected = 0
+        self._rejections = RejectionLog("master")
         self._ctx = zmq.Context.instance()
         self._send_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -213,6 +226,7 @@ class MasterClient:
                 s.setsockopt(zmq.LINGER, 0)
                 s.setsockopt(zmq.SNDHWM, 0)  # never drop; a dead worker is detected by heartbeats
                 s.setsockopt(zmq.RCVHWM, 0)
+                s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
                 self._dealers[worker] = s
                 s.connect(addr)
         except zmq.ZMQError as e:
@@ -276,9 +290,7 @@ class MasterClient:
         try:
             payload = decode_payload(self._secret, frames)
         except RejectedMessage as e:
-            self.n_rejected += 1
-            logger.warning("master rejected a message on the connection to worker %r (%s): %s [%d rejected so far]",
-                           worker, _peer_address(frames[0]) if frames else "?", e, self.n_rejected)
+            self._rejections.reject(f"the connection to worker {worker!r} ({_peer_address(frames[0]) if frames else '?'})", e)
             return
         rid = payload.request_id
         with self._cv:
@@ -301,6 +313,10 @@ class MasterClient:
                 s.close(linger=0)
 
     # ---------------------------------------------------------------- public API
+    @property
+    def n_rejected(self) -> int:
+        return self._rejections.count
+
     def send(self, payloads: List[Payload]) -> None:
         """Sends the payloads in order; a list sent together keeps its relative order on every worker
         (other threads' lists go entirely before or after it)."""

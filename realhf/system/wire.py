@@ -4,9 +4,17 @@ payload codec (plain-JSON header + raw tensor frames; no pickle).
 Frames: ``[MAGIC, signature, header JSON, tensor bytes ...]``; the signature is HMAC-SHA256 over the
 frame count and every following frame with an 8-byte length prefix, so frames cannot be re-split,
 dropped or appended. Receivers check the magic, the count and the signature before parsing anything.
+
+Freshness: the header carries the send time (``ts``) and a random request id; a receiver that executes
+requests keeps a :class:`ReplayGuard`, which rejects a message sent outside its time window or whose id
+it has seen, so a captured request cannot be executed twice. Size: no frame may exceed
+``MAX_FRAME_BYTES`` (checked on send; receiving sockets drop a peer that sends a larger one before
+buffering it, see ``realhf.system.request_reply_stream.bind_socket``). Rejections are counted and logged
+by :class:`RejectionLog`, which rate-limits its warnings so that a flood cannot fill the logs.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import hmac
@@ -14,6 +22,7 @@ import json
 import math
 import os
 import secrets
+import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -35,6 +44,11 @@ MIN_SECRET_BYTES = 16
 # one dtype allow-list for everything that travels: the SequenceSample wire format's
 _DTYPES, _DTYPE_NAMES = DTYPES, DTYPE_NAMES
 _MAX_DIMS = 64
+# the largest frame a request/reply may carry (requests and replies are metadata: tensors move over
+# torch.distributed), and the largest heartbeat
+MAX_FRAME_BYTES = 64 << 20
+MAX_HEARTBEAT_BYTES = 64 << 10
+REPLAY_WINDOW_SECS = 300.0
 
 
 # ----------------------------------------------------------------------------------------- secrets
@@ -124,6 +138,7 @@ class Payload:
     tensors: List[torch.Tensor] = dataclasses.field(default_factory=list)
     request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     error: Optional[str] = None  # a worker's traceback when the request failed
+    sent_at: Optional[float] = None  # time.time() of sending: set by encode_payload, read on receipt
 
     def make_reply(self, data: Optional[dict] = None, tensors: Optional[List[torch.Tensor]] = None,
                    error: Optional[str] = None) -> "Payload":
@@ -173,8 +188,15 @@ def encode_payload(secret: bytes, payload: Payload) -> List[Any]:
         "data": payload.data,
         "tensors": metas,
         "error": payload.error,
+        "ts": time.time(),
     }
     header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    for i, b in enumerate([header_bytes, *bufs]):
+        n = len(b) if i == 0 else b.nbytes
+        if n > MAX_FRAME_BYTES:
+            what = "its header" if i == 0 else f"tensors[{i - 1}]"
+            raise ValueError(f"cannot send {payload.handle_name!r}: {what} has {n} bytes, over the {MAX_FRAME_BYTES}-byte "
+                             "frame limit of the request/reply stream (move large data over torch.distributed)")
     return sign_frames(secret, [header_bytes, *bufs])
 
 
@@ -214,9 +236,11 @@ def decode_payload(secret: bytes, frames: List[Any]) -> Payload:
     signature check) when it is not authentic or not well formed."""
     body = verify_frames(secret, frames)
     header = _parse_header(body[0])
-    expected = {"handler", "handle_name", "request_id", "data", "tensors", "error"}
+    expected = {"handler", "handle_name", "request_id", "data", "tensors", "error", "ts"}
     if set(header) != expected:
         raise RejectedMessage(f"header keys {sorted(header)} != {sorted(expected)}")
+    if not isinstance(header["ts"], (int, float)) or isinstance(header["ts"], bool) or not math.isfinite(header["ts"]):
+        raise RejectedMessage("header['ts'] is not a finite number")
     for k in ("handler", "handle_name", "request_id"):
         if not isinstance(header[k], str):
             raise RejectedMessage(f"header[{k!r}] is not a str")
@@ -229,7 +253,56 @@ def decode_payload(secret: bytes, frames: List[Any]) -> Payload:
         raise RejectedMessage(f"header lists {len(metas) if isinstance(metas, list) else '?'} tensors, message has {len(body) - 1}")
     tensors = [_decode_tensor(m, b, i) for i, (m, b) in enumerate(zip(metas, body[1:]))]
     return Payload(handler=header["handler"], handle_name=header["handle_name"], data=header["data"],
-                   tensors=tensors, request_id=header["request_id"], error=header["error"])
+                   tensors=tensors, request_id=header["request_id"], error=header["error"], sent_at=float(header["ts"]))
+
+
+class ReplayGuard:
+    """Freshness of authentic requests: rejects one sent more than ``window_s`` seconds from now (either way) and
+    one whose request id was seen before. Ids are remembered for twice the window, after which their timestamps
+    alone reject them."""
+
+    def __init__(self, window_s: float = REPLAY_WINDOW_SECS):
+        self.window_s = window_s
+        self._seen: set = set()
+        self._expiry: collections.deque = collections.deque()  # (monotonic expiry, request id)
+
+    def check(self, payload: Payload) -> None:
+        age = time.time() - payload.sent_at
+        if abs(age) > self.window_s:
+            raise RejectedMessage(f"stale message {payload.request_id!r}: sent {age:.0f} s ago, outside the "
+                                  f"{self.window_s:.0f} s window (a replay, or a clock that is off)")
+        now = time.monotonic()
+        while self._expiry and self._expiry[0][0] < now:
+            self._seen.discard(self._expiry.popleft()[1])
+        if payload.request_id in self._seen:
+            raise RejectedMessage(f"replayed request id {payload.request_id!r}")
+        self._seen.add(payload.request_id)
+        self._expiry.append((now + 2 * self.window_s, payload.request_id))
+
+
+class RejectionLog:
+    """Counts rejected messages (``count``) and logs each as a warning naming ``what`` and the sender, at most
+    ``burst`` warnings at once and then one every ``every_s`` seconds, with the number left unlogged."""
+
+    def __init__(self, what: str, burst: int = 20, every_s: float = 5.0):
+        self.what, self.burst, self.every_s = what, burst, every_s
+        self.count = 0
+        self._tokens = float(burst)
+        self._last = time.monotonic()
+        self._unlogged = 0
+
+    def reject(self, source: str, why: Any) -> None:
+        self.count += 1
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._last) / self.every_s)
+        self._last = now
+        if self._tokens < 1:
+            self._unlogged += 1
+            return
+        self._tokens -= 1
+        more = f"; {self._unlogged} rejections since the last warning not logged" if self._unlogged else ""
+        self._unlogged = 0
+        logger.warning("%s rejected a message from %s: %s [%d rejected so far%s]", self.what, source, why, self.count, more)
 
 
 def _peer_address(frame) -> str:

@@ -274,14 +274,18 @@ class BaseExperimentConfig:
     fileroot: str = _field(help="root folder of logs and checkpoints (default $REALHF_FILEROOT or "
                                 "~/.cache/realhf/experiments)", factory=_default_fileroot)
     seed: int = _field(1, "random seed")
-    recover_mode: str = _field("disabled", "disabled | auto (resume if a recover checkpoint exists) | resume (must exist)")
+    recover_mode: str = _field("disabled", "disabled (start afresh) | auto (resume the recover checkpoint of this run, "
+                                           "if any: written with the same options, not finished; relaunch after a "
+                                           "failure) | resume (such a checkpoint must exist); a fresh start moves an "
+                                           "earlier recover/ folder aside to recover.stale-<time>/")
     recover_retries: int = _field(1, "times to relaunch after a failure when recover_mode is auto")
     n_nodes: int = _field(1, "number of nodes")
     n_devices_per_node: int = _field(1, "devices per node: GPUs, or model worker processes on CPU")
     cpus_per_worker: int = _field(1, "CPU threads of each worker process")
     allocation_mode: str = _field("d1m1p1", "device allocation and parallel layouts, e.g. d2m1p1, "
                                             "'actor_gen:d2m1p1,*:d1m2p1', 'vllm.d2m1p1+d2m1p1', manual, heuristic")
-    worker_timeout_secs: float = _field(10.0, "seconds without a heartbeat before a worker is declared lost")
+    worker_timeout_secs: float = _field(10.0, "seconds without a heartbeat before a worker is declared lost (and before "
+                                              "the workers end a run whose master stopped sending heartbeats)")
     param_realloc: str = _field("memory", "how parameters move between the layouts of one model (e.g. actor_train -> "
                                           "actor_gen): memory (point-to-point between the workers) | disk "
                                           "(through a checkpoint; for device sets that share no communicator)")
@@ -314,6 +318,38 @@ class BaseExperimentConfig:
         self.allocation()  # validates the grammar, MFC names and device counts
 
     # --------------------------------------------------------------- derived values
+    # Options that do not change what a run computes (where it runs, how it is watched, logged, saved and
+    # relaunched): a recover checkpoint written under other values of these still belongs to the run.
+    RESUME_NEUTRAL_KEYS = ("mode", "ray_address", "ray_gpus_per_worker", "fileroot", "recover_mode",
+                           "recover_retries", "cpus_per_worker", "worker_timeout_secs", "wandb", "tensorboard",
+                           "auto_eval", "exp_ctrl.save_freq_epochs", "exp_ctrl.save_freq_steps",
+                           "exp_ctrl.save_freq_secs", "exp_ctrl.ckpt_freq_epochs", "exp_ctrl.ckpt_freq_steps",
+                           "exp_ctrl.ckpt_freq_secs", "exp_ctrl.eval_freq_epochs", "exp_ctrl.eval_freq_steps")
+
+    def resume_options(self) -> dict:
+        """The options that shape the training (every option but :attr:`RESUME_NEUTRAL_KEYS`), as dotted keys."""
+        flat = {}
+
+        def walk(obj, prefix):
+            for f in dataclasses.fields(obj):
+                key, v = prefix + f.name, getattr(obj, f.name)
+                if key in self.RESUME_NEUTRAL_KEYS:
+                    continue
+                if dataclasses.is_dataclass(v):
+                    walk(v, key + ".")
+                else:
+                    flat[key] = list(v) if isinstance(v, (list, tuple)) else v
+
+        walk(self, "")
+        return flat
+
+    def fingerprint(self) -> str:
+        """A hash of :meth:`resume_options`: equal for two configs whose runs compute the same thing."""
+        import hashlib
+        import json
+
+        return hashlib.sha256(json.dumps(self.resume_options(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
     @property
     def n_devices(self) -> int:
         """All device slots of the experiment (``n_nodes * n_devices_per_node``)."""

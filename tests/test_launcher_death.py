@@ -1,0 +1,84 @@
+"""No process of a run outlives its launcher, and a master that stops responding ends the run with a named error.
+
+Real launches of ``sft`` on the tiny model; the launcher is killed (SIGKILL) or hung up on (SIGHUP, what closing
+its terminal sends), the master is stopped (SIGSTOP). Liveness is checked with generous deadlines (the
+processes are expected to end within a few seconds; the deadline only keeps a broken build from hanging).
+"""
+import ipaddress
+import json
+import os
+import signal
+
+import psutil
+import pytest
+
+from realhf.base.testing import run_processes, start_quickstart, wait_for_steps, wait_until_gone
+from realhf.impl.model.tiny import ensure_tiny_model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("death")
+    with open(d / "train.jsonl", "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"{i % 10}+{i // 10}=", "answer": str(i % 10 + i // 10)}) + "\n")
+    return ensure_tiny_model("qwen2", tie_word_embeddings=True), d
+
+
+def long_run(setup, root, *extra):
+    model, d = setup
+    return start_quickstart(["sft", f"model.path={model}", "dataset.max_seqlen=512", f"dataset.train_path={d}/train.jsonl",
+                             "dataset.train_bs_n_seqs=4", f"fileroot={root}", "experiment_name=long",
+                             "allocation_mode=d2m1p1", "n_devices_per_node=2", "exp_ctrl.total_train_epochs=500", *extra])
+
+
+def _listening(procs):
+    out = []
+    for p in procs:
+        try:
+            out += [(p.cmdline()[-1], c.laddr.ip) for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["kill-9", "hangup"])
+def test_every_process_ends_with_its_launcher(setup, tmp_path, sig):
+    root = str(tmp_path)
+    p = long_run(setup, root)
+    try:
+        wait_for_steps(root, "long", 2, proc=p)
+        procs = [q for q in run_processes(root) if q.pid != p.pid]
+        assert len(procs) == 3, procs  # master and two model workers
+        if sig == signal.SIGKILL:
+            # on one machine, everything the run's processes listen on is loopback only (ZMQ sockets, heartbeats,
+            # and the torch.distributed rendezvous store)
+            listening = _listening(procs)
+            assert listening and all(ipaddress.ip_address(ip).is_loopback for _, ip in listening), listening
+        p.send_signal(sig)
+        left = wait_until_gone(root, timeout=30)
+        assert not left, f"processes outlived their launcher: {[q.cmdline() for q in left]}"
+    finally:
+        for q in run_processes(root):
+            q.kill()
+        p.kill()
+        p.communicate()
+
+
+def test_a_stopped_master_ends_the_run_with_a_named_error(setup, tmp_path):
+    root = str(tmp_path)
+    p = long_run(setup, root, "worker_timeout_secs=4")
+    try:
+        wait_for_steps(root, "long", 2, proc=p)
+        (master,) = [q for q in run_processes(root) if "master" in q.cmdline()]
+        master.send_signal(signal.SIGSTOP)
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 1, out[-3000:]
+        assert "master stopped responding" in out and "sent no heartbeat" in out, out[-3000:]
+        assert not wait_until_gone(root, timeout=30), "processes left behind"
+    finally:
+        for q in run_processes(root):
+            q.kill()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
