@@ -6,7 +6,6 @@ processes are expected to end within a few seconds; the deadline only keeps a br
 """
 import ipaddress
 import json
-import os
 import signal
 
 import psutil

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from realhf.base.recover import INFO, RecoverStore
-from realhf.base.testing import read_stats, run_processes, run_quickstart, start_quickstart, wait_for_steps
+from realhf.base.testing import read_stats, run_quickstart, run_worker, start_quickstart, wait_for_steps
 from realhf.impl.model.tiny import ensure_tiny_model
 
 N_ROWS, BS = 16, 4
@@ -61,9 +61,7 @@ def test_a_relaunch_never_resumes_another_runs_checkpoint(setup, tmp_path):
     p = start_quickstart(sft(setup, root, "x", "exp_ctrl.total_train_epochs=4", "model.optimizer.lr=2e-3",
                              "recover_mode=auto"))
     wait_for_steps(root, "x", 3, proc=p)
-    (victim,) = [q for q in run_processes(os.path.join(root, "x")) if "--rank" in q.cmdline()
-                 and q.cmdline()[q.cmdline().index("--rank") + 1] == "1"]
-    victim.kill()
+    run_worker(os.path.join(root, "x"), 1).kill()
     out, _ = p.communicate(timeout=240)
     assert p.returncode == 0, out[-3000:]
     assert "relaunching" in out and "starting over" in out, out[-3000:]

@@ -176,6 +176,14 @@ def run_processes(fileroot: str) -> list:
     return out
 
 
+def run_worker(fileroot: str, rank: int):
+    """The process (psutil) of model worker ``rank`` of the run under ``fileroot``."""
+    found = [p for p in run_processes(fileroot) if "--rank" in p.cmdline()
+             and p.cmdline()[p.cmdline().index("--rank") + 1] == str(rank)]
+    assert len(found) == 1, f"model worker {rank} of the run under {fileroot}: found {found}"
+    return found[0]
+
+
 def wait_until_gone(fileroot: str, timeout: float = 30.0) -> list:
     """Wait up to ``timeout`` s for every process of the run under ``fileroot`` to end; returns those left."""
     deadline = time.monotonic() + timeout
