@@ -4,7 +4,6 @@ import glob
 import json
 import os
 import sys
-import time
 
 import pytest
 
@@ -61,7 +60,6 @@ def test_auto_eval_logs_metrics_of_each_save(model, tmp_path):
     train = tmp_path / "train.jsonl"
     _write_sft(train, 40)
     root = str(tmp_path / "runs")
-    t0 = time.time()
     _quickstart(_sft(model, train, root, "ae", "auto_eval.data_names=[gsm8k,aime24]"))
     run_dir = os.path.join(root, "ae", "trial0")
     rows = _stats(run_dir)
@@ -83,7 +81,6 @@ def test_auto_eval_logs_metrics_of_each_save(model, tmp_path):
     assert not any("auto_eval/failed" in r for r in rows)
     for tag in ("gsm8k/greedy_acc", "gsm8k/sample_pass@1", "aime24/greedy_acc"):
         assert sorted(_tb_scalars(run_dir, tag)) == [2, 4], tag
-    assert time.time() - t0 < 120
 
 
 def test_failing_evaluation_is_reported_and_training_goes_on(model, tmp_path):
@@ -123,9 +120,8 @@ def test_evaluator_crash_and_timeout_are_reported(tmp_path):
     assert "signal 6" in crash.results[1]["error"] and "signal 6" in crash.results[2]["error"]
     hang = AutoEvaluator(_cfg(timeout=0.5), stats, str(tmp_path / "eval2"),
                          cmd=[sys.executable, "-c", "import time; time.sleep(60)"])
-    t0 = time.time()
     hang.submit(str(tmp_path / "ckpt3"), 3)
-    assert hang.wait(timeout=60) and time.time() - t0 < 30
+    assert hang.wait(timeout=60)  # a hang detector: the 0.5 s evaluation timeout ends it long before
     assert "timed out" in hang.results[3]["error"]
     # what is still queued when the master stops waiting is stopped and reported
     slow = AutoEvaluator(_cfg(), stats, str(tmp_path / "eval3"), cmd=[sys.executable, "-c", "import time; time.sleep(60)"])

@@ -144,10 +144,19 @@ def test_auto_falls_back_with_one_warning():
     assert p.stderr.count("GAE C++ extension unavailable") == 1, p.stderr
 
 
-def test_cached_extension_loads_fast_in_new_process(cpp_ext):
+def test_cached_extension_is_reused_by_a_new_process(cpp_ext):
+    """A new process loads the extension built before without building it again (no file of the build folder
+    is rewritten)."""
+    build = gae.build_directory()
+
+    def files():
+        return {f: os.stat(os.path.join(build, f)).st_mtime_ns for f in os.listdir(build)
+                if os.path.isfile(os.path.join(build, f))}
+
+    before = files()
+    assert any(f.endswith(".so") for f in before), before
     code = "from realhf.impl.model.utils import gae\nassert gae.cpp_available()\nprint(gae.extension_load_seconds())\n"
     p = _run_py(code)
     assert p.returncode == 0, p.stderr
-    secs = float(p.stdout.strip().splitlines()[-1])
-    print(f"\n[test_gae] cached extension import in a new process: {secs:.2f} s")
-    assert secs < 10.0, f"loading the cached extension took {secs:.1f} s; the build cache is not being reused"
+    print(f"\n[test_gae] cached extension import in a new process: {float(p.stdout.split()[-1]):.2f} s")
+    assert files() == before, "the new process rebuilt the extension instead of reusing the build cache"

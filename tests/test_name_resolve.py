@@ -75,9 +75,7 @@ def test_wait_for_another_process(tmp_path):
     p = mp.get_context("spawn").Process(target=_add_later, args=(root, "exp/t/late", "hello", 0.5))
     p.start()
     try:
-        t0 = time.monotonic()
         assert repo.wait("exp/t/late", timeout=20) == "hello"
-        assert time.monotonic() - t0 < 20
     finally:
         p.join(20)
         if p.is_alive():
@@ -86,10 +84,8 @@ def test_wait_for_another_process(tmp_path):
 
 
 def test_wait_timeout_names_key(repo):
-    t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="exp/t/never"):
         repo.wait("exp/t/never", timeout=0.3, poll=0.05)
-    assert time.monotonic() - t0 < 2
 
 
 def test_subtree_and_clear(repo):

@@ -81,9 +81,7 @@ def test_smollm2_cache_and_cli(converted):
 
     path, _ = converted
     mtime = os.path.getmtime(os.path.join(path, "model.safetensors"))
-    t0 = time.perf_counter()
     assert ensure_smollm2(path, dtype="float32") == path
-    assert time.perf_counter() - t0 < 1.0
     assert os.path.getmtime(os.path.join(path, "model.safetensors")) == mtime
     assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp-" in n]
     res = subprocess.run([sys.executable, "-m", "realhf.impl.model.smollm2", "--out", path, "--dtype", "float32"],

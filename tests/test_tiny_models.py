@@ -1,7 +1,6 @@
 """Tiny random-weight HF models and tokenizers (realhf.impl.model.tiny)."""
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -86,10 +85,8 @@ def test_bpe_chat_template():
 
 
 def test_bpe_training_is_deterministic(tmp_path):
-    t0 = time.perf_counter()
     a = tiny_tokenizer("bpe", cache_dir=str(tmp_path / "a"))
     b = tiny_tokenizer("bpe", cache_dir=str(tmp_path / "b"))
-    assert time.perf_counter() - t0 < 30
     assert a.get_vocab() == b.get_vocab()
     ja = json.load(open(tmp_path / "a" / "tokenizer.json"))
     jb = json.load(open(tmp_path / "b" / "tokenizer.json"))
@@ -261,16 +258,12 @@ def test_qwen25_tokenizer_model(tmp_path):
 
 
 def test_ensure_tiny_model_caches():
-    t0 = time.perf_counter()
     d = ensure_tiny_model("llama", seed=5)
     d_again = ensure_tiny_model("llama", seed=5)
     assert d == d_again and d.startswith(os.environ["REALHF_CACHE_DIR"])
     mtime = os.path.getmtime(os.path.join(d, "model.safetensors"))
-    t1 = time.perf_counter()
     assert ensure_tiny_model("llama", seed=5) == d
-    assert time.perf_counter() - t1 < 0.5
-    assert os.path.getmtime(os.path.join(d, "model.safetensors")) == mtime
-    assert time.perf_counter() - t0 < 30
+    assert os.path.getmtime(os.path.join(d, "model.safetensors")) == mtime  # a cache hit writes nothing
     others = {ensure_tiny_model("llama", seed=6), ensure_tiny_model("llama", seed=5, rope_scaling=True),
               ensure_tiny_model("llama", seed=5, dtype=torch.bfloat16)}
     assert d not in others and len(others) == 3
