@@ -1,0 +1,91 @@
+"""Hooks the master runs around every MFC: ``before(mfc)`` returns stats to log with the MFC, ``after(mfc)`` sees
+its stats. They make the system's own work around an algorithm's MFCs visible in one place instead of special
+cases inside the call path:
+
+* :class:`ParamVersionHook` counts parameter versions: +1 for a model replica after each of its training MFCs.
+* :class:`ParamReallocHook` brings a mirror replica (e.g. the actor's generation layout) the trained parameters
+  of its source before it runs, when they changed since it last got them: point-to-point between the workers
+  of both layouts, or through a checkpoint on disk (``param_realloc=disk``).
+
+(Offloading idle inference replicas is done by the workers that hold them, after each call; weight
+publication to generation servers will be a hook here.)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from typing import Callable, Dict
+
+from realhf.api.core.dfg import MFCDef
+from realhf.api.core.system_api import ExperimentSpec
+from realhf.base import logging
+
+logger = logging.getLogger(__name__)
+
+# call(handle_name, {worker rank: request data}) -> replies; the master's request/reply client
+Call = Callable[[str, Dict[int, dict]], dict]
+
+
+class MFCHook:
+    def before(self, mfc: MFCDef) -> dict:
+        return {}
+
+    def after(self, mfc: MFCDef, stats: dict) -> None:
+        pass
+
+
+class ParamVersionHook(MFCHook):
+    """Parameter versions of every model replica. Trained replicas that come back from a recover checkpoint start
+    at version 1, so that their mirrors are reallocated before they first run."""
+
+    def __init__(self, spec: ExperimentSpec, resumed: bool):
+        self.spec = spec
+        self.lock = threading.Lock()
+        self.versions: Dict[str, int] = {m.name: int(resumed and m.optimizer is not None) for m in spec.models}
+
+    def version(self, model: str) -> int:
+        with self.lock:
+            return self.versions[model]
+
+    def set(self, model: str, version: int) -> None:
+        with self.lock:
+            self.versions[model] = version
+
+    def after(self, mfc: MFCDef, stats: dict) -> None:
+        if mfc.is_train:
+            with self.lock:
+                self.versions[str(mfc.model_name)] += 1
+
+
+class ParamReallocHook(MFCHook):
+    def __init__(self, spec: ExperimentSpec, call: Call, versions: ParamVersionHook):
+        self.spec, self.call, self.versions = spec, call, versions
+        self._locks: Dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+
+    def before(self, mfc: MFCDef) -> dict:
+        m = self.spec.model(str(mfc.model_name))
+        if m.realloc_from is None:
+            return {}
+        src = self.spec.model(m.realloc_from)
+        with self._locks_lock:
+            lock = self._locks.setdefault(src.name, threading.Lock())
+        with lock:  # one reallocation of a source at a time; a second mirror waits and then checks again
+            version = self.versions.version(src.name)
+            if self.versions.version(m.name) >= version:
+                return {}
+            t0 = time.perf_counter()
+            if self.spec.param_realloc == "disk":
+                path = os.path.join(self.spec.save_dir, ".realloc", m.name)
+                shutil.rmtree(path, ignore_errors=True)
+                self.call("realloc_save", {r: {"src": src.name, "path": path} for r in src.ranks})
+                self.call("realloc_load", {r: {"dst": m.name, "path": path} for r in m.ranks})
+            else:
+                ranks = sorted(set(src.ranks) | set(m.ranks))
+                self.call("realloc", {r: {"src": src.name, "dst": m.name} for r in ranks})
+            dt = time.perf_counter() - t0
+            self.versions.set(m.name, version)
+            logger.debug(f"reallocated {src.name} ({src.layout}) -> {m.name} ({m.layout}) in {dt:.3f}s")
+            return {"realloc_time": dt}
