@@ -27,7 +27,8 @@ from realhf.base.recover import RecoverError, RecoverStore
 from realhf.base.run_lock import RunLock, RunLocked
 from realhf.base.process import env_with_source_path
 from realhf.experiments import build_spec
-from realhf.scheduler.local import JobFailure, LocalScheduler, python_cmd
+from realhf.scheduler import get_launcher
+from realhf.scheduler.local import JobFailure, python_cmd
 from realhf.system.request_reply_stream import new_run_secret
 
 logger = logging.getLogger(__name__)
@@ -51,14 +52,10 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str) -> None
         f.write(config_to_yaml(config))
     env = {"REALHF_RUN_SECRET": new_run_secret().hex(), "OMP_NUM_THREADS": str(spec.threads_per_worker),
            "TOKENIZERS_PARALLELISM": "false"}
-    if config.mode == "ray":
-        from realhf.scheduler.ray_launcher import RayScheduler
-
-        # jobs on other nodes import the same source tree (a shared file system holds it and fileroot)
+    launcher = get_launcher(config.mode)
+    if launcher.remote:  # jobs on other nodes import the same source tree (a shared file system holds it and fileroot)
         env["PYTHONPATH"] = env_with_source_path()["PYTHONPATH"]
-        sched = RayScheduler(spec.log_dir, config, spec.n_workers)
-    else:
-        sched = LocalScheduler(spec.log_dir)
+    sched = launcher.make(spec.log_dir, config, spec.n_workers)
     common = ["--exp", exp_name, "--config", cfg_path, "--resume", "1" if resume else "0", "--run-id", run_id]
     try:
         sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env, worker=False)

@@ -16,21 +16,16 @@ logger = logging.getLogger("realhf.quickstart")
 
 def _runner(name: str):
     def run(cfg) -> int:
-        from realhf.api.quickstart.config import IMPLEMENTED_MODES
         from realhf.apps.main import run_experiment
         from realhf.experiments import build_spec
         from realhf.impl.dataset import DatasetError
+        from realhf.scheduler import get_launcher
 
-        if cfg.mode not in IMPLEMENTED_MODES:
-            sys.stderr.write(f"error: mode={cfg.mode!r} is not implemented yet; launchers available: "
-                             f"{list(IMPLEMENTED_MODES)}\n")
-            return 2
         try:
+            launcher = get_launcher(cfg.mode)
             spec = build_spec(name, cfg)  # fail fast, with a clear message, before anything starts
-            if cfg.mode == "ray":  # the cluster must exist and hold the workers before anything starts
-                from realhf.scheduler.ray_launcher import connect_for
-
-                connect_for(cfg, spec.n_workers)
+            if launcher.check is not None:  # e.g. the Ray cluster must exist and hold the workers
+                launcher.check(cfg, spec.n_workers)
         except (ValueError, KeyError, FileNotFoundError, DatasetError) as e:
             msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
             sys.stderr.write(f"error: {msg}\n")

@@ -129,3 +129,12 @@ def stop_groups(procs: Dict[str, subprocess.Popen], grace: float = 5.0):
 
 def python_cmd(module: str, *args: str) -> List[str]:
     return [sys.executable, "-m", module, *args]
+
+
+def _register():
+    from realhf.scheduler import Launcher, register_launcher
+
+    register_launcher(Launcher("local", make=lambda log_dir, config, n_workers: LocalScheduler(log_dir)))
+
+
+_register()

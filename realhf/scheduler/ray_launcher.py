@@ -158,3 +158,12 @@ class RayScheduler(WaitMixin):
             except Exception:
                 pass
         self.jobs.clear()
+
+
+def _register():
+    from realhf.scheduler import Launcher, register_launcher
+
+    register_launcher(Launcher("ray", make=RayScheduler, check=connect_for, remote=True))
+
+
+_register()

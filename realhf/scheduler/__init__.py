@@ -1,0 +1,48 @@
+"""Launchers (``mode=local|ray|slurm``) behind one protocol, found through one registry.
+
+A launcher registers a :class:`Launcher`: ``make(log_dir, config, n_workers)`` returns a scheduler with
+``submit(name, cmd, env, worker)``, ``wait(main)`` (returns when ``main`` exits 0, raises
+``realhf.scheduler.local.JobFailure`` naming the failed job), ``wait_others()`` and ``stop_all()``;
+``check(config, n_workers)``, when given, runs before anything starts and raises ValueError with a message for the
+user (e.g. a Ray cluster that is unreachable or too small); ``remote`` says its jobs may run on other nodes, which
+then import this source tree from a shared file system (``PYTHONPATH``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class Launcher:
+    name: str
+    make: Callable[[str, Any, int], Any]
+    check: Optional[Callable[[Any, int], None]] = None
+    remote: bool = False
+
+
+_LAUNCHERS: Dict[str, Launcher] = {}
+
+
+def register_launcher(launcher: Launcher) -> None:
+    if launcher.name in _LAUNCHERS and _LAUNCHERS[launcher.name] != launcher:
+        raise ValueError(f"launcher {launcher.name!r} is registered twice")
+    _LAUNCHERS[launcher.name] = launcher
+
+
+def available() -> List[str]:
+    _import_all()
+    return sorted(_LAUNCHERS)
+
+
+def get_launcher(mode: str) -> Launcher:
+    """The launcher of ``mode``; ValueError naming the available ones when there is none."""
+    _import_all()
+    if mode not in _LAUNCHERS:
+        raise ValueError(f"mode={mode!r} is not implemented yet; launchers available: {sorted(_LAUNCHERS)}")
+    return _LAUNCHERS[mode]
+
+
+def _import_all():
+    import realhf.scheduler.local  # noqa: F401
+    import realhf.scheduler.ray_launcher  # noqa: F401  (ray itself is imported only when used)
