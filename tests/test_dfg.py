@@ -13,40 +13,37 @@ from realhf.api.core.dfg import (
 GEN, INF, TRAIN = ModelInterfaceType.GENERATE, ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
 
 
-def ppo_mfcs(n_seqs=16):
+def ppo_mfcs():
     return [
         MFCDef(
             name="actor_gen", model_name="actor", interface_type=GEN, interface_impl="ppo_actor",
             input_keys=("packed_prompts",),
             output_keys=("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask"),
-            n_seqs=n_seqs,
         ),
         MFCDef(
             name="rew_inf", model_name="reward", interface_type=INF, interface_impl="rw_math",
             input_keys=("packed_input_ids",), output_keys=("scores",),
-            output_key_remap={"scores": "rewards"}, n_seqs=n_seqs,
+            output_key_remap={"scores": "rewards"},
         ),
         MFCDef(
             name="ref_inf", model_name="ref", interface_type=INF, interface_impl="ppo_actor",
             input_keys=("packed_input_ids",), output_keys=("logprobs",),
-            output_key_remap={"logprobs": "packed_ref_logprobs"}, n_seqs=n_seqs,
+            output_key_remap={"logprobs": "packed_ref_logprobs"},
             mb_spec=MicroBatchSpec(n_mbs=2, max_tokens_per_mb=4096),
         ),
         MFCDef(
             name="critic_inf", model_name="critic", interface_type=INF, interface_impl="ppo_critic",
-            input_keys=("packed_input_ids", "seq_no_eos_mask"), output_keys=("values",), n_seqs=n_seqs,
+            input_keys=("packed_input_ids", "seq_no_eos_mask"), output_keys=("values",),
         ),
         MFCDef(
             name="actor_train", model_name="actor", interface_type=TRAIN, interface_impl="ppo_actor",
             input_keys=("packed_input_ids", "packed_logprobs", "packed_ref_logprobs", "rewards",
                         "values", "prompt_mask", "seq_no_eos_mask"),
-            n_seqs=n_seqs, log_return_value=True,
         ),
         MFCDef(
             name="critic_train", model_name="critic", interface_type=TRAIN, interface_impl="ppo_critic",
             input_keys=("packed_input_ids", "packed_logprobs", "packed_ref_logprobs", "rewards",
                         "values", "prompt_mask", "seq_no_eos_mask"),
-            n_seqs=n_seqs,
         ),
     ]
 
@@ -72,8 +69,6 @@ def test_mb_spec_and_mfc_validation():
     m = ppo_mfcs()[0]
     assert m.model_name == ModelName("actor") and m.is_generate and not m.is_train
     assert MFCDef("t", "actor@1", "train_step", "ppo_actor").is_train
-    with pytest.raises(ValueError, match="n_seqs"):
-        dataclasses.replace(m, n_seqs=0)
     with pytest.raises(ValueError, match="interface_type 'fly'"):
         MFCDef("x", "actor", "fly", "impl")
     with pytest.raises(ValueError, match="not the str"):
@@ -171,16 +166,12 @@ def test_duplicate_producer_and_names():
         build_graph(mfcs, {"packed_prompts"})
     with pytest.raises(ValueError, match="also provided by the dataset"):
         build_graph(ppo_mfcs(), {"packed_prompts", "rewards"})
-    mfcs = ppo_mfcs()
-    mfcs[1].n_seqs = 0  # mutated after construction
-    with pytest.raises(ValueError, match="n_seqs"):
-        build_graph(mfcs, {"packed_prompts"})
     with pytest.raises(ValueError, match="at least one MFC"):
         build_graph([], {"x"})
 
 
 def test_train_only_graph():
-    sft = MFCDef("trainDefault", "default", TRAIN, "sft", input_keys=("packed_input_ids", "prompt_mask"), n_seqs=8)
+    sft = MFCDef("trainDefault", "default", TRAIN, "sft", input_keys=("packed_input_ids", "prompt_mask"))
     g = build_graph([sft], {"packed_input_ids", "prompt_mask"})
     assert g.sources == g.sinks == ["trainDefault"] and g.edges() == []
     assert g.dataset_keys_of(sft) == {"packed_input_ids", "prompt_mask"}

@@ -62,10 +62,11 @@ def test_gpu_example_config_builds(path, tmp_path):
 
 def test_compile_options_reach_the_workers(tmp_path):
     """``actor.compile`` marks the actor's replicas (not the reference), and ``ppo.gen.compile_decode`` reaches
-    the generation MFC's interface arguments."""
+    the generation MFC's interface."""
     from realhf.api.quickstart.entry import load_config
     from realhf.experiments import build_spec, config_class
     from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
+    from realhf.system.model_worker import make_interfaces
 
     model = ensure_tiny_model("qwen2")
     math = tmp_path / "math.jsonl"
@@ -75,5 +76,4 @@ def test_compile_options_reach_the_workers(tmp_path):
         flags = [f"actor.compile={str(on).lower()}", f"ppo.gen.compile_decode={str(on).lower()}"]
         spec = build_spec("ppo-math", load_config(config_class("ppo-math"), [], base + flags))
         assert spec.model("actor").compile is on and spec.model("ref").compile is False
-        gen = next(m for m in spec.mfcs if m.name == "actor_gen")
-        assert gen.interface_args["generation_config"]["compile_decode"] is on
+        assert make_interfaces(spec.mfcs)["actor_gen"].gconfig.compile_decode is on

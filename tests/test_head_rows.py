@@ -44,24 +44,32 @@ def _sample(vocab):
         trailing_shapes={k: () for k in data}, dtypes={k: v.dtype for k, v in data.items()}, data=data)
 
 
-PPO = dict(n_minibatches=1, kl_loss_coef=0.05, entropy_coef=0.01, group_size=2, mask_too_long=True, temperature=0.9)
+TEMPERATURE = 0.9
+GROUP_SIZE = 2
+
+
+def _ppo():
+    from realhf.api.quickstart.ppo_config import PPOHyperparameters, SamplingConfig
+
+    return PPOHyperparameters(ppo_n_minibatches=1, kl_ctl=0.0, kl_loss_coef=0.05, entropy_coef=0.01, mask_too_long=True,
+                              gen=SamplingConfig(temperature=TEMPERATURE))
 
 
 def _reference_step(engine, sample, tp):
     """The actor step computed over every position (the head on all tokens, losses masked)."""
-    from realhf.impl.model.interface.ppo_interface import PPOConfig, _per_token, compute_advantages
+    from realhf.impl.model.interface.ppo_interface import _per_token, compute_advantages
     from realhf.impl.model.utils import ppo_functional as F
     from realhf.impl.model.utils.functional import packed_entropy, packed_logprobs
 
-    cfg = PPOConfig(**PPO)
-    mask, adv, _, _ = compute_advantages(sample, cfg, engine.grid)
+    cfg = _ppo()
+    mask, adv, _, _ = compute_advantages(sample, cfg, engine.grid, use_critic=False, group_size=GROUP_SIZE)
     s = _per_token(sample, {"advantages": adv.float(), "loss_mask": mask})
 
     def loss_fn(out, mb):
-        lp, _ = packed_logprobs(out, mb.data["packed_input_ids"], mb.cu_seqlens("packed_input_ids"), tp, cfg.temperature)
+        lp, _ = packed_logprobs(out, mb.data["packed_input_ids"], mb.cu_seqlens("packed_input_ids"), tp, TEMPERATURE)
         m = mb.data["loss_mask"]
         loss, st = F.actor_loss(lp, mb.data["packed_logprobs"], mb.data["advantages"], cfg.eps_clip, m)
-        loss = loss - cfg.entropy_coef * F.entropy_bonus(packed_entropy(out.float() / cfg.temperature, tp), m)
+        loss = loss - cfg.entropy_coef * F.entropy_bonus(packed_entropy(out.float() / TEMPERATURE, tp), m)
         loss = loss + cfg.kl_loss_coef * F.masked_mean(F.kl_k3(lp, mb.data["packed_ref_logprobs"]), m)
         return loss, {"importance_weight": float(st["importance_weight"]) * float(m.sum()), "n": float(m.sum())}
 
@@ -81,7 +89,7 @@ def _worker(path, dims):
 
     grid = ParallelGrid(ParallelDims(*dims))
     res = {}
-    iface = PPOActorInterface(**PPO)
+    iface = PPOActorInterface(_ppo(), group_size=GROUP_SIZE, use_critic=False, seed=1)
     m = build_from_hf(path, grid=grid)
     start = m.flat.detach().clone()
     sample = _sample(m.config.vocab_size)
@@ -89,7 +97,7 @@ def _worker(path, dims):
     model = Model(name="actor", engine=TrainEngine(m, OptimizerConfig(lr=1e-2), 10), tokenizer=None, grid=grid, path="")
     out = iface.inference(model, sample, MicroBatchSpec(max_tokens_per_mb=20))
     full = model.engine.forward(sample, max_tokens_per_mb=20, post_fn=lambda o, mb: packed_logprobs(
-        o, mb.data["packed_input_ids"], mb.cu_seqlens("packed_input_ids"), m.tp_group, PPO["temperature"])[0])
+        o, mb.data["packed_input_ids"], mb.cu_seqlens("packed_input_ids"), m.tp_group, TEMPERATURE)[0])
     if m.is_last:
         from realhf.impl.model.interface.ppo_interface import answer_loss_mask
 

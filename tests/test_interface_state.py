@@ -38,14 +38,15 @@ def test_value_norm_needs_critic_mfcs_on_one_layout(tmp_path):
 
 def test_critic_state_round_trip():
     from realhf.api.core.model_api import Model
+    from realhf.api.quickstart.ppo_config import PPOHyperparameters
     from realhf.impl.model.interface.ppo_interface import PPOCriticInterface
 
-    a = PPOCriticInterface(value_norm=True)
+    a = PPOCriticInterface(PPOHyperparameters(value_norm=True))
     assert a.state_dict() == {}
     x = torch.tensor([3.0, 5.0, 9.0, 100.0])
     a._normalizer(None).update(x, torch.tensor([True, True, True, False]))
     st = a.state_dict()
-    b = PPOCriticInterface(value_norm=True)
+    b = PPOCriticInterface(PPOHyperparameters(value_norm=True))
     b.load_state_dict(st, Model(name="critic", engine=None, tokenizer=None, grid=None, path=""))
     assert b.state_dict() == st and st["value_normalizer"]["mean"] != 0.0
     assert torch.equal(b.value_normalizer.normalize(x), a.value_normalizer.normalize(x))

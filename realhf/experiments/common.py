@@ -1,10 +1,24 @@
 """Pieces shared by the experiment builders."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from realhf.api.core.system_api import ModelSpec
+from realhf.api.core.system_api import ExperimentSpec, ModelSpec
 from realhf.base.topology import ParallelDims
+
+
+def experiment_spec(cfg, **fields) -> ExperimentSpec:
+    """The ExperimentSpec of ``cfg`` (a ``BaseExperimentConfig``): the options every experiment shares, each
+    ``exp_ctrl`` option into the spec field of the same name, then ``fields`` (models, MFCs, datasets, ...;
+    they win over ``exp_ctrl``)."""
+    ctrl = {f.name: getattr(cfg.exp_ctrl, f.name) for f in dataclasses.fields(cfg.exp_ctrl)}
+    return ExperimentSpec(**{
+        **dict(experiment_name=cfg.experiment_name, trial_name=cfg.trial_name, seed=cfg.seed, log_dir=cfg.log_dir(),
+               save_dir=cfg.ckpt_dir(), recover_dir=cfg.recover_dir(), threads_per_worker=cfg.cpus_per_worker,
+               worker_timeout_secs=cfg.worker_timeout_secs, wandb=cfg.wandb_init_kwargs(),
+               tensorboard_dir=cfg.tensorboard_dir()),
+        **ctrl, **fields})
 
 
 def single_layout(config, mfc_name: str) -> ParallelDims:

@@ -7,12 +7,12 @@ import os
 from typing import List
 
 from realhf.api.core.dfg import MFCDef
-from realhf.api.core.system_api import DatasetSpec, ExperimentSpec, ModelSpec
+from realhf.api.core.system_api import DatasetSpec, ExperimentSpec
 from realhf.api.quickstart.config import GenerationExpConfig
 from realhf.base import logging
 from realhf.base.topology import ProcessTopology
 from realhf.experiments import register_experiment
-from realhf.experiments.common import check_model_fits, single_layout
+from realhf.experiments.common import check_model_fits, experiment_spec, replica_specs, single_layout
 
 logger = logging.getLogger(__name__)
 
@@ -31,26 +31,17 @@ def build_gen(cfg: GenerationExpConfig) -> ExperimentSpec:
     if epoch_steps(n_prompts, cfg.dataset.train_bs_n_seqs, layout.dp, drop_last=False) == 0:
         raise ValueError(f"dataset.path={cfg.dataset.path!r} has {n_prompts} prompts, fewer than the {layout.dp} "
                          f"data-parallel ranks of allocation_mode={cfg.allocation_mode!r} that each need one")
-    n = layout.world_size
     out = cfg.output_path()
-    model = ModelSpec(name="default", path=cfg.model.path, layout=layout, ranks=list(range(n)), dtype=cfg.model.dtype,
-                      compile=cfg.model.compile)
-    gen_args = cfg.gen.interface_args()
+    models = replica_specs("default", {"default": (layout, tuple(range(layout.world_size)))}, cfg.model.path, cfg.model)
     mfc = MFCDef(name="gen", model_name="default", interface_type="generate", interface_impl="generation",
-                 interface_args=dict(generation_config=gen_args, output_file=out + ".part",
-                                     seed=g.seed if g.seed is not None else cfg.seed),
+                 interface_args=dict(gconfig=g, seed=cfg.seed, output_file=out + ".part"),
                  input_keys=("packed_prompts",), output_keys=("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask"),
-                 n_seqs=cfg.dataset.train_bs_n_seqs, mb_spec=cfg.mb_spec.to_spec())
+                 mb_spec=cfg.mb_spec.to_spec())
     ds = DatasetSpec(kind="prompt", args=dict(path=cfg.dataset.path, max_prompt_len=cfg.dataset.max_prompt_len,
                                               use_chat_template=cfg.use_chat_template),
                      batch_size=cfg.dataset.train_bs_n_seqs, holder_model="default", shuffle=False)
-    c = cfg.exp_ctrl
-    return ExperimentSpec(
-        experiment_name=cfg.experiment_name, trial_name=cfg.trial_name, n_workers=n, models=[model], mfcs=[mfc],
-        dataset=ds, total_train_epochs=1, seed=cfg.seed, log_dir=cfg.log_dir(), save_dir=cfg.ckpt_dir(),
-        recover_dir=cfg.recover_dir(), benchmark_steps=c.benchmark_steps, threads_per_worker=cfg.cpus_per_worker,
-        worker_timeout_secs=cfg.worker_timeout_secs, final_hook="gen_merge:" + out, wandb=cfg.wandb_init_kwargs(),
-    )
+    return experiment_spec(cfg, n_workers=layout.world_size, models=models, mfcs=[mfc], dataset=ds, total_train_epochs=1,
+                           final_hook="gen_merge:" + out)
 
 
 def _writer_ranks(spec: ExperimentSpec) -> List[int]:

@@ -105,11 +105,11 @@ def _init_distributed(spec: ExperimentSpec, rank: int, nr) -> Optional[socket.so
 
 def make_interfaces(mfcs) -> Dict[str, object]:
     """One interface object per MFC, shared by the MFCs of one model replica with the same implementation
-    and arguments (e.g. critic_inf and critic_train share the value normaliser that training updates and
-    inference uses)."""
+    and equal arguments (e.g. critic_inf and critic_train share the value normaliser that training updates and
+    inference uses). The arguments are the experiment's config objects (dataclasses), compared by ``repr``."""
     shared, out = {}, {}
     for m in mfcs:
-        key = (str(m.model_name), m.interface_impl, json.dumps(m.interface_args, sort_keys=True, default=str))
+        key = (str(m.model_name), m.interface_impl, repr(sorted(m.interface_args.items())))
         if key not in shared:
             shared[key] = make_interface(m.interface_impl, **m.interface_args)
         out[m.name] = shared[key]

@@ -91,7 +91,12 @@ def _check_remap(mfc: str, which: str, keys: tuple, remap: dict) -> None:
 
 @dataclasses.dataclass
 class MFCDef:
-    """One model function call of the DFG (see the module docstring for key naming)."""
+    """One model function call of the DFG (see the module docstring for key naming).
+
+    ``interface_args`` are the keyword arguments of the registered interface ``interface_impl``: the
+    experiment's typed config objects as the CLI validated them (e.g. ``PPOHyperparameters``), never a
+    hand-copied dict of their fields. Every MFC runs on the whole batch of a step (the dataset's
+    ``batch_size`` prompts); ``mb_spec`` cuts each rank's share into micro-batches."""
 
     name: str
     model_name: ModelName | str
@@ -102,9 +107,7 @@ class MFCDef:
     output_keys: tuple[str, ...] = ()
     input_key_remap: dict[str, str] = dataclasses.field(default_factory=dict)
     output_key_remap: dict[str, str] = dataclasses.field(default_factory=dict)
-    n_seqs: int = 1
     mb_spec: MicroBatchSpec = dataclasses.field(default_factory=MicroBatchSpec)
-    log_return_value: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -136,8 +139,6 @@ class MFCDef:
             setattr(self, f, v)
         _check_remap(self.name, "input", self.input_keys, self.input_key_remap)
         _check_remap(self.name, "output", self.output_keys, self.output_key_remap)
-        if not isinstance(self.n_seqs, int) or isinstance(self.n_seqs, bool) or self.n_seqs < 1:
-            raise ValueError(f"MFC {self.name!r}: n_seqs must be an int >= 1, got {self.n_seqs!r}")
         if not isinstance(self.mb_spec, MicroBatchSpec):
             raise ValueError(f"MFC {self.name!r}: mb_spec must be a MicroBatchSpec, got {self.mb_spec!r}")
 
@@ -294,7 +295,7 @@ class DataflowGraph:
                 src = self._producers.get(k, "dataset")
                 ins.append(f"{k}<-{src}")
             lines.append(
-                f"  {n} [{m.model_name} {m.interface_type.value} {m.interface_impl}, n_seqs={m.n_seqs}]: "
+                f"  {n} [{m.model_name} {m.interface_type.value} {m.interface_impl}]: "
                 f"in({', '.join(ins) or '-'}) out({', '.join(m.buffer_output_keys) or '-'}) "
                 f"children({', '.join(self._children[n]) or '-'})"
             )
@@ -332,8 +333,6 @@ def build_graph(mfcs: list[MFCDef], dataset_keys: Iterable[str]) -> DataflowGrap
     for m in mfcs:
         if not isinstance(m, MFCDef):
             raise ValueError(f"build_graph takes MFCDef objects, got {type(m).__name__}")
-        if m.n_seqs < 1:  # MFCDef checks this too; guard against later mutation
-            raise ValueError(f"MFC {m.name!r}: n_seqs must be >= 1, got {m.n_seqs}")
     producers: dict[str, str] = {}
     for m in mfcs:
         for k in m.buffer_output_keys:

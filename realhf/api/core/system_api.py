@@ -87,6 +87,7 @@ class ExperimentSpec:
     worker_timeout_secs: float = 10.0
     param_realloc: str = "memory"  # memory | disk
     wandb: Optional[Dict[str, Any]] = None  # wandb.init arguments of the master's stats logger (None: off)
+    tensorboard_dir: Optional[str] = None  # TensorBoard event files of the master's stats logger (None: <log_dir>/tensorboard)
     # a hook that runs on the master at the end (e.g. merging generated outputs); name of a function
     # registered by the experiment
     final_hook: Optional[str] = None

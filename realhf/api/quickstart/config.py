@@ -10,16 +10,19 @@ nested dataclasses, lists of primitives); choices are plain strings checked in `
 
 Required strings (model and dataset paths) default to ``""`` so that sections can be built with
 defaults; the experiment config that needs them says so when they are empty.
+
+Every option is read by the code it is for: an experiment has only the options it uses (``gen`` has no
+checkpoint or evaluation options), and ``tests/test_option_reach.py`` sets each option of each experiment
+to a non-default value and checks that the value arrives where it is used. The sampling and PPO sections
+live in :mod:`realhf.api.quickstart.ppo_config` (re-exported here).
 """
 import dataclasses
-import math
 import os
 import re
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 from realhf.api.core.config import OptimizerConfig, check_finite
 from realhf.api.core.dfg import MicroBatchSpec
-from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.quickstart.allocation import (
     AllocationError,
     AllocationMode,
@@ -28,6 +31,8 @@ from realhf.api.quickstart.allocation import (
     parse_device_mesh,
 )
 from realhf.api.quickstart.eval_config import EvaluatorConfig
+from realhf.api.quickstart.options import check_choice, check_int, check_number, option
+from realhf.api.quickstart.ppo_config import GenConfig, PPOHyperparameters, SamplingConfig  # noqa: F401 (re-exported)
 from realhf.base import logging
 from realhf.base.topology import ParallelDims
 
@@ -41,43 +46,11 @@ DTYPES = ("float32", "bfloat16")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
-def _field(default=dataclasses.MISSING, help: str = "", factory=dataclasses.MISSING):
-    if factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=factory, metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
 def _default_fileroot() -> str:
     return os.environ.get("REALHF_FILEROOT") or os.path.join("~", ".cache", "realhf", "experiments")
 
 
-# ----------------------------------------------------------------------------- value checks
-def _choice(key: str, value, allowed: Sequence) -> None:
-    if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
-
-
-def _int_at_least(key: str, value, lo: int, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        none = " or null (never)" if optional else ""
-        raise ValueError(f"{key}={value!r} is not allowed; expected an integer >= {lo}{none}")
-
-
-def _num_in(key: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and lo is not None:
-        ok = value > lo if lo_open else value >= lo
-    if ok and hi is not None:
-        ok = value < hi if hi_open else value <= hi
-    if not ok:
-        lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo}"
-        hi_s = "" if hi is None else f"{'<' if hi_open else '<='} {hi}"
-        rng = " and ".join(x for x in (lo_s, hi_s) if x)
-        raise ValueError(f"{key}={value!r} is not allowed; expected a finite number {rng}".rstrip())
-
-
+# ----------------------------------------------------------------------------- path checks
 def _require_dir(key: str, path: str, what: str) -> None:
     if not path:
         raise ValueError(f"{key} is required: set {key}=<path to {what}>")
@@ -97,204 +70,184 @@ def _require_file(key: str, path: Optional[str], what: str, optional: bool = Fal
 
 # ----------------------------------------------------------------------------- sections
 @dataclasses.dataclass
-class ExperimentSaveEvalControl:
-    """When to stop, save, checkpoint for recovery and evaluate. ``null`` frequencies mean never;
-    several frequencies of one kind trigger on whichever comes first."""
+class RunControl:
+    """When to stop early. Every ``exp_ctrl`` option is the :class:`~realhf.api.core.system_api.ExperimentSpec`
+    field of the same name. ``null`` frequencies mean never; several frequencies of one kind trigger on
+    whichever comes first."""
 
-    total_train_epochs: int = _field(1, "number of passes over the training data")
-    save_freq_epochs: Optional[int] = _field(None, "save a HF checkpoint every N epochs (null = never)")
-    save_freq_steps: Optional[int] = _field(None, "save a HF checkpoint every N steps (null = never)")
-    save_freq_secs: Optional[int] = _field(None, "save a HF checkpoint every N seconds (null = never)")
-    ckpt_freq_epochs: Optional[int] = _field(None, "write a recover checkpoint every N epochs (null = never)")
-    ckpt_freq_steps: Optional[int] = _field(None, "write a recover checkpoint every N steps (null = never)")
-    ckpt_freq_secs: Optional[int] = _field(None, "write a recover checkpoint every N seconds (null = never)")
-    eval_freq_epochs: Optional[int] = _field(None, "evaluate every N epochs (null = never)")
-    eval_freq_steps: Optional[int] = _field(None, "evaluate every N steps (null = never)")
-    benchmark_steps: Optional[int] = _field(None, "stop after N steps, e.g. for benchmarking (null = run all epochs)")
+    benchmark_steps: Optional[int] = option(None, "stop after N steps, e.g. for benchmarking (null = run all epochs)")
 
     def __post_init__(self):
-        _int_at_least("total_train_epochs", self.total_train_epochs, 1)
         for f in dataclasses.fields(self):
-            if f.name != "total_train_epochs":
-                _int_at_least(f.name, getattr(self, f.name), 1, optional=True)
+            if f.name == "total_train_epochs":
+                check_int(f.name, self.total_train_epochs, 1)
+            else:
+                check_int(f.name, getattr(self, f.name), 1, optional=True)
+
+
+@dataclasses.dataclass
+class ExperimentSaveControl(RunControl):
+    """When a training run stops, saves and checkpoints for recovery."""
+
+    total_train_epochs: int = option(1, "number of passes over the training data")
+    save_freq_epochs: Optional[int] = option(None, "save a HF checkpoint every N epochs (null = never)")
+    save_freq_steps: Optional[int] = option(None, "save a HF checkpoint every N steps (null = never)")
+    save_freq_secs: Optional[int] = option(None, "save a HF checkpoint every N seconds (null = never)")
+    ckpt_freq_epochs: Optional[int] = option(None, "write a recover checkpoint every N epochs (null = never)")
+    ckpt_freq_steps: Optional[int] = option(None, "write a recover checkpoint every N steps (null = never)")
+    ckpt_freq_secs: Optional[int] = option(None, "write a recover checkpoint every N seconds (null = never)")
+
+
+@dataclasses.dataclass
+class ExperimentSaveEvalControl(ExperimentSaveControl):
+    """When a training run with a validation set stops, saves, checkpoints for recovery and evaluates."""
+
+    eval_freq_epochs: Optional[int] = option(None, "evaluate on the validation set every N epochs (null = every "
+                                                   "epoch when there is a validation set)")
+    eval_freq_steps: Optional[int] = option(None, "evaluate on the validation set every N steps (null = never)")
 
 
 @dataclasses.dataclass
 class WandBConfig:
     """Weights & Biases logging."""
 
-    mode: str = _field("disabled", "disabled | offline | online")
-    entity: Optional[str] = _field(None, "wandb entity (team or user)")
-    project: Optional[str] = _field(None, "wandb project (default: the experiment name)")
-    name: Optional[str] = _field(None, "run name (default: the trial name)")
-    group: Optional[str] = _field(None, "run group")
-    job_type: Optional[str] = _field(None, "job type")
-    notes: Optional[str] = _field(None, "free-text notes")
-    tags: Optional[List[str]] = _field(None, "list of run tags")
+    mode: str = option("disabled", "disabled | offline | online")
+    entity: Optional[str] = option(None, "wandb entity (team or user)")
+    project: Optional[str] = option(None, "wandb project (default: the experiment name)")
+    name: Optional[str] = option(None, "run name (default: the trial name)")
+    group: Optional[str] = option(None, "run group")
+    job_type: Optional[str] = option(None, "job type")
+    notes: Optional[str] = option(None, "free-text notes")
+    tags: Optional[List[str]] = option(None, "list of run tags")
 
     def __post_init__(self):
-        _choice("mode", self.mode, WANDB_MODES)
+        check_choice("mode", self.mode, WANDB_MODES)
 
 
 @dataclasses.dataclass
 class TensorBoardConfig:
     """TensorBoard logging."""
 
-    path: Optional[str] = _field(None, "folder for TensorBoard event files (null = no TensorBoard)")
+    path: Optional[str] = option(None, "folder for TensorBoard event files (null = <run dir>/logs/tensorboard)")
 
 
 @dataclasses.dataclass
 class MicroBatchConfig:
     """How one MFC cuts its per-rank batch into micro-batches (see ``MicroBatchSpec``)."""
 
-    n_mbs: int = _field(1, "minimum number of micro-batches per rank")
-    max_tokens_per_mb: int = _field(2**31 - 1, "maximum tokens in one micro-batch (a longer single sample goes alone)")
+    n_mbs: int = option(1, "minimum number of micro-batches per rank")
+    max_tokens_per_mb: int = option(2**31 - 1, "maximum tokens in one micro-batch (a longer single sample goes alone)")
 
     def __post_init__(self):
-        _int_at_least("n_mbs", self.n_mbs, 1)
-        _int_at_least("max_tokens_per_mb", self.max_tokens_per_mb, 1)
+        check_int("n_mbs", self.n_mbs, 1)
+        check_int("max_tokens_per_mb", self.max_tokens_per_mb, 1)
 
     def to_spec(self) -> MicroBatchSpec:
         return MicroBatchSpec(n_mbs=self.n_mbs, max_tokens_per_mb=self.max_tokens_per_mb)
 
 
 @dataclasses.dataclass
-class MFCConfig:
-    """Per-MFC execution options."""
+class MFCPlacement:
+    """Where one MFC runs under ``allocation_mode=manual``."""
 
-    mb_spec: MicroBatchConfig = _field(help="micro-batching of this MFC", factory=MicroBatchConfig)
-    device_mesh: str = _field("", "allocation_mode=manual: this MFC's devices, e.g. 'localhost:0,1', 'node01:0-3' "
+    device_mesh: str = option("", "allocation_mode=manual: this MFC's devices, e.g. 'localhost:0,1', 'node01:0-3' "
                                   "or 'node01;node02' (ids are worker slots on CPU)")
-    parallel: str = _field("", "allocation_mode=manual: this MFC's layout on its mesh, e.g. d2m1p1")
+    parallel: str = option("", "allocation_mode=manual: this MFC's layout on its mesh, e.g. d2m1p1")
+
+
+@dataclasses.dataclass
+class MFCConfig(MFCPlacement):
+    """Where one MFC of a model runs and how it cuts its batch into micro-batches."""
+
+    mb_spec: MicroBatchConfig = option(help="micro-batching of this MFC", factory=MicroBatchConfig)
 
 
 @dataclasses.dataclass
 class ModelConfig:
     """A model loaded from a Hugging Face folder."""
 
-    path: str = _field("", "Hugging Face model folder (config.json + safetensors + tokenizer)")
-    dtype: str = _field("float32", "parameter dtype: float32 (CPU) | bfloat16 (GPU)")
-    offload: bool = _field(False, "keep this model's inference-only replicas (the reference model, the actor's "
+    path: str = option("", "Hugging Face model folder (config.json + safetensors + tokenizer)")
+    dtype: str = option("float32", "parameter dtype: float32 (CPU) | bfloat16 (GPU)")
+    offload: bool = option(False, "keep this model's inference-only replicas (the reference model, the actor's "
                                   "generation layout) in host memory between their calls, freeing GPU memory")
-    compile: bool = _field(False, "run the transformer blocks' parts around attention (norms, projections, "
+    compile: bool = option(False, "run the transformer blocks' parts around attention (norms, projections, "
                                   "rotary, MLP) as torch.compile graphs in forward and backward passes (tp = 1; "
                                   "faster for small models, at a compile cost of seconds once per worker)")
 
     def __post_init__(self):
-        _choice("dtype", self.dtype, DTYPES)
+        check_choice("dtype", self.dtype, DTYPES)
 
 
 @dataclasses.dataclass
 class ModelTrainEvalConfig(ModelConfig):
     """A model that is trained (and evaluated)."""
 
-    optimizer: OptimizerConfig = _field(help="optimizer and learning-rate schedule", factory=OptimizerConfig)
-    is_critic: bool = _field(False, "load with a value head [hidden -> 1] instead of the LM head")
+    optimizer: OptimizerConfig = option(help="optimizer and learning-rate schedule", factory=OptimizerConfig)
 
 
 @dataclasses.dataclass
 class PromptAnswerDatasetConfig:
     """JSONL rows ``{"prompt": str, "answer": str}`` for supervised fine-tuning."""
 
-    train_path: str = _field("", "training JSONL file")
-    valid_path: Optional[str] = _field(None, "validation JSONL file (null = no validation)")
-    max_seqlen: int = _field(1024, "prompt + answer tokens are truncated to this length")
-    train_bs_n_seqs: int = _field(16, "sequences per training step (global, over all data-parallel ranks)")
-    valid_bs_n_seqs: int = _field(16, "sequences per validation batch (global)")
-    fill_to_max_length: bool = _field(False, "pad every sequence to max_seqlen (for benchmarking memory)")
+    train_path: str = option("", "training JSONL file")
+    valid_path: Optional[str] = option(None, "validation JSONL file (null = no validation)")
+    max_seqlen: int = option(1024, "prompt + answer tokens are truncated to this length")
+    train_bs_n_seqs: int = option(16, "sequences per training step (global, over all data-parallel ranks)")
+    valid_bs_n_seqs: int = option(16, "sequences per validation batch (global)")
 
     def __post_init__(self):
-        _int_at_least("max_seqlen", self.max_seqlen, 2)
-        _int_at_least("train_bs_n_seqs", self.train_bs_n_seqs, 1)
-        _int_at_least("valid_bs_n_seqs", self.valid_bs_n_seqs, 1)
+        check_int("max_seqlen", self.max_seqlen, 2)
+        check_int("train_bs_n_seqs", self.train_bs_n_seqs, 1)
+        check_int("valid_bs_n_seqs", self.valid_bs_n_seqs, 1)
 
 
 @dataclasses.dataclass
 class PromptOnlyDatasetConfig:
     """JSONL rows with a ``prompt`` (and for math, ``query_id`` + ``solutions``)."""
 
-    path: str = _field("", "prompt JSONL file")
-    max_prompt_len: int = _field(256, "prompts longer than this many tokens are skipped (with a warning)")
-    train_bs_n_seqs: int = _field(16, "prompts per step (global, over all data-parallel ranks)")
+    path: str = option("", "prompt JSONL file")
+    max_prompt_len: int = option(256, "prompts longer than this many tokens are skipped (with a warning)")
+    train_bs_n_seqs: int = option(16, "prompts per step (global, over all data-parallel ranks)")
 
     def __post_init__(self):
-        _int_at_least("max_prompt_len", self.max_prompt_len, 1)
-        _int_at_least("train_bs_n_seqs", self.train_bs_n_seqs, 1)
-
-
-@dataclasses.dataclass
-class GenConfig:
-    """Sampling options; mirrors ``GenerationHyperparameters``."""
-
-    max_new_tokens: int = _field(256, "maximum generated tokens per answer")
-    min_new_tokens: int = _field(0, "minimum generated tokens before EOS may be sampled")
-    greedy: bool = _field(False, "greedy decoding instead of sampling")
-    temperature: float = _field(1.0, "sampling temperature (> 0 unless greedy)")
-    top_p: float = _field(1.0, "nucleus sampling probability mass, in (0, 1]")
-    top_k: int = _field(0, "sample among the k most likely tokens (0 = no limit)")
-    n: int = _field(1, "samples per prompt")
-    stop_token_ids: List[int] = _field(help="extra token ids that end an answer (EOS always does)", factory=list)
-    seed: Optional[int] = _field(None, "sampling seed (null = derived from the experiment seed)")
-    compile_decode: bool = _field(
-        False, "compile the decode step with torch.compile (single-stage tp=1 generation; faster for small "
-        "models, at a compile cost of seconds to minutes once per run)")
-
-    def __post_init__(self):
-        self.to_hyperparameters()  # its checks name the fields
-
-    def to_hyperparameters(self) -> GenerationHyperparameters:
-        return GenerationHyperparameters(
-            max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens, greedy=self.greedy,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            stop_token_ids=tuple(self.stop_token_ids), n=self.n, seed=self.seed, compile_decode=self.compile_decode,
-        )
-
-    def interface_args(self, **override) -> dict:
-        """The ``generation_config`` of a generating interface (everything but the seed, which the interface
-        takes separately), with ``override`` applied."""
-        g = dataclasses.asdict(self.to_hyperparameters())
-        g.pop("seed")
-        g["stop_token_ids"] = list(g["stop_token_ids"])
-        g.update(override)
-        return g
+        check_int("max_prompt_len", self.max_prompt_len, 1)
+        check_int("train_bs_n_seqs", self.train_bs_n_seqs, 1)
 
 
 # ----------------------------------------------------------------------------- experiments
+def _auto_eval_option():
+    return option(help="evaluate each saved checkpoint in the background (evaluation/) and log <dataset>/<metric> to "
+                       "stats.jsonl and TensorBoard", factory=EvaluatorConfig)
+
+
 @dataclasses.dataclass
 class BaseExperimentConfig:
     """Options shared by every quickstart experiment."""
 
-    experiment_name: str = _field("quickstart", "experiment name (letters, digits, '_', '-', '.')")
-    trial_name: str = _field("trial0", "trial name; one experiment may have several trials")
-    mode: str = _field("local", "launcher: local (processes on this machine) | ray (a Ray cluster; pip install "
+    experiment_name: str = option("quickstart", "experiment name (letters, digits, '_', '-', '.')")
+    trial_name: str = option("trial0", "trial name; one experiment may have several trials")
+    mode: str = option("local", "launcher: local (processes on this machine) | ray (a Ray cluster; pip install "
                                 "'realhf[ray]') | slurm (not implemented)")
-    ray_address: str = _field("", "mode=ray: the Ray cluster to join ('auto', or host:port of its head); empty "
+    ray_address: str = option("", "mode=ray: the Ray cluster to join ('auto', or host:port of its head); empty "
                                   "starts a Ray instance on this machine for the run")
-    ray_gpus_per_worker: float = _field(0.0, "mode=ray: GPUs each model worker reserves (1 on GPU clusters)")
-    fileroot: str = _field(help="root folder of logs and checkpoints (default $REALHF_FILEROOT or "
+    ray_gpus_per_worker: float = option(0.0, "mode=ray: GPUs each model worker reserves (1 on GPU clusters)")
+    fileroot: str = option(help="root folder of logs and checkpoints (default $REALHF_FILEROOT or "
                                 "~/.cache/realhf/experiments)", factory=_default_fileroot)
-    seed: int = _field(1, "random seed")
-    recover_mode: str = _field("disabled", "disabled (start afresh) | auto (resume the recover checkpoint of this run, "
+    seed: int = option(1, "random seed")
+    recover_mode: str = option("disabled", "disabled (start afresh) | auto (resume the recover checkpoint of this run, "
                                            "if any: written with the same options, not finished; relaunch after a "
                                            "failure) | resume (such a checkpoint must exist); a fresh start moves an "
                                            "earlier recover/ folder aside to recover.stale-<time>/")
-    recover_retries: int = _field(1, "times to relaunch after a failure when recover_mode is auto")
-    n_nodes: int = _field(1, "number of nodes")
-    n_devices_per_node: int = _field(1, "devices per node: GPUs, or model worker processes on CPU")
-    cpus_per_worker: int = _field(1, "CPU threads of each worker process")
-    allocation_mode: str = _field("d1m1p1", "device allocation and parallel layouts, e.g. d2m1p1, "
+    recover_retries: int = option(1, "times to relaunch after a failure when recover_mode is auto")
+    n_nodes: int = option(1, "number of nodes")
+    n_devices_per_node: int = option(1, "devices per node: GPUs, or model worker processes on CPU")
+    cpus_per_worker: int = option(1, "CPU threads of each worker process")
+    allocation_mode: str = option("d1m1p1", "device allocation and parallel layouts, e.g. d2m1p1, "
                                             "'actor_gen:d2m1p1,*:d1m2p1', 'vllm.d2m1p1+d2m1p1', manual, heuristic")
-    worker_timeout_secs: float = _field(10.0, "seconds without a heartbeat before a worker is declared lost (and before "
+    worker_timeout_secs: float = option(10.0, "seconds without a heartbeat before a worker is declared lost (and before "
                                               "the workers end a run whose master stopped sending heartbeats)")
-    param_realloc: str = _field("memory", "how parameters move between the layouts of one model (e.g. actor_train -> "
-                                          "actor_gen): memory (point-to-point between the workers) | disk "
-                                          "(through a checkpoint; for device sets that share no communicator)")
-    exp_ctrl: ExperimentSaveEvalControl = _field(help="stopping, saving, recover checkpoints, evaluation",
-                                                 factory=ExperimentSaveEvalControl)
-    wandb: WandBConfig = _field(help="Weights & Biases logging", factory=WandBConfig)
-    tensorboard: TensorBoardConfig = _field(help="TensorBoard logging", factory=TensorBoardConfig)
-    auto_eval: EvaluatorConfig = _field(help="evaluate each saved checkpoint in the background (evaluation/) and log "
-                                             "<dataset>/<metric> to stats.jsonl and TensorBoard", factory=EvaluatorConfig)
+    wandb: WandBConfig = option(help="Weights & Biases logging", factory=WandBConfig)
+    tensorboard: TensorBoardConfig = option(help="TensorBoard logging", factory=TensorBoardConfig)
 
     def __post_init__(self):
         for key in ("experiment_name", "trial_name"):
@@ -303,18 +256,17 @@ class BaseExperimentConfig:
                 raise ValueError(f"{key}={v!r} is not allowed; use letters, digits, '_', '-' and '.', "
                                  "starting with a letter or digit")
         check_finite(self)  # every float option of every section, including ones added later
-        _choice("mode", self.mode, MODES)
-        _num_in("ray_gpus_per_worker", self.ray_gpus_per_worker, lo=0)
-        _choice("recover_mode", self.recover_mode, RECOVER_MODES)
-        _choice("param_realloc", self.param_realloc, ("memory", "disk"))
+        check_choice("mode", self.mode, MODES)
+        check_number("ray_gpus_per_worker", self.ray_gpus_per_worker, lo=0)
+        check_choice("recover_mode", self.recover_mode, RECOVER_MODES)
         if not self.fileroot:
             raise ValueError("fileroot is empty; set fileroot=<folder for logs and checkpoints>")
-        _int_at_least("seed", self.seed, 0)
-        _int_at_least("recover_retries", self.recover_retries, 0)
-        _int_at_least("n_nodes", self.n_nodes, 1)
-        _int_at_least("n_devices_per_node", self.n_devices_per_node, 1)
-        _int_at_least("cpus_per_worker", self.cpus_per_worker, 1)
-        _num_in("worker_timeout_secs", self.worker_timeout_secs, lo=0, lo_open=True)
+        check_int("seed", self.seed, 0)
+        check_int("recover_retries", self.recover_retries, 0)
+        check_int("n_nodes", self.n_nodes, 1)
+        check_int("n_devices_per_node", self.n_devices_per_node, 1)
+        check_int("cpus_per_worker", self.cpus_per_worker, 1)
+        check_number("worker_timeout_secs", self.worker_timeout_secs, lo=0, lo_open=True)
         self.allocation()  # validates the grammar, MFC names and device counts
 
     # --------------------------------------------------------------- derived values
@@ -371,7 +323,7 @@ class BaseExperimentConfig:
         """The MFC's data-parallel size, or None where a manual allocation does not give its layout (yet)."""
         if self.allocation().kind == "manual":
             mc = getattr(self, mfc_name, None)
-            if not (isinstance(mc, MFCConfig) and mc.parallel):
+            if not (isinstance(mc, MFCPlacement) and mc.parallel):
                 return None
         return self.mfc_allocation(mfc_name)[0].dp
 
@@ -383,7 +335,7 @@ class BaseExperimentConfig:
         mode = self.allocation()
         if mode.kind == "manual":
             mc = getattr(self, mfc_name, None)
-            if not isinstance(mc, MFCConfig):
+            if not isinstance(mc, MFCPlacement):
                 raise ValueError(f"allocation_mode=manual is not supported for MFC {mfc_name!r} of this experiment")
             if not mc.device_mesh or not mc.parallel:
                 raise ValueError(f"allocation_mode=manual needs {mfc_name}.device_mesh (e.g. 'localhost:0,1') and "
@@ -431,6 +383,11 @@ class BaseExperimentConfig:
                   tags=list(w.tags) if w.tags else None, dir=self.log_dir())
         return {k: v for k, v in kw.items() if v is not None}
 
+    def tensorboard_dir(self) -> str:
+        """The folder of the TensorBoard event files (``tensorboard.path``, by default under the logs)."""
+        p = self.tensorboard.path
+        return os.path.abspath(os.path.expanduser(p)) if p else os.path.join(self.log_dir(), "tensorboard")
+
     def run_dir(self) -> str:
         return os.path.join(os.path.abspath(os.path.expanduser(self.fileroot)), self.experiment_name, self.trial_name)
 
@@ -450,18 +407,27 @@ class SFTConfig(BaseExperimentConfig):
 
     MFC_NAMES = ("trainDefault",)
 
-    model: ModelTrainEvalConfig = _field(help="the model to fine-tune", factory=ModelTrainEvalConfig)
-    dataset: PromptAnswerDatasetConfig = _field(help="training and validation data", factory=PromptAnswerDatasetConfig)
-    mb_spec: MicroBatchConfig = _field(help="micro-batching of the training step", factory=MicroBatchConfig)
+    exp_ctrl: ExperimentSaveEvalControl = option(help="stopping, saving, recover checkpoints, evaluation",
+                                                 factory=ExperimentSaveEvalControl)
+    auto_eval: EvaluatorConfig = _auto_eval_option()
+    model: ModelTrainEvalConfig = option(help="the model to fine-tune", factory=ModelTrainEvalConfig)
+    dataset: PromptAnswerDatasetConfig = option(help="training and validation data", factory=PromptAnswerDatasetConfig)
+    mb_spec: MicroBatchConfig = option(help="micro-batching of the training step", factory=MicroBatchConfig)
 
     def __post_init__(self):
         super().__post_init__()
         _require_dir("model.path", self.model.path, "a Hugging Face model folder")
-        if self.model.is_critic:
-            raise ValueError("model.is_critic=True is not allowed for SFT; it trains a language model head")
+        if self.model.offload:
+            raise ValueError("model.offload=True is not allowed for sft: only inference-only replicas are offloaded, "
+                             "and the model trains at every step; set model.offload=false")
         _require_file("dataset.train_path", self.dataset.train_path, "a JSONL file of {prompt, answer} rows")
         _require_file("dataset.valid_path", self.dataset.valid_path, "a JSONL file of {prompt, answer} rows",
                       optional=True)
+        for key in ("eval_freq_epochs", "eval_freq_steps"):
+            v = getattr(self.exp_ctrl, key)
+            if v is not None and self.dataset.valid_path is None:
+                raise ValueError(f"exp_ctrl.{key}={v} needs a validation set to evaluate on: set dataset.valid_path, "
+                                 f"or leave exp_ctrl.{key} null")
         self._check_bs("dataset.train_bs_n_seqs", self.dataset.train_bs_n_seqs, "trainDefault")
         if self.dataset.valid_path is not None:
             self._check_bs("dataset.valid_bs_n_seqs", self.dataset.valid_bs_n_seqs, "trainDefault")
@@ -476,12 +442,14 @@ class GenerationExpConfig(BaseExperimentConfig):
 
     MFC_NAMES = ("gen",)
 
-    model: ModelConfig = _field(help="the model that generates", factory=ModelConfig)
-    dataset: PromptOnlyDatasetConfig = _field(help="prompts", factory=PromptOnlyDatasetConfig)
-    gen: GenConfig = _field(help="sampling options", factory=GenConfig)
-    mb_spec: MicroBatchConfig = _field(help="micro-batching of generation", factory=MicroBatchConfig)
-    output_file: Optional[str] = _field(None, "output JSONL (null = <log_dir>/generated.jsonl)")
-    use_chat_template: bool = _field(True, "wrap each prompt in the tokenizer's chat template")
+    exp_ctrl: RunControl = option(help="stopping early (gen saves no checkpoints)", factory=RunControl)
+    model: ModelConfig = option(help="the model that generates", factory=ModelConfig)
+    dataset: PromptOnlyDatasetConfig = option(help="prompts", factory=PromptOnlyDatasetConfig)
+    gen: GenConfig = option(help="sampling options", factory=GenConfig)
+    mb_spec: MicroBatchConfig = option(help="micro-batching of generation (max_tokens_per_mb counts prompt tokens)",
+                                       factory=MicroBatchConfig)
+    output_file: Optional[str] = option(None, "output JSONL (null = <log_dir>/generated.jsonl)")
+    use_chat_template: bool = option(True, "wrap each prompt in the tokenizer's chat template")
 
     def __post_init__(self):
         super().__post_init__()
@@ -497,94 +465,57 @@ class GenerationExpConfig(BaseExperimentConfig):
 
 
 @dataclasses.dataclass
-class PPOHyperparameters:
-    """PPO / GRPO algorithm options."""
-
-    gen: GenConfig = _field(help="sampling options of actor_gen", factory=GenConfig)
-    ppo_n_minibatches: int = _field(4, "PPO minibatches (optimizer steps) per training step")
-    kl_ctl: float = _field(0.1, "coefficient of the KL penalty added to the reward (0 = none)")
-    kl_loss_coef: float = _field(0.0, "coefficient of KL(actor || ref) as a loss term (0 = none)")
-    discount: float = _field(1.0, "reward discount factor gamma, in [0, 1]")
-    gae_lambda: float = _field(1.0, "GAE lambda, in [0, 1]")
-    eps_clip: float = _field(0.2, "PPO ratio clip epsilon (> 0)")
-    c_clip: Optional[float] = _field(None, "dual-clip constant (> 1; null = no dual clip)")
-    value_eps_clip: float = _field(0.2, "value clip epsilon (> 0)")
-    max_reward_clip: float = _field(20.0, "rewards are clipped to [-max_reward_clip, max_reward_clip]")
-    reward_output_scaling: float = _field(1.0, "reward = (raw + reward_output_bias) * reward_output_scaling")
-    reward_output_bias: float = _field(0.0, "added to the raw reward before scaling")
-    value_norm: bool = _field(True, "normalise value targets with running statistics")
-    entropy_coef: float = _field(0.0, "entropy bonus coefficient (>= 0)")
-    mask_too_long: bool = _field(False, "drop answers cut at max_new_tokens from the loss")
-    adv_norm: bool = _field(True, "normalise advantages over the batch")
-    group_adv_norm: bool = _field(False, "normalise advantages within each prompt's group (GRPO)")
-
-    def __post_init__(self):
-        _int_at_least("ppo_n_minibatches", self.ppo_n_minibatches, 1)
-        _num_in("kl_ctl", self.kl_ctl, lo=0)
-        _num_in("kl_loss_coef", self.kl_loss_coef, lo=0)
-        _num_in("discount", self.discount, lo=0, hi=1)
-        _num_in("gae_lambda", self.gae_lambda, lo=0, hi=1)
-        _num_in("eps_clip", self.eps_clip, lo=0, lo_open=True)
-        if self.c_clip is not None:
-            _num_in("c_clip", self.c_clip, lo=1, lo_open=True)
-        _num_in("value_eps_clip", self.value_eps_clip, lo=0, lo_open=True)
-        _num_in("max_reward_clip", self.max_reward_clip, lo=0, lo_open=True)
-        _num_in("reward_output_scaling", self.reward_output_scaling)
-        _num_in("reward_output_bias", self.reward_output_bias)
-        _num_in("entropy_coef", self.entropy_coef, lo=0)
-
-
-@dataclasses.dataclass
 class PPOMathConfig(BaseExperimentConfig):
     """PPO (or GRPO with use_critic=false) on math prompts with a rule-based correctness reward."""
 
-    actor: ModelTrainEvalConfig = _field(help="the policy", factory=ModelTrainEvalConfig)
-    critic: ModelTrainEvalConfig = _field(help="the value model (path '' = initialise from actor.path)",
-                                          factory=lambda: ModelTrainEvalConfig(is_critic=True))
-    ref: ModelConfig = _field(help="the KL reference model (path '' = actor.path)", factory=ModelConfig)
-    use_critic: bool = _field(True, "train a critic (PPO with GAE); false = critic-free (GRPO-style)")
-    dataset: PromptOnlyDatasetConfig = _field(help="math prompts {query_id, prompt, solutions}",
+    param_realloc: str = option("memory", "how parameters move between the layouts of one model (e.g. actor_train -> "
+                                          "actor_gen): memory (point-to-point between the workers) | disk "
+                                          "(through a checkpoint; for device sets that share no communicator)")
+    exp_ctrl: ExperimentSaveControl = option(help="stopping, saving, recover checkpoints",
+                                             factory=ExperimentSaveControl)
+    auto_eval: EvaluatorConfig = _auto_eval_option()
+    actor: ModelTrainEvalConfig = option(help="the policy", factory=ModelTrainEvalConfig)
+    critic: ModelTrainEvalConfig = option(help="the value model, loaded with a value head [hidden -> 1] instead of the "
+                                               "LM head (path '' = initialise from actor.path)",
+                                          factory=ModelTrainEvalConfig)
+    ref: ModelConfig = option(help="the KL reference model (path '' = actor.path)", factory=ModelConfig)
+    use_critic: bool = option(True, "train a critic (PPO with GAE); false = critic-free (GRPO-style)")
+    dataset: PromptOnlyDatasetConfig = option(help="math prompts {query_id, prompt, solutions}",
                                               factory=PromptOnlyDatasetConfig)
-    use_chat_template: bool = _field(True, "wrap each prompt in the tokenizer's chat template")
-    prompt_template: str = _field("{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+    use_chat_template: bool = option(True, "wrap each prompt in the tokenizer's chat template")
+    prompt_template: str = option("{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
                                   "text around each prompt before the chat template; '{prompt}' is replaced")
-    reward_allow_last_number: bool = _field(False, "grade the last number of an answer when it has no \\boxed{} "
+    reward_allow_last_number: bool = option(False, "grade the last number of an answer when it has no \\boxed{} "
                                                    "or 'The answer is' (a lenient format for small models)")
-    group_size: int = _field(1, "answers generated per prompt")
-    ppo: PPOHyperparameters = _field(help="PPO hyperparameters", factory=PPOHyperparameters)
-    actor_gen: MFCConfig = _field(help="actor generation MFC", factory=MFCConfig)
-    actor_train: MFCConfig = _field(help="actor training MFC", factory=MFCConfig)
-    ref_inf: MFCConfig = _field(help="reference log-prob MFC", factory=MFCConfig)
-    rew_inf: MFCConfig = _field(help="reward MFC", factory=MFCConfig)
-    critic_inf: MFCConfig = _field(help="critic value MFC", factory=MFCConfig)
-    critic_train: MFCConfig = _field(help="critic training MFC", factory=MFCConfig)
-    correct_reward: float = _field(5.0, "reward of a correct final answer")
-    wrong_reward: float = _field(-5.0, "reward of a wrong or missing final answer")
-    reward_timeout_secs: float = _field(5.0, "time limit of grading one answer (a timeout counts as wrong)")
+    group_size: int = option(1, "answers generated per prompt")
+    ppo: PPOHyperparameters = option(help="PPO hyperparameters", factory=PPOHyperparameters)
+    actor_gen: MFCConfig = option(help="actor generation MFC", factory=MFCConfig)
+    actor_train: MFCConfig = option(help="actor training MFC", factory=MFCConfig)
+    ref_inf: MFCConfig = option(help="reference log-prob MFC", factory=MFCConfig)
+    rew_inf: MFCPlacement = option(help="reward MFC (rule-based: grades whole batches, no micro-batches)",
+                                   factory=MFCPlacement)
+    critic_inf: MFCConfig = option(help="critic value MFC", factory=MFCConfig)
+    critic_train: MFCConfig = option(help="critic training MFC", factory=MFCConfig)
+    correct_reward: float = option(5.0, "reward of a correct final answer")
+    wrong_reward: float = option(-5.0, "reward of a wrong or missing final answer")
+    reward_timeout_secs: float = option(5.0, "time limit of grading one answer (a timeout counts as wrong)")
 
     def __post_init__(self):
         super().__post_init__()
+        check_choice("param_realloc", self.param_realloc, ("memory", "disk"))
         _require_dir("actor.path", self.actor.path, "a Hugging Face model folder")
-        if self.actor.is_critic:
-            raise ValueError("actor.is_critic=True is not allowed; the actor needs its language model head")
-        if self.use_critic:
-            if not self.critic.is_critic:
-                raise ValueError("critic.is_critic=False is not allowed; the critic needs a value head")
-            if self.critic.path:
-                _require_dir("critic.path", self.critic.path, "a Hugging Face model folder")
+        if self.use_critic and self.critic.path:
+            _require_dir("critic.path", self.critic.path, "a Hugging Face model folder")
         if self.use_ref() and self.ref.path:
             _require_dir("ref.path", self.ref.path, "a Hugging Face model folder")
         _require_file("dataset.path", self.dataset.path, "a JSONL file of {query_id, prompt, solutions} rows")
-        _int_at_least("group_size", self.group_size, 1)
-        if self.ppo.gen.n not in (1, self.group_size):
-            raise ValueError(f"ppo.gen.n={self.ppo.gen.n} conflicts with group_size={self.group_size}; "
-                             "group_size sets the answers per prompt, leave ppo.gen.n at 1 or set it equal")
+        check_int("group_size", self.group_size, 1)
         if self.ppo.group_adv_norm and self.group_size < 2:
             raise ValueError("ppo.group_adv_norm=True needs group_size >= 2 (a group of one has no spread); "
                              f"got group_size={self.group_size}")
-        _num_in("reward_timeout_secs", self.reward_timeout_secs, lo=0, lo_open=True)
-        _num_in("correct_reward", self.correct_reward)
-        _num_in("wrong_reward", self.wrong_reward)
+        check_number("reward_timeout_secs", self.reward_timeout_secs, lo=0, lo_open=True)
+        check_number("correct_reward", self.correct_reward)
+        check_number("wrong_reward", self.wrong_reward)
         bs = self.dataset.train_bs_n_seqs
         self._check_bs("dataset.train_bs_n_seqs", bs, "actor_gen", what="prompt")
         n_seqs = bs * self.group_size

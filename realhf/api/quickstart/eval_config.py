@@ -16,6 +16,8 @@ import dataclasses
 import os
 from typing import List, Optional
 
+from realhf.api.quickstart.options import option
+
 # mirrors evaluation.prompts.PROMPT_TYPES (realhf/api does not import the evaluation package)
 EVAL_PROMPT_TYPES = ("qwen-boxed", "r1-distill", "plain", "chat")
 
@@ -25,12 +27,6 @@ def default_eval_data_dir() -> str:
     from realhf.base.process import source_root
 
     return os.path.join(source_root(), "evaluation", "data")
-
-
-def _field(default=dataclasses.MISSING, help: str = "", factory=dataclasses.MISSING):
-    if factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=factory, metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
 
 
 def _bad(key: str, value, expected: str):
@@ -55,26 +51,26 @@ def _pos(key: str, value, optional: bool = False):
 class EvaluatorConfig:
     """Evaluate each saved checkpoint with evaluation/eval_and_aggregate.py in a background process."""
 
-    enabled: bool = _field(False, "evaluate every saved HF checkpoint of the trained policy (needs exp_ctrl.save_freq_*)")
-    data_names: List[str] = _field(help="datasets under data_dir (math_500, aime24, aime25, amc23, gsm8k, ...)",
+    enabled: bool = option(False, "evaluate every saved HF checkpoint of the trained policy (needs exp_ctrl.save_freq_*)")
+    data_names: List[str] = option(help="datasets under data_dir (math_500, aime24, aime25, amc23, gsm8k, ...)",
                                    factory=lambda: ["gsm8k"])
-    data_dir: Optional[str] = _field(None, "datasets folder holding <name>/test.jsonl (null = evaluation/data)")
-    max_problems: Optional[int] = _field(50, "a fixed seeded subset of N problems per dataset (null = all)")
-    n_sampling: int = _field(4, "sampled answers per problem (0 = greedy pass only)")
-    max_gen_tokens: int = _field(256, "max new tokens per answer")
-    prompt_type: str = _field("chat", "qwen-boxed | r1-distill | plain | chat (the question alone in the chat template)")
-    allow_last_number: bool = _field(False, "grade the last number of an answer when it has no boxed/'answer is' answer")
-    temperature: float = _field(0.6, "temperature of the sampled pass")
-    top_p: float = _field(0.95, "top-p of the sampled pass")
-    seed: int = _field(1, "base seed of the problem subset and the per-problem sampling seeds")
-    batch_size: int = _field(16, "prompts per generation batch")
-    threads: int = _field(1, "torch threads of the evaluation process (it runs beside training)")
-    device: str = _field("cpu", "cpu | cuda (the evaluation process's own device; float32 on CPU, bfloat16 on CUDA)")
-    timeout: Optional[float] = _field(3600.0, "seconds one evaluation may run before it is stopped and reported "
+    data_dir: Optional[str] = option(None, "datasets folder holding <name>/test.jsonl (null = evaluation/data)")
+    max_problems: Optional[int] = option(50, "a fixed seeded subset of N problems per dataset (null = all)")
+    n_sampling: int = option(4, "sampled answers per problem (0 = greedy pass only)")
+    max_gen_tokens: int = option(256, "max new tokens per answer")
+    prompt_type: str = option("chat", "qwen-boxed | r1-distill | plain | chat (the question alone in the chat template)")
+    allow_last_number: bool = option(False, "grade the last number of an answer when it has no boxed/'answer is' answer")
+    temperature: float = option(0.6, "temperature of the sampled pass")
+    top_p: float = option(0.95, "top-p of the sampled pass")
+    seed: int = option(1, "base seed of the problem subset and the per-problem sampling seeds")
+    batch_size: int = option(16, "prompts per generation batch")
+    threads: int = option(1, "torch threads of the evaluation process (it runs beside training)")
+    device: str = option("cpu", "cpu | cuda (the evaluation process's own device; float32 on CPU, bfloat16 on CUDA)")
+    timeout: Optional[float] = option(3600.0, "seconds one evaluation may run before it is stopped and reported "
                                               "as failed (null = no limit)")
-    final_wait_secs: float = _field(3600.0, "at the end of training, seconds the master waits for queued and "
+    final_wait_secs: float = option(3600.0, "at the end of training, seconds the master waits for queued and "
                                             "running evaluations before it stops them")
-    output_dir: Optional[str] = _field(None, "folder of the evaluation outputs (null = <run dir>/eval)")
+    output_dir: Optional[str] = option(None, "folder of the evaluation outputs (null = <run dir>/eval)")
 
     def __post_init__(self):
         if not isinstance(self.enabled, bool):

@@ -8,6 +8,10 @@ to ``<output_file>.<rank>`` by the worker that owns the outputs: the file is sta
 process's first write (so rows an earlier, unfinished run left there are not kept) and appended to
 after that. A run that writes outputs therefore always starts from its first batch (``gen`` has no
 recover checkpoints).
+
+The prompts of a call are generated in micro-batches (``mb_spec``: at least ``n_mbs``, each within
+``max_tokens_per_mb`` prompt tokens), one engine call each; as every sample draws from its own random
+stream, the outputs do not depend on the cut.
 """
 from __future__ import annotations
 
@@ -19,13 +23,18 @@ import torch
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters, Model, ModelInterface, register_interface
+from realhf.impl.model.nn.generation import GenerationOutput
 
 
 class GenerationInterface(ModelInterface):
-    def __init__(self, generation_config: Optional[dict] = None, output_file: Optional[str] = None, seed: int = 1):
-        self.gconfig = GenerationHyperparameters(**(generation_config or {}))
+    """``gconfig``: the sampling options as the experiment built them from its validated config
+    (``SamplingConfig.to_hyperparameters``); the per-sample random streams derive from ``gconfig.seed``, or
+    from the experiment's ``seed`` when that is None."""
+
+    def __init__(self, gconfig: GenerationHyperparameters, seed: int = 1, output_file: Optional[str] = None):
+        self.gconfig = gconfig
+        self.seed = gconfig.seed if gconfig.seed is not None else seed
         self.output_file = output_file
-        self.seed = seed
         self._started_output = False  # this process has (re)started its part file
 
     @torch.no_grad()
@@ -41,7 +50,11 @@ class GenerationInterface(ModelInterface):
         seeds = [(self.seed * 1000003 + model.version * 7919 + hash_id(i)) % (2**62) for i in data.ids]
         tok = model.tokenizer
         eos = tok.eos_token_id if tok is not None else None
-        out = model.engine.generate(prompts, self.gconfig, eos_token_id=eos, seeds=seeds)
+        parts = data.mb_partition(mb_spec.max_tokens_per_mb, mb_spec.n_mbs, key="packed_prompts")
+        outs = [model.engine.generate([prompts[i] for i in p], self.gconfig, eos_token_id=eos, seeds=[seeds[i] for i in p])
+                for p in parts]
+        out = GenerationOutput(tokens=[t for o in outs for t in o.tokens], logprobs=[lp for o in outs for lp in o.logprobs],
+                               no_eos=[x for o in outs for x in o.no_eos])
         n = self.gconfig.n
         ids, lps, pms, no_eos, seqlens = [], [], [], [], []
         for i, p in enumerate(prompts):

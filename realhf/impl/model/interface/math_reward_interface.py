@@ -2,8 +2,10 @@
 
 Input: ``packed_input_ids`` + ``prompt_mask`` (several answers per prompt sample) and the sample
 metadata ``solutions``. Output: ``rewards``, one float per answer:
-``(correct_reward if correct else wrong_reward + reward_output_bias) * reward_output_scaling``.
-Verification timeouts and errors score as wrong and are counted in the stats.
+``((correct_reward if correct else wrong_reward) + reward_output_bias) * reward_output_scaling``.
+Verification timeouts and errors score as wrong and are counted in the stats. The options are the
+experiment's (``correct_reward``, ``wrong_reward``, ``reward_timeout_secs``, ``reward_allow_last_number``,
+``ppo.reward_output_scaling``, ``ppo.reward_output_bias``) and have no defaults here, so none can be left out.
 """
 from __future__ import annotations
 
@@ -20,14 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 class MathRewardInterface(ModelInterface):
-    def __init__(self, correct_reward: float = 5.0, wrong_reward: float = -5.0, reward_output_scaling: float = 1.0,
-                 reward_output_bias: float = 0.0, timeout: float = 5.0, allow_last_number: bool = False,
-                 max_workers: int = 2):
-        self.correct, self.wrong = correct_reward, wrong_reward
-        self.scaling, self.bias = reward_output_scaling, reward_output_bias
-        self.timeout = timeout
+    def __init__(self, *, correct_reward: float, wrong_reward: float, reward_output_scaling: float,
+                 reward_output_bias: float, timeout_secs: float, allow_last_number: bool, max_workers: int = 2):
+        self.correct_reward, self.wrong_reward = correct_reward, wrong_reward
+        self.reward_output_scaling, self.reward_output_bias = reward_output_scaling, reward_output_bias
+        self.timeout_secs = timeout_secs
         self.allow_last_number = allow_last_number
-        self.max_workers = max_workers
+        self.max_workers = max_workers  # grading processes (not an option: grading is cheap next to generation)
         self._verifier = None
 
     @property
@@ -35,7 +36,7 @@ class MathRewardInterface(ModelInterface):
         if self._verifier is None:
             from realhf.reward import MathVerifier
 
-            self._verifier = MathVerifier(timeout=self.timeout, max_workers=self.max_workers)
+            self._verifier = MathVerifier(timeout=self.timeout_secs, max_workers=self.max_workers)
         return self._verifier
 
     def warmup(self, model: Model) -> None:
@@ -66,9 +67,9 @@ class MathRewardInterface(ModelInterface):
         if self.allow_last_number:  # lenient format: the last number counts as the answer
             texts = [t if extract_answer(t) is not None else (f"\\boxed{{{a}}}" if (a := extract_answer(t, allow_last_number=True)) else t)
                      for t in texts]
-        results = self.verifier.verify_batch(texts, [list(map(str, s)) for s in sol_per_answer], timeout=self.timeout)
-        raw = torch.tensor([self.correct if ok else self.wrong for ok, _ in results], dtype=torch.float32)
-        rewards = (raw + self.bias) * self.scaling
+        results = self.verifier.verify_batch(texts, [list(map(str, s)) for s in sol_per_answer], timeout=self.timeout_secs)
+        raw = torch.tensor([self.correct_reward if ok else self.wrong_reward for ok, _ in results], dtype=torch.float32)
+        rewards = (raw + self.reward_output_bias) * self.reward_output_scaling
         n_to = sum(1 for _, st in results if st == "timeout")
         n_err = sum(1 for _, st in results if st == "error")
         if n_to or n_err:

@@ -9,18 +9,22 @@ token. Data a step sees (one sample = one prompt with its ``group_size`` answers
 * Critic-free (GRPO): advantages are the group-normalised task rewards, the same on every answer token.
 * With a critic (PPO): per-token rewards = KL penalty + task reward at the last answer token, GAE with
   the critic's values; returns train the critic (clipped value loss, optional value normalisation).
+
+Both interfaces take the experiment's ``ppo`` section (:class:`PPOHyperparameters`, as the CLI validated it)
+and read every option from it; the actor also takes the experiment-level ``group_size`` (answers per
+prompt), ``use_critic`` and ``seed``.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from realhf.api.core.config import check_finite
 from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.dfg import MicroBatchSpec
 from realhf.api.core.model_api import Model, ModelInterface, register_interface
+from realhf.api.quickstart.ppo_config import PPOHyperparameters
 from realhf.base import logging
 from realhf.impl.model.interface.gen_interface import GenerationInterface
 from realhf.impl.model.utils import ppo_functional as F
@@ -65,32 +69,22 @@ def _dp_mean(x: float, count: float, grid) -> float:
     return float(t[0] / max(t[1], 1.0))
 
 
-@dataclasses.dataclass
-class PPOConfig:
-    n_minibatches: int = 4
-    eps_clip: float = 0.2
-    c_clip: Optional[float] = None
-    kl_ctl: float = 0.0
-    kl_loss_coef: float = 0.0
-    discount: float = 1.0
-    gae_lambda: float = 1.0
-    max_reward_clip: float = 20.0
-    adv_norm: bool = True
-    group_adv_norm: bool = False
-    group_size: int = 1
-    entropy_coef: float = 0.0
-    mask_too_long: bool = False
-    temperature: float = 1.0
-    value_eps_clip: float = 0.2
-    value_norm: bool = False
-    use_critic: bool = False
-
-    def __post_init__(self):
-        check_finite(self)
+def forward_mbs(model: Model, data: SequenceSample, mb_spec: MicroBatchSpec, post_fn: Callable,
+                head_rows_fn: Optional[Callable] = None) -> Optional[List]:
+    """``model.engine.forward`` over at least ``mb_spec.n_mbs`` micro-batches of ``data``, each within
+    ``mb_spec.max_tokens_per_mb`` tokens: per-micro-batch ``post_fn`` results in batch order on the last
+    pipeline stage, None elsewhere. Every stage runs every part (the stages exchange activations)."""
+    parts = data.split_mbs(mb_spec.max_tokens_per_mb, mb_spec.n_mbs) if mb_spec.n_mbs > 1 and data.bs > 1 else [data]
+    res = [model.engine.forward(p, max_tokens_per_mb=mb_spec.max_tokens_per_mb, post_fn=post_fn,
+                                head_rows_fn=head_rows_fn) for p in parts]
+    return None if any(r is None for r in res) else [x for r in res for x in r]
 
 
-def compute_advantages(sample: SequenceSample, cfg: PPOConfig, grid) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-    """(loss_mask, advantages, returns) per token, and stats. Same on every rank of a dp group."""
+def compute_advantages(sample: SequenceSample, cfg: PPOHyperparameters, grid, use_critic: bool, group_size: int,
+                       normalize: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """(loss_mask, advantages, returns) per token, and stats. Same on every rank of a dp group. Advantages are
+    normalised over the batch when ``cfg.adv_norm`` and ``normalize`` (the critic, which uses only the returns,
+    skips it)."""
     mask = answer_loss_mask(sample)
     cu = sample.cu_seqlens("packed_input_ids")
     no_eos = sample.data["seq_no_eos_mask"].bool()
@@ -108,7 +102,7 @@ def compute_advantages(sample: SequenceSample, cfg: PPOConfig, grid) -> Tuple[to
     n_valid = float(mask.sum())
     stats["kl_reward"] = float((kl_rewards * mask).sum()) / max(n_valid, 1.0)
     stats["final_reward"] = float((token_rewards * mask).sum()) / max(1, rewards.numel())
-    if cfg.use_critic:
+    if use_critic:
         values = sample.data["values"].float()
         # GAE over answer positions: rewards at t in [P-1, L-2], values at t in [P-1, L-1] (bootstrap last)
         r_list, v_list, seg = [], [], []
@@ -130,27 +124,35 @@ def compute_advantages(sample: SequenceSample, cfg: PPOConfig, grid) -> Tuple[to
             adv[a:b] = adv_s[lo:hi]
             ret[a:b] = ret_s[lo:hi]
     else:
-        seq_adv = F.group_normalized_advantages(rewards, cfg.group_size, std_norm=cfg.group_adv_norm) \
-            if cfg.group_size > 1 else rewards - rewards.mean()
+        seq_adv = F.group_normalized_advantages(rewards, group_size, std_norm=cfg.group_adv_norm) \
+            if group_size > 1 else rewards - rewards.mean()
         adv = F.broadcast_sequence_advantages(seq_adv, cu, mask)
         ret = torch.zeros_like(old_lp)
-    if cfg.adv_norm:
+    if cfg.adv_norm and normalize:
         adv = F.masked_normalization(adv, mask, all_reduce_group=grid.dp_group if grid is not None else None)
     stats["advantage"] = float((adv * mask).sum()) / max(n_valid, 1.0)
     return mask, adv * mask, ret, stats
 
 
 class PPOActorInterface(GenerationInterface):
-    """generate (from GenerationInterface), inference (log-probs, e.g. as the reference) and train_step."""
+    """generate (from GenerationInterface: ``group_size`` answers per prompt sampled as ``ppo.gen`` says),
+    inference (log-probs, e.g. as the reference) and train_step."""
 
-    def __init__(self, generation_config: Optional[dict] = None, seed: int = 1, **ppo):
-        super().__init__(generation_config=generation_config, seed=seed)
-        self.cfg = PPOConfig(**ppo)
+    def __init__(self, ppo: PPOHyperparameters, *, group_size: int, use_critic: bool, seed: int):
+        super().__init__(gconfig=ppo.gen.to_hyperparameters(n=group_size), seed=seed)
+        self.cfg = ppo
+        self.group_size = group_size
+        self.use_critic = use_critic
+
+    @property
+    def temperature(self) -> float:
+        """The temperature of the log-probs: the sampling temperature (1 for greedy decoding)."""
+        return 1.0 if self.gconfig.greedy else self.gconfig.temperature
 
     @torch.no_grad()
     def inference(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
         tp = model.module.tp_group
-        temp = self.cfg.temperature
+        temp = self.temperature
 
         if "prompt_mask" not in data.keys:  # every position
             def post(out, mb):
@@ -169,7 +171,7 @@ class PPOActorInterface(GenerationInterface):
                 lp[rows.to(out.device)] = logprobs_at(out, ids, rows, tp, temp).float()
                 return lp
 
-        res = model.engine.forward(data, max_tokens_per_mb=mb_spec.max_tokens_per_mb, post_fn=post, head_rows_fn=rows_fn)
+        res = forward_mbs(model, data, mb_spec, post, head_rows_fn=rows_fn)
         if res is None:
             return None
         lp = torch.cat(res).float()
@@ -178,8 +180,8 @@ class PPOActorInterface(GenerationInterface):
                               trailing_shapes={"logprobs": ()}, dtypes={"logprobs": torch.float32}, data={"logprobs": lp})
 
     def train_step(self, model: Model, data: SequenceSample, mb_spec) -> Dict[str, float]:
-        cfg, grid = self.cfg, model.grid
-        mask, adv, _, adv_stats = compute_advantages(data, cfg, grid)
+        cfg, grid, temp = self.cfg, model.grid, self.temperature
+        mask, adv, _, adv_stats = compute_advantages(data, cfg, grid, self.use_critic, self.group_size)
         sample = _per_token(data, {"advantages": adv.float(), "loss_mask": mask})
         tp = model.module.tp_group
         use_ref = cfg.kl_loss_coef > 0 and "packed_ref_logprobs" in sample.keys
@@ -190,13 +192,13 @@ class PPOActorInterface(GenerationInterface):
 
         def loss_fn(out, mb):
             rows = rows_fn(mb)
-            lp = logprobs_at(out, mb.data["packed_input_ids"], rows, tp, cfg.temperature)
+            lp = logprobs_at(out, mb.data["packed_input_ids"], rows, tp, temp)
             m = torch.ones_like(lp, dtype=torch.bool)
             at = {k: mb.data[k][rows].float().to(lp.device) for k in ("packed_logprobs", "advantages", "packed_ref_logprobs")
                   if k in mb.data}
             loss, st = F.actor_loss(lp, at["packed_logprobs"], at["advantages"], cfg.eps_clip, m, cfg.c_clip)
             if cfg.entropy_coef > 0:
-                ent = packed_entropy(out if cfg.temperature == 1.0 else out.float() / cfg.temperature, tp)
+                ent = packed_entropy(out if temp == 1.0 else out.float() / temp, tp)
                 loss = loss - cfg.entropy_coef * F.entropy_bonus(ent, m)
             if use_ref:
                 kl = F.kl_k3(lp, at["packed_ref_logprobs"])
@@ -205,7 +207,7 @@ class PPOActorInterface(GenerationInterface):
                           "actor_clip_ratio": float(st["clip_ratio"]) * float(m.sum()), "ppo_approx_kl": float(st["approx_kl"]) * float(m.sum()),
                           "n_loss_tokens": float(m.sum())}
 
-        n_mb = n_minibatches(cfg.n_minibatches, data.bs, grid)
+        n_mb = n_minibatches(cfg.ppo_n_minibatches, data.bs, grid)
         sums: Dict[str, float] = {}
         grad_norms = []
         for part in sample.split(n_mb):
@@ -239,8 +241,10 @@ class PPOActorInterface(GenerationInterface):
 
 
 class PPOCriticInterface(ModelInterface):
-    def __init__(self, **ppo):
-        self.cfg = PPOConfig(**{**ppo, "use_critic": True})
+    """inference (values) and train_step (clipped value loss on the GAE returns)."""
+
+    def __init__(self, ppo: PPOHyperparameters):
+        self.cfg = ppo
         self.value_normalizer = None  # made at the first call, with the data-parallel group
 
     def _normalizer(self, grid):
@@ -258,7 +262,7 @@ class PPOCriticInterface(ModelInterface):
 
     @torch.no_grad()
     def inference(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
-        res = model.engine.forward(data, max_tokens_per_mb=mb_spec.max_tokens_per_mb, post_fn=lambda out, mb: out.float())
+        res = forward_mbs(model, data, mb_spec, lambda out, mb: out.float())
         if res is None:
             return None
         v = torch.cat(res)
@@ -270,7 +274,7 @@ class PPOCriticInterface(ModelInterface):
 
     def train_step(self, model: Model, data: SequenceSample, mb_spec) -> Dict[str, float]:
         cfg, grid = self.cfg, model.grid
-        mask, _, ret, _ = compute_advantages(data, dataclasses.replace(cfg, adv_norm=False), grid)
+        mask, _, ret, _ = compute_advantages(data, cfg, grid, use_critic=True, group_size=1, normalize=False)
         # value targets live on answer positions and their predecessor state
         old_v = data.data["values"].float()
         if self._normalizer(grid) is not None:
@@ -288,7 +292,7 @@ class PPOCriticInterface(ModelInterface):
                           "n_loss_tokens": float(m.sum())}
 
         sums: Dict[str, float] = {}
-        for part in sample.split(n_minibatches(cfg.n_minibatches, data.bs, grid)):
+        for part in sample.split(n_minibatches(cfg.ppo_n_minibatches, data.bs, grid)):
             st = model.engine.train_batch(part, loss_fn, lambda mb: float(mb.data["loss_mask"].sum()),
                                           max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs)
             for k, v in st.extra.items():
