@@ -1,0 +1,471 @@
+"""Every option of every experiment reaches the code that uses it.
+
+For each experiment of ``realhf.experiments.registered()`` and each option that ``config_options`` lists for
+its config, the option is set to a non-default value (the tables below), the experiment's spec is built as
+every process builds it (in this process, no workers), the interfaces are made as the model workers make
+them (``make_interfaces``), and the value must arrive where it is used: an interface attribute the interface
+computes with, a ModelSpec / MFCDef / DatasetSpec field the worker builds its model, engine or data from, or
+an ExperimentSpec field the master reads. The same build without the option (only its ``needs``, the options
+that make it matter) must differ there, so a check that reads a constant cannot pass.
+
+An option with no entry fails: say where it is read, or remove it — an option nothing reads is a silent bug.
+Two other kinds of entry: :class:`Launcher` (read by the launcher before any process starts, checked against
+the source that reads it) and :class:`Refused` (a non-default value has no use in that experiment and is
+refused with the key named).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, Tuple, Union
+
+import pytest
+
+from realhf.impl.model.tiny import ensure_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAME = object()  # expect the option's parsed value
+
+
+@dataclasses.dataclass
+class Reach:
+    """``value`` (CLI text, or a function of the test's files) must arrive at ``where(built)``: as the option's
+    parsed value, or as ``expect(parsed value)`` when given."""
+
+    value: Union[str, Callable[[Any], str]]
+    where: Callable[["Built"], Any]
+    expect: Any = SAME
+    needs: Tuple[str, ...] = ()  # overrides that make the option matter, in both builds
+    with_: Tuple[str, ...] = ()  # overrides that go with the value only
+
+
+@dataclasses.dataclass
+class Launcher:
+    """Read by the launcher (realhf/apps, realhf/scheduler) from the config itself, before any process or spec
+    exists: the option must parse to its value and ``reader`` must read ``config.<key>``."""
+
+    value: str
+    reader: str
+
+
+@dataclasses.dataclass
+class Refused:
+    """A non-default ``value`` has no use in this experiment: the config refuses it, naming the key."""
+
+    value: str
+
+
+class Built:
+    """What the processes build from one config: the spec and the model workers' interface objects."""
+
+    def __init__(self, spec):
+        from realhf.system.model_worker import make_interfaces
+
+        self.spec = spec
+        self.ifaces = make_interfaces(spec.mfcs)
+
+    def mfc(self, name: str):
+        return next(m for m in self.spec.mfcs if m.name == name)
+
+    def iface(self, mfc: str):
+        return self.ifaces[mfc]
+
+    def model(self, name: str):
+        return self.spec.model(name)
+
+    def model_of(self, mfc: str):
+        """The model replica an MFC runs on."""
+        return self.spec.model(str(self.mfc(mfc).model_name))
+
+
+def _spec(name):
+    return lambda b: getattr(b.spec, name)
+
+
+def _ds(arg):
+    return lambda b: b.spec.dataset.args[arg]
+
+
+def _gconfig(mfc, field):
+    return lambda b: getattr(b.iface(mfc).gconfig, field)
+
+
+def _attrs(*paths):
+    """The values at ``"<mfc>.<attr>[.<attr>]"`` of the interfaces (a tuple when several)."""
+
+    def get(b):
+        vals = [functools.reduce(getattr, p.split(".")[1:], b.iface(p.split(".")[0])) for p in paths]
+        return vals[0] if len(vals) == 1 else tuple(vals)
+
+    return get
+
+
+def _n(v, k):
+    return (v,) * k
+
+
+# ------------------------------------------------------------------------------------------ options of every experiment
+COMMON: Dict[str, Any] = {
+    "experiment_name": Reach("reach-exp", _spec("experiment_name")),
+    "trial_name": Reach("reach-trial", _spec("trial_name")),
+    # the run folder (logs, checkpoints, recover) the master and workers use
+    "fileroot": Reach(lambda env: env.root2, lambda b: os.path.dirname(os.path.dirname(os.path.dirname(b.spec.log_dir)))),
+    "seed": Reach("7", _spec("seed")),
+    "n_nodes": Reach("2", _spec("n_workers"), needs=("allocation_mode=heuristic",)),
+    "n_devices_per_node": Reach("2", _spec("n_workers"), needs=("allocation_mode=heuristic",)),
+    "cpus_per_worker": Reach("2", _spec("threads_per_worker")),
+    "allocation_mode": Reach("d2m1p1", lambda b: b.model_of(b.spec.mfcs[0].name).layout.dp, expect=2,
+                             needs=("n_devices_per_node=2", "allocation_mode=d1m1p2")),
+    "worker_timeout_secs": Reach("30.0", _spec("worker_timeout_secs")),
+    # wandb.init arguments of the master's stats logger
+    "wandb.mode": Reach("offline", lambda b: (b.spec.wandb or {}).get("mode")),
+    **{f"wandb.{k}": Reach(f"reach-{k}", lambda b, k=k: b.spec.wandb.get(k), needs=("wandb.mode=offline",))
+       for k in ("entity", "project", "name", "group", "job_type", "notes")},
+    "wandb.tags": Reach("[a,b]", lambda b: b.spec.wandb.get("tags"), needs=("wandb.mode=offline",)),
+    "tensorboard.path": Reach(lambda env: os.path.join(env.root2, "tb"), _spec("tensorboard_dir")),
+    "exp_ctrl.benchmark_steps": Reach("3", _spec("benchmark_steps")),
+    # Read by the launcher only (checked against the code that reads them, as no spec field carries them):
+    "mode": Launcher("ray", "realhf/apps/main.py"),  # which scheduler starts the processes
+    "recover_mode": Launcher("auto", "realhf/apps/main.py"),  # resume or start afresh, relaunch after a failure
+    "recover_retries": Launcher("3", "realhf/apps/main.py"),
+    "ray_address": Launcher("auto", "realhf/scheduler/ray_launcher.py"),  # the Ray cluster joined
+    "ray_gpus_per_worker": Launcher("1.0", "realhf/scheduler/ray_launcher.py"),  # Ray resources of each worker
+}
+
+# ------------------------------------------------------------------------------------------ training experiments
+TRAINING: Dict[str, Any] = {
+    "exp_ctrl.total_train_epochs": Reach("2", _spec("total_train_epochs")),
+    **{f"exp_ctrl.{k}": Reach("3", _spec(k)) for k in ("save_freq_epochs", "save_freq_steps", "save_freq_secs",
+                                                       "ckpt_freq_epochs", "ckpt_freq_steps", "ckpt_freq_secs")},
+    # the checkpoint evaluator (realhf/system/evaluator.py) takes the section as it is: what it reads
+    "auto_eval.enabled": Reach("true", lambda b: b.spec.auto_eval.enabled),
+    "auto_eval.data_names": Reach("[gsm8k,math_500]", lambda b: b.spec.auto_eval.data_names),
+    "auto_eval.data_dir": Reach(lambda env: env.root2, lambda b: b.spec.auto_eval.eval_kwargs()["data_dir"]),
+    **{f"auto_eval.{k}": Reach(v, lambda b, k=k: b.spec.auto_eval.eval_kwargs()[k])
+       for k, v in (("max_problems", "5"), ("n_sampling", "2"), ("max_gen_tokens", "64"), ("prompt_type", "plain"),
+                    ("allow_last_number", "true"), ("temperature", "0.8"), ("top_p", "0.9"), ("seed", "3"),
+                    ("batch_size", "4"), ("device", "cuda"))},
+    "auto_eval.threads": Reach("2", lambda b: b.spec.auto_eval.eval_kwargs()["threads_per_worker"]),
+    "auto_eval.timeout": Reach("60.0", lambda b: b.spec.auto_eval.timeout),
+    "auto_eval.final_wait_secs": Reach("60.0", lambda b: b.spec.auto_eval.final_wait_secs),
+    "auto_eval.output_dir": Reach(lambda env: env.root2, lambda b: b.spec.auto_eval.output_dir),
+}
+
+OPTIMIZER = (("lr", "2e-4"), ("weight_decay", "0.1"), ("beta1", "0.8"), ("beta2", "0.99"), ("eps", "1e-6"),
+             ("lr_scheduler_type", "cosine"), ("warmup_steps_proportion", "0.1"), ("min_lr_ratio", "0.1"),
+             ("gradient_clipping", "0.5"), ("skip_nonfinite_steps", "2"))
+
+
+def _model_options(prefix: str, model: str, trains: bool, offload=None) -> Dict[str, Any]:
+    """``<prefix>.*`` of a ModelConfig / ModelTrainEvalConfig: fields of the ModelSpec of ``model`` (the engine's
+    optimizer config is the ModelSpec's, as it is)."""
+    out = {f"{prefix}.path": Reach(lambda env: env.model2, lambda b: b.model(model).path),
+           f"{prefix}.dtype": Reach("bfloat16", lambda b: b.model(model).dtype),
+           f"{prefix}.compile": Reach("true", lambda b: b.model(model).compile)}
+    if offload is not None:
+        out[f"{prefix}.offload"] = offload
+    if trains:
+        out.update({f"{prefix}.optimizer.{k}": Reach(v, lambda b, k=k: getattr(b.model(model).optimizer, k))
+                    for k, v in OPTIMIZER})
+    return out
+
+
+def _mb_spec(prefix: str, mfc: str) -> Dict[str, Any]:
+    return {f"{prefix}.n_mbs": Reach("2", lambda b: b.mfc(mfc).mb_spec.n_mbs),
+            f"{prefix}.max_tokens_per_mb": Reach("4096", lambda b: b.mfc(mfc).mb_spec.max_tokens_per_mb)}
+
+
+def _sampling(prefix: str, mfc: str) -> Dict[str, Any]:
+    """``<prefix>.*`` of a SamplingConfig: the generating interface's engine options."""
+    out = {f"{prefix}.{k}": Reach(v, _gconfig(mfc, k))
+           for k, v in (("max_new_tokens", "64"), ("min_new_tokens", "2"), ("greedy", "true"), ("top_p", "0.9"),
+                        ("top_k", "5"), ("compile_decode", "true"))}
+    out[f"{prefix}.stop_token_ids"] = Reach("[5,6]", lambda b: list(b.iface(mfc).gconfig.stop_token_ids))
+    out[f"{prefix}.seed"] = Reach("11", _attrs(f"{mfc}.seed"))  # the per-sample random streams
+    return out
+
+
+# ------------------------------------------------------------------------------------------ sft
+SFT: Dict[str, Any] = {
+    **TRAINING,
+    # only inference-only replicas are offloaded; sft's one model trains at every step
+    **_model_options("model", "default", trains=True, offload=Refused("true")),
+    "dataset.train_path": Reach(lambda env: env.sft2, _ds("path")),
+    "dataset.valid_path": Reach(lambda env: env.sft2, lambda b: b.spec.valid_dataset and b.spec.valid_dataset.args["path"]),
+    "dataset.max_seqlen": Reach("256", _ds("max_seqlen")),
+    "dataset.train_bs_n_seqs": Reach("8", lambda b: b.spec.dataset.batch_size),
+    "dataset.valid_bs_n_seqs": Reach("8", lambda b: b.spec.valid_dataset.batch_size, needs=("VALID",)),
+    "exp_ctrl.eval_freq_epochs": Reach("2", _spec("eval_freq_epochs"), needs=("VALID",)),
+    "exp_ctrl.eval_freq_steps": Reach("2", _spec("eval_freq_steps"), needs=("VALID",)),
+    **_mb_spec("mb_spec", "trainDefault"),
+}
+
+# ------------------------------------------------------------------------------------------ gen
+GEN: Dict[str, Any] = {
+    **_model_options("model", "default", trains=False, offload=Reach("true", lambda b: b.model("default").offload)),
+    "dataset.path": Reach(lambda env: env.prompts2, _ds("path")),
+    "dataset.max_prompt_len": Reach("128", _ds("max_prompt_len")),
+    "dataset.train_bs_n_seqs": Reach("8", lambda b: b.spec.dataset.batch_size),
+    **_sampling("gen", "gen"),
+    "gen.temperature": Reach("0.7", _gconfig("gen", "temperature")),
+    "gen.n": Reach("2", _gconfig("gen", "n")),
+    **_mb_spec("mb_spec", "gen"),
+    "output_file": Reach(lambda env: os.path.join(env.root2, "out.jsonl"), _attrs("gen.output_file"),
+                         expect=lambda v: v + ".part"),
+    "use_chat_template": Reach("false", _ds("use_chat_template")),
+}
+
+# ------------------------------------------------------------------------------------------ ppo-math
+PPO_MFCS = ("actor_gen", "actor_train", "ref_inf", "rew_inf", "critic_inf", "critic_train")
+MANUAL = ("allocation_mode=manual", "n_devices_per_node=2", *(f"{m}.device_mesh=localhost:0" for m in PPO_MFCS),
+          *(f"{m}.parallel=d1m1p1" for m in PPO_MFCS))
+TWO_CRITIC_LAYOUTS = ("ppo.value_norm=false",)  # value_norm needs critic_inf and critic_train on one layout
+
+
+def _placement(mfc: str) -> Dict[str, Any]:
+    needs = MANUAL + (TWO_CRITIC_LAYOUTS if mfc.startswith("critic") else ())
+    return {f"{mfc}.device_mesh": Reach("localhost:1", lambda b: b.model_of(mfc).ranks, expect=[1], needs=needs),
+            f"{mfc}.parallel": Reach("d2m1p1", lambda b: b.model_of(mfc).layout.dp, expect=2, needs=needs,
+                                     with_=(f"{mfc}.device_mesh=localhost:0,1",))}
+
+
+def _ppo_both(k: str, v: str) -> Reach:
+    """Read by the advantage computation of the actor and of the critic."""
+    return Reach(v, _attrs(f"actor_train.cfg.{k}", f"critic_train.cfg.{k}"), expect=lambda x: _n(x, 2))
+
+
+PPO: Dict[str, Any] = {
+    **TRAINING,
+    "param_realloc": Reach("disk", _spec("param_realloc")),
+    **_model_options("actor", "actor", trains=True, offload=Reach(  # the actor's generation replica
+        "true", lambda b: b.model_of("actor_gen").offload,
+        needs=("allocation_mode=actor_gen:d2m1p1,*:d1m1p1", "n_devices_per_node=2"))),
+    **_model_options("critic", "critic", trains=True, offload=Reach(  # the critic's inference replica
+        "true", lambda b: b.model_of("critic_inf").offload,
+        needs=("allocation_mode=critic_inf:d2m1p1,*:d1m1p1", "n_devices_per_node=2", *TWO_CRITIC_LAYOUTS))),
+    **_model_options("ref", "ref", trains=False, offload=Reach("true", lambda b: b.model("ref").offload)),
+    "use_critic": Reach("false", lambda b: (b.iface("actor_train").use_critic, "critic_train" in b.ifaces),
+                        expect=(False, False)),
+    "dataset.path": Reach(lambda env: env.math2, _ds("path")),
+    "dataset.max_prompt_len": Reach("128", _ds("max_prompt_len")),
+    "dataset.train_bs_n_seqs": Reach("8", lambda b: b.spec.dataset.batch_size),
+    "use_chat_template": Reach("false", _ds("use_chat_template")),
+    "prompt_template": Reach("Q: {prompt}", _ds("prompt_template")),
+    "group_size": Reach("2", _attrs("actor_gen.gconfig.n", "actor_train.group_size"), expect=lambda x: _n(x, 2)),
+    # the reward interface
+    "reward_allow_last_number": Reach("true", _attrs("rew_inf.allow_last_number")),
+    "correct_reward": Reach("3.0", _attrs("rew_inf.correct_reward")),
+    "wrong_reward": Reach("-1.0", _attrs("rew_inf.wrong_reward")),
+    "reward_timeout_secs": Reach("2.0", _attrs("rew_inf.timeout_secs")),
+    "ppo.reward_output_scaling": Reach("2.0", _attrs("rew_inf.reward_output_scaling")),
+    "ppo.reward_output_bias": Reach("1.0", _attrs("rew_inf.reward_output_bias")),
+    # actor generation: the engine's options
+    **_sampling("ppo.gen", "actor_gen"),
+    # the sampling temperature is also that of the log-probs of training and of the reference
+    "ppo.gen.temperature": Reach("0.7", _attrs("actor_gen.gconfig.temperature", "actor_train.temperature",
+                                               "ref_inf.temperature"), expect=lambda x: _n(x, 3)),
+    # PPO
+    **{f"ppo.{k}": _ppo_both(k, v) for k, v in (("ppo_n_minibatches", "2"), ("kl_ctl", "0.3"), ("discount", "0.9"),
+                                                 ("gae_lambda", "0.95"), ("max_reward_clip", "10.0"),
+                                                 ("mask_too_long", "true"))},
+    **{f"ppo.{k}": Reach(v, _attrs(f"actor_train.cfg.{k}")) for k, v in (
+        ("kl_loss_coef", "0.1"), ("eps_clip", "0.3"), ("c_clip", "3.0"), ("entropy_coef", "0.01"), ("adv_norm", "false"))},
+    "ppo.group_adv_norm": Reach("true", _attrs("actor_train.cfg.group_adv_norm"), needs=("group_size=2",)),
+    "ppo.value_eps_clip": Reach("0.5", _attrs("critic_train.cfg.value_eps_clip")),
+    "ppo.value_norm": Reach("false", _attrs("critic_train.cfg.value_norm", "critic_inf.cfg.value_norm"),
+                            expect=lambda x: _n(x, 2)),
+    **{k: v for m in PPO_MFCS for k, v in _placement(m).items()},
+    **{k: v for m in PPO_MFCS if m != "rew_inf" for k, v in _mb_spec(f"{m}.mb_spec", m).items()},
+}
+
+TABLES = {"sft": SFT, "gen": GEN, "ppo-math": PPO}
+# the options each experiment needs to build at all (required paths; the tiny model has 512 positions)
+BASE_ARGS = {
+    "sft": lambda env: [f"model.path={env.model}", f"dataset.train_path={env.sft}", "dataset.max_seqlen=512"],
+    "gen": lambda env: [f"model.path={env.model}", f"dataset.path={env.prompts}"],
+    "ppo-math": lambda env: [f"actor.path={env.model}", f"dataset.path={env.math}"],
+}
+NEEDS = {"VALID": lambda env: f"dataset.valid_path={env.sft}"}  # placeholders of ``needs`` filled from the files
+
+
+def _experiments():
+    from realhf.experiments import registered
+
+    return registered()
+
+
+def _cases():
+    from realhf.api.quickstart.entry import config_options
+
+    return [(exp, o.key) for exp, cls in sorted(_experiments().items()) for o in config_options(cls) if not o.is_section]
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
+
+    d = tmp_path_factory.mktemp("reach")
+    model = ensure_tiny_model("qwen2", tie_word_embeddings=True)
+    shutil.copytree(model, d / "model2")  # a second model folder: path options must change the path used
+    files = {}
+    for name in ("", "2"):
+        write_math_jsonl(make_arithmetic_problems(32, seed=1, kind="add"), str(d / f"math{name}.jsonl"))
+        (d / f"sft{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                                    for i in range(32)))
+        (d / f"prompts{name}.jsonl").write_text("".join(json.dumps({"query_id": f"q{i}", "prompt": f"{i}+1="}) + "\n"
+                                                        for i in range(32)))
+        for kind in ("math", "sft", "prompts"):
+            files[kind + name] = str(d / f"{kind}{name}.jsonl")
+    return SimpleNamespace(model=model, model2=str(d / "model2"), root=str(d / "root"), root2=str(d / "root2"),
+                           builds={}, **files)
+
+
+def _entry(exp: str, key: str):
+    table = TABLES.get(exp)
+    assert table is not None and exp in BASE_ARGS, (
+        f"experiment {exp!r} has no option table in {__file__}: add TABLES[{exp!r}] (where each of its options is "
+        f"read) and BASE_ARGS[{exp!r}]")
+    entry = table.get(key, COMMON.get(key))
+    assert entry is not None, (
+        f"option {key!r} of experiment {exp!r} has no entry in {__file__}: add a non-default value and where the value "
+        "arrives (the interface, engine or spec field that uses it); an option nothing reads must be removed")
+    return entry
+
+
+def _overrides(env, exp, *items):
+    out = BASE_ARGS[exp](env) + [f"fileroot={env.root}"]
+    for it in items:
+        out.append(NEEDS[it](env) if it in NEEDS else it)
+    return out
+
+
+def _build(env, exp, overrides):
+    from realhf.api.quickstart.entry import load_config
+    from realhf.experiments import build_spec
+
+    key = (exp, tuple(overrides))
+    if key not in env.builds:
+        cfg = load_config(_experiments()[exp], [], overrides)
+        env.builds[key] = (cfg, Built(build_spec(exp, cfg)))
+    return env.builds[key]
+
+
+def _value(entry, env) -> str:
+    return entry.value(env) if callable(entry.value) else entry.value
+
+
+@pytest.mark.parametrize("exp,key", CASES, ids=[f"{e}:{k}" for e, k in CASES])
+def test_option_reaches_its_user(env, exp, key):
+    from realhf.api.quickstart.entry import ConfigError, load_config
+
+    entry = _entry(exp, key)
+    item = f"{key}={_value(entry, env)}"
+    if isinstance(entry, Refused):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(_experiments()[exp], [], _overrides(env, exp, item))
+        return
+    if isinstance(entry, Launcher):
+        cfg, _ = _build(env, exp, _overrides(env, exp, item))
+        assert str(functools.reduce(getattr, key.split("."), cfg)) == entry.value
+        with open(os.path.join(ROOT, entry.reader)) as f:
+            assert f"config.{key}" in f.read(), f"{entry.reader} no longer reads config.{key}: update the entry of {key!r}"
+        return
+    cfg, built = _build(env, exp, _overrides(env, exp, *entry.needs, *entry.with_, item))
+    _, base = _build(env, exp, _overrides(env, exp, *entry.needs))
+    parsed = functools.reduce(getattr, key.split("."), cfg)
+    want = parsed if entry.expect is SAME else entry.expect(parsed) if callable(entry.expect) else entry.expect
+    got = entry.where(built)
+    assert got == want, f"{exp} {item}: {got!r} arrived where it is used, expected {want!r}"
+    assert entry.where(base) != want, f"{exp}: the check of {key!r} sees {want!r} without {item}: it checks nothing"
+
+
+def test_every_entry_is_an_option():
+    """No entry outlives its option (a removed or renamed option must take its entry along)."""
+    options = {exp: {k for e, k in CASES if e == exp} for exp in TABLES}
+    for exp, table in TABLES.items():
+        assert not set(table) - options.get(exp, set()), (exp, sorted(set(table) - options.get(exp, set())))
+    assert not set(COMMON) - set().union(*options.values()), sorted(set(COMMON) - set().union(*options.values()))
+
+
+# ------------------------------------------------------------------------------------------ wired options at work
+def _tiny_model():
+    from realhf.api.core.model_api import Model
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.backend.engine import InferenceEngine
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+
+    path = ensure_tiny_model("qwen2", tie_word_embeddings=True)
+    grid = single_process_grid()
+    return Model(name="actor", engine=InferenceEngine(build_from_hf(path, grid=grid)), tokenizer=None, grid=grid, path=path)
+
+
+def _counting(engine, method: str):
+    """Count the calls of ``engine.<method>``."""
+    calls = []
+    f = getattr(engine, method)
+    setattr(engine, method, lambda *a, **k: calls.append(1) or f(*a, **k))
+    return calls
+
+
+def _sample(seqs, key, prompt_lens=None):
+    import torch
+
+    from realhf.api.core.data_api import SequenceSample
+
+    data = {key: torch.cat([torch.tensor(s) for s in seqs])}
+    if prompt_lens is not None:
+        data["prompt_mask"] = torch.cat([torch.arange(len(s)) < p for s, p in zip(seqs, prompt_lens)])
+    return SequenceSample(keys=set(data), ids=list(range(len(seqs))), seqlens={k: [[len(s)] for s in seqs] for k in data},
+                          trailing_shapes={k: () for k in data}, dtypes={k: v.dtype for k, v in data.items()}, data=data)
+
+
+PROMPTS = [[5, 9, 14], [7, 3], [11, 12, 13, 4], [6, 8, 2, 10, 15]]
+
+
+def test_generation_runs_in_the_mfcs_micro_batches():
+    """``mb_spec`` of a generating MFC cuts its prompts into engine calls; the outputs do not depend on the cut."""
+    import torch
+
+    from realhf.api.core.dfg import MicroBatchSpec
+    from realhf.api.core.model_api import GenerationHyperparameters
+    from realhf.impl.model.interface.gen_interface import GenerationInterface
+
+    model = _tiny_model()
+    calls = _counting(model.engine, "generate")
+    iface = GenerationInterface(GenerationHyperparameters(max_new_tokens=5, n=2), seed=3)
+    outs = []
+    for mb in (MicroBatchSpec(), MicroBatchSpec(n_mbs=3), MicroBatchSpec(max_tokens_per_mb=5)):
+        n0 = len(calls)
+        outs.append((iface.generate(model, _sample(PROMPTS, "packed_prompts"), mb), len(calls) - n0))
+    assert [n for _, n in outs] == [1, 3, 3]  # within 5 prompt tokens: (3 + 2), 4, 5
+    for out, _ in outs[1:]:
+        assert torch.equal(out.data["packed_input_ids"], outs[0][0].data["packed_input_ids"])
+        torch.testing.assert_close(out.data["packed_logprobs"], outs[0][0].data["packed_logprobs"], atol=1e-5, rtol=1e-5)
+
+
+def test_inference_runs_in_at_least_n_mbs_micro_batches():
+    """``n_mbs`` of an inference MFC (ref_inf, critic_inf) reaches the engine: at least that many forward passes,
+    the same log-probs."""
+    import torch
+
+    from realhf.api.core.dfg import MicroBatchSpec
+    from realhf.api.quickstart.ppo_config import PPOHyperparameters
+    from realhf.impl.model.interface.ppo_interface import PPOActorInterface
+
+    model = _tiny_model()
+    calls = _counting(model.engine.model, "forward")
+    iface = PPOActorInterface(PPOHyperparameters(), group_size=1, use_critic=False, seed=1)
+    seqs = [p + [3, 4, 5] for p in PROMPTS]
+    data = _sample(seqs, "packed_input_ids", prompt_lens=[len(p) for p in PROMPTS])
+    ref = iface.inference(model, data, MicroBatchSpec()).data["logprobs"]
+    assert len(calls) == 1
+    got = iface.inference(model, data, MicroBatchSpec(n_mbs=3)).data["logprobs"]
+    assert len(calls) == 1 + 3
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
