@@ -56,7 +56,7 @@ def bench_decode(path: str, a):
     m = build_from_hf(path)
     cfg = m.config
     B = a.rows
-    cache = KVCache(cfg.n_layers, B, 2 * a.pos, cfg.n_kv_heads, cfg.head_dim, torch.float32)
+    cache = KVCache(cfg.n_layers, B, 2 * a.pos, cfg.n_kv_heads, cfg.head_dim, torch.float32, m.device)
     cache.lens = torch.full((B,), a.pos)
     cache.decoding = True
     ids = torch.randint(3, cfg.vocab_size, (B,), generator=torch.Generator().manual_seed(0))

@@ -64,11 +64,12 @@ def _transfer(mb: int, reps: int):
     import torch.distributed as dist
 
     from realhf.api.core.data_api import SequenceSample
+    from realhf.base.runtime_env import cpu_env
     from realhf.system.data_manager import DataManager
 
     rank = dist.get_rank()
     n = mb * 1024 * 1024 // 4
-    dm = DataManager(rank)
+    dm = DataManager(rank, cpu_env().device)
     if rank == 0:
         dm.put(SequenceSample.from_default(ids=["s0"], seqlens=[n], data={"x": torch.randn(n)}))
     plan = [(0, 1, "s0", "x")]

@@ -44,9 +44,15 @@ def main(argv=None) -> int:
     secret = run_secret_from_env()
     nr = name_resolve.make_repository("file", root=name_resolve_root(config))
     if a.role == "model_worker":
+        from realhf.base.runtime_env import detect, local_rank
         from realhf.system.model_worker import ModelWorker
 
-        w = ModelWorker(spec, a.rank, secret, nr, resume=bool(a.resume))
+        # the launch-time runtime environment of this worker (device, backends, dtype, attention kernel);
+        # under Ray each worker's actor sees only the GPUs it reserved
+        env = detect(local_rank(a.rank, config.n_devices_per_node, own_devices=config.mode == "ray"),
+                     name_resolve="file")
+        nr = name_resolve.make_repository(env.name_resolve, root=name_resolve_root(config))
+        w = ModelWorker(spec, a.rank, secret, nr, resume=bool(a.resume), env=env)
         try:
             w.setup()
             return w.run()

@@ -1,8 +1,9 @@
-"""Run a function on N real processes joined by a gloo process group (tests, benchmarks, demos).
+"""Run a function on N real processes joined by a process group (tests, benchmarks, demos).
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises
-``torch.distributed`` (gloo, TCP rendezvous on 127.0.0.1) in each, calls ``fn(*args)`` and returns the
-list of per-rank return values. A rank that raises makes the whole call raise with that rank's
+``torch.distributed`` (the CPU runtime environment's gloo, or the backend of the ``runtime_env`` each rank
+is given; TCP rendezvous on 127.0.0.1) in each, calls ``fn(*args)`` and returns the list of per-rank
+return values. A rank that raises makes the whole call raise with that rank's
 traceback; a rank that dies or hangs is reported after ``timeout`` seconds; no process is left behind.
 ``fn`` must be importable by name (module level) because processes are spawned.
 """
@@ -15,7 +16,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 
 def free_port() -> int:
@@ -28,7 +29,7 @@ class DistributedError(RuntimeError):
     pass
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, q, threads, timeout):
+def _worker(rank, world_size, port, fn, args, kwargs, q, threads, timeout, runtime_env):
     import faulthandler
 
     # if this rank hangs, its stack shows up in the log before the parent kills it
@@ -37,13 +38,17 @@ def _worker(rank, world_size, port, fn, args, kwargs, q, threads, timeout):
         import torch
         import torch.distributed as dist
 
+        from realhf.base.runtime_env import cpu_env
+
         torch.set_num_threads(threads)
         os.environ["REALHF_TEST_RANK"] = str(rank)
+        env = runtime_env(local_rank=rank) if runtime_env is not None else cpu_env()
+        env.activate()
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            env.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         try:
-            out = fn(*args, **kwargs)
+            out = fn(*args, runtime_env=env, **kwargs) if runtime_env is not None else fn(*args, **kwargs)
         finally:
             try:
                 dist.barrier()
@@ -57,13 +62,19 @@ def _worker(rank, world_size, port, fn, args, kwargs, q, threads, timeout):
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args, timeout: float = 300.0, threads: int = 1, **kwargs
+    fn: Callable, world_size: int, *args, timeout: float = 300.0, threads: int = 1,
+    runtime_env: Optional[Callable[..., Any]] = None, **kwargs
 ) -> List[Any]:
+    """``runtime_env``: a picklable callable ``runtime_env(local_rank=rank) -> RuntimeEnv`` (e.g.
+    ``realhf.base.runtime_env.detect``) that makes each rank's environment; the rank's process group uses
+    its backend, and ``fn`` receives it as the keyword ``runtime_env``. Without it every rank runs in the
+    CPU environment (gloo) and ``fn`` gets only ``args``/``kwargs``."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, q, threads, timeout), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, q, threads, timeout, runtime_env),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

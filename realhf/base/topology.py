@@ -113,7 +113,9 @@ class ParallelGrid:
 
     Construction calls ``torch.distributed.new_group`` for every group of the grid, so *every* rank of
     the default process group must construct the same grids in the same order (a torch.distributed
-    rule). Ranks outside the grid get ``is_member == False`` and no groups.
+    rule). Ranks outside the grid get ``is_member == False`` and no groups. ``backend``: the backend of
+    every group (a ``RuntimeEnv``'s ``backend``, e.g. ``cpu:gloo,cuda:nccl`` on GPU); None inherits the
+    default group's.
     """
 
     def __init__(self, dims: ParallelDims, ranks: Optional[Sequence[int]] = None, backend: Optional[str] = None):
@@ -233,18 +235,23 @@ class ParallelGrid:
         return f"ParallelGrid({self.dims}, ranks={self.ranks}, {where})"
 
 
-def single_process_grid() -> "ParallelGrid":
-    """A 1x1x1 grid for code that runs without torch.distributed (initialises a 1-rank gloo group)."""
+def single_process_grid(env=None) -> "ParallelGrid":
+    """A 1x1x1 grid for code that runs without torch.distributed: initialises a 1-rank process group with the
+    backend of ``env`` (a ``realhf.base.runtime_env.RuntimeEnv``; default the CPU environment's) if none is."""
     import torch.distributed as dist
 
+    from realhf.base.runtime_env import cpu_env
+
+    env = env or cpu_env()
     if not dist.is_initialized():
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    return ParallelGrid(ParallelDims(1, 1, 1), ranks=[dist.get_rank()])
+        env.activate()
+        dist.init_process_group(env.backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return ParallelGrid(ParallelDims(1, 1, 1), ranks=[dist.get_rank()], backend=env.backend)
 
 
 def dims_tuple(d: ParallelDims) -> Tuple[int, int, int]:

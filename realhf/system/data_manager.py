@@ -2,9 +2,11 @@
 
 The master keeps only metadata (which worker owns which key of which sample). Before an MFC runs,
 it computes a transfer plan (:func:`plan_transfers`): every (sample, key) that a consumer worker
-lacks is sent point-to-point from its owner over the model workers' torch.distributed world (gloo on
-CPU, NCCL on GPU). Every worker executes its part of the plan (:meth:`DataManager.execute`) in plan
-order with one batch of non-blocking sends/receives, so the pairs always match.
+lacks is sent point-to-point from its owner over the model workers' torch.distributed world (the
+runtime environment's backend: gloo on CPU, NCCL on GPU). Every worker executes its part of the plan
+(:meth:`DataManager.execute`) in plan order with one batch of non-blocking sends/receives, so the pairs
+always match. Stored tensors live on the worker's device (``RuntimeEnv.device``): ``put`` moves them
+there, so what is sent and what is received are on the same kind of device (one backend serves a batch).
 """
 from __future__ import annotations
 
@@ -54,21 +56,21 @@ def plan_transfers(
 
 
 class DataManager:
-    """Storage of this worker's sample tensors: ``store[sample_id][key] -> (tensor, KeyMeta)``."""
+    """Storage of this worker's sample tensors on ``device``: ``store[sample_id][key] -> (tensor, KeyMeta)``."""
 
-    def __init__(self, rank: int, device="cpu"):
+    def __init__(self, rank: int, device: torch.device):
         self.rank = rank
         self.device = device
         self.store: Dict[str, Dict[str, Tuple[torch.Tensor, KeyMeta]]] = {}
 
     # -------------------------------------------------------------- storage
     def put(self, sample: SequenceSample):
-        """Store every key of every sample of ``sample`` (which must hold data)."""
+        """Store every key of every sample of ``sample`` (which must hold data), on this worker's device."""
         for one in sample.unpack():
             sid = str(one.ids[0])
             slot = self.store.setdefault(sid, {})
             for k in one.keys:
-                t = one.data[k]
+                t = one.data[k].to(self.device)
                 slot[k] = (t, KeyMeta(list(one.seqlens[k][0]), tuple(one.trailing_shapes[k]), dtype_to_str(one.dtypes[k])))
 
     def get(self, ids: Sequence[str], keys: Sequence[str], metadata: Optional[Dict[str, list]] = None) -> SequenceSample:

@@ -1,7 +1,10 @@
 """Model worker: holds the shards of every (model, layout) it takes part in and serves the master.
 
-One process per device slot. It joins the model workers' torch.distributed world, builds the grid of
-every model (collectively, in spec order), loads its shards, and then answers requests from the
+One process per device slot. Its runtime environment (``realhf.base.runtime_env.RuntimeEnv``: device,
+distributed backend, default dtype, attention kernel), made at its process entry, decides where its models,
+engines and stored tensors live and which backend every process group uses. It joins the model workers'
+torch.distributed world, builds the grid of every model (collectively, in spec order), loads its shards,
+and then answers requests from the
 master over an authenticated ZMQ socket: ``fetch`` (next dataset batch, kept here), ``mfc`` (move the
 inputs the plan says, then run the interface method), ``evaluate``, ``save``, ``ckpt``, ``clear``,
 ``exit``. A request that raises is answered with the traceback, after which the worker exits: its
@@ -35,6 +38,7 @@ import realhf.impl.model.interface  # noqa: F401  (registers the interfaces)
 from realhf.base import logging, network
 from realhf.base.name_resolve import names
 from realhf.base.recover import RecoverError, RecoverStore
+from realhf.base.runtime_env import RuntimeEnv
 from realhf.base.topology import ParallelGrid
 from realhf.system.data_manager import DataManager
 from realhf.system.heartbeat import HeartbeatMonitor, HeartbeatSender, exit_when_silent
@@ -74,11 +78,11 @@ def _np_state_from_plain(state) -> tuple:
     return name, keys.numpy().astype(np.uint32), pos, has_gauss, cached
 
 
-def _init_distributed(spec: ExperimentSpec, rank: int, nr) -> Optional[socket.socket]:
-    """Join the model workers' gloo world. Rank 0 serves the rendezvous store on a socket it binds itself on
-    this worker's host (so it listens there only, not on every interface) and publishes the address; gloo's
-    own connections use the loopback interface when the run is on one machine. Returns the store's socket
-    (it must stay open)."""
+def _init_distributed(spec: ExperimentSpec, rank: int, nr, backend: str) -> Optional[socket.socket]:
+    """Join the model workers' world with ``backend`` (the runtime environment's). Rank 0 serves the
+    rendezvous store on a socket it binds itself on this worker's host (so it listens there only, not on
+    every interface) and publishes the address; gloo's and NCCL's own connections use the loopback interface
+    when the run is on one machine. Returns the store's socket (it must stay open)."""
     import datetime
 
     host = network.worker_host()
@@ -86,6 +90,7 @@ def _init_distributed(spec: ExperimentSpec, rank: int, nr) -> Optional[socket.so
     timeout = datetime.timedelta(seconds=1800)
     if network.is_loopback(host) and "lo" in {n for _, n in socket.if_nameindex()}:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     lsock = None
     if rank == 0:
         lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -99,7 +104,7 @@ def _init_distributed(spec: ExperimentSpec, rank: int, nr) -> Optional[socket.so
         addr = nr.wait(key, timeout=120)
         h, _, port = addr[len("tcp://"):].rpartition(":")
         store = dist.TCPStore(h.strip("[]"), int(port), spec.n_workers, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=spec.n_workers, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=spec.n_workers, timeout=timeout)
     return lsock
 
 
@@ -117,11 +122,11 @@ def make_interfaces(mfcs) -> Dict[str, object]:
 
 
 class ModelWorker:
-    def __init__(self, spec: ExperimentSpec, rank: int, secret: bytes, nr, resume: bool):
-        self.spec, self.rank, self.secret, self.nr = spec, rank, secret, nr
+    def __init__(self, spec: ExperimentSpec, rank: int, secret: bytes, nr, resume: bool, env: RuntimeEnv):
+        self.spec, self.rank, self.secret, self.nr, self.env = spec, rank, secret, nr, env
         self.name = worker_name(rank)
         self.resume_info = load_recover_info(spec) if resume else None
-        self.data = DataManager(rank)
+        self.data = DataManager(rank, env.device)
         self.models: Dict[str, Model] = {}
         self.grids: Dict[str, ParallelGrid] = {}
         self.interfaces = make_interfaces(spec.mfcs)
@@ -137,12 +142,11 @@ class ModelWorker:
         random.seed(seed)
         np.random.seed(seed % (2**32))
         torch.manual_seed(seed)
-        self._store_sock = _init_distributed(spec, self.rank, self.nr)
-        for m in spec.models:  # collective: every worker builds every grid in the same order
-            self.grids[m.name] = ParallelGrid(m.layout, ranks=m.ranks)
-        for m in spec.models:
-            if self.grids[m.name].is_member:
-                self.models[m.name] = self._load_model(m)
+        env = self.env
+        env.activate()
+        logger.info(f"{self.name} runtime environment: {env.describe()}")
+        self._store_sock = _init_distributed(spec, self.rank, self.nr, env.backend)
+        self._build_models()
         self._setup_data()
         # let interfaces start what their first call would (e.g. grading processes); once per interface
         # object, as MFCs of one replica may share it (make_interfaces)
@@ -167,6 +171,15 @@ class ModelWorker:
         self.heartbeat.start()
         logger.info(f"{self.name} ready: models {sorted(self.models)}")
 
+    def _build_models(self):
+        """The grid of every model (collective: every worker builds every grid in the same order, each group
+        with the environment's backend) and this worker's shards of the models it takes part in."""
+        for m in self.spec.models:
+            self.grids[m.name] = ParallelGrid(m.layout, ranks=m.ranks, backend=self.env.backend)
+        for m in self.spec.models:
+            if self.grids[m.name].is_member:
+                self.models[m.name] = self._load_model(m)
+
     def _load_model(self, m: ModelSpec) -> Model:
         from realhf.impl.model.backend.engine import InferenceEngine, TrainEngine
         from realhf.impl.model.conversion.hf_io import build_from_hf
@@ -179,8 +192,9 @@ class ModelWorker:
         path = m.path
         if self.resume_info is not None and m.optimizer is not None:
             path = os.path.join(self.resume_info["path"], m.name)
-        dtype = getattr(torch, m.dtype)
-        module = build_from_hf(path, grid=self.grids[m.name], dtype=dtype, is_critic=m.is_critic)
+        # the model's own dtype, or the environment's default (bf16 on GPU, fp32 on CPU) where it names none
+        dtype = getattr(torch, m.dtype) if m.dtype not in (None, "auto") else self.env.dtype
+        module = build_from_hf(path, grid=self.grids[m.name], dtype=dtype, is_critic=m.is_critic, env=self.env)
         if m.compile:
             why = module.compile_blocks()
             if why is not None:
@@ -271,6 +285,7 @@ class ModelWorker:
 
     def _h_mfc(self, data):
         mfc = next(m for m in self.spec.mfcs if m.name == data["mfc"])
+        self.env.reset_peak_memory()  # the reply's peak covers received inputs and the call
         self.data.execute([tuple(x) for x in data["plan"]], data["metas"])
         role = str(mfc.model_name)
         grid = self.grids[role]
@@ -295,7 +310,9 @@ class ModelWorker:
             res = iface.inference(model, inp, mb_spec)
         else:
             raise ValueError(f"MFC {mfc.name}: {mfc.interface_type} is not run through 'mfc' requests")
-        reply = {"seconds": time.perf_counter() - t0}
+        # this worker's compute time and peak memory of the call (realhf.base.runtime_env: peak_mem_gib, and
+        # reserved_mem_gib on CUDA)
+        reply = {"seconds": time.perf_counter() - t0, **self.env.memory_stats()}
         self._maybe_offload(role)
         is_owner = self.rank == owner_rank(grid, grid.dp_rank)
         if isinstance(res, SequenceSample):

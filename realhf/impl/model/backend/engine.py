@@ -50,7 +50,7 @@ class InferenceEngine:
     def __init__(self, model: ReaLModel):
         self.model = model
         self.grid = model.grid
-        self.device = model.flat.device
+        self.device = model.device  # from the model's runtime environment
         self.offloaded = False
 
     def offload(self):
@@ -59,7 +59,7 @@ class InferenceEngine:
         if self.offloaded:
             return
         m = self.model
-        host = torch.empty(m.flat.shape, dtype=m.flat.dtype, pin_memory=m.flat.is_cuda)
+        host = torch.empty(m.flat.shape, dtype=m.flat.dtype, pin_memory=m.flat.is_cuda)  # host memory by definition
         host.copy_(m.flat)
         m.rebind_flat(host)
         self.offloaded = True
@@ -206,7 +206,7 @@ class TrainEngine(InferenceEngine):
         model.train()
         mbs = sample.split_mbs(max_tokens_per_mb, min_n_mbs=max(n_mbs, model.pp)) if sample.bs > 1 else [sample]
         weights = [float(loss_weight_fn(mb)) for mb in mbs]
-        total = torch.tensor(sum(weights), dtype=torch.float64)
+        total = torch.tensor(sum(weights), dtype=torch.float64, device=self.device)
         if grid is not None and grid.dp_group is not None:
             dist.all_reduce(total, group=grid.dp_group)
         total = float(total)
@@ -214,7 +214,7 @@ class TrainEngine(InferenceEngine):
             raise ValueError("total loss weight of the batch is 0: nothing to train on")
         model.flat_grad.zero_()
         inputs = [_mb_inputs(mb, self.device, head_rows_fn) for mb in mbs]
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         stats_sum: Dict[str, float] = {}
 
         def weighted_loss(i, out):
@@ -276,13 +276,14 @@ class TrainEngine(InferenceEngine):
         """[loss, *stats] of the whole batch on every rank, and the stats' keys. The loss lives on the last
         stage: share it (and the stats) with the whole replica, then sum the loss and average the stats over dp."""
         model, grid = self.model, self.grid
-        vals = torch.tensor([float(loss_sum)] + [stats_sum[k] for k in sorted(stats_sum)], dtype=torch.float64)
+        dev = self.device
+        vals = torch.tensor([float(loss_sum)] + [stats_sum[k] for k in sorted(stats_sum)], dtype=torch.float64, device=dev)
         if model.pp > 1:
-            n = torch.tensor([vals.numel()], dtype=torch.long)
+            n = torch.tensor([vals.numel()], dtype=torch.long, device=dev)
             src = grid.global_rank_of(model.pp - 1, grid.dp_rank, grid.tp_rank)
             dist.broadcast(n, src=src, group=grid.pp_group)
             if not model.is_last:
-                vals = torch.zeros(int(n), dtype=torch.float64)
+                vals = torch.zeros(int(n), dtype=torch.float64, device=dev)
             dist.broadcast(vals, src=src, group=grid.pp_group)
             keys = [None] if not model.is_last else sorted(stats_sum)
             obj = [keys]
@@ -310,8 +311,10 @@ class TrainEngine(InferenceEngine):
             self.master_grad.copy_(g)
         mg = self.master_grad
         norms = torch._foreach_norm(self._norm_views) if self._norm_views else []
-        sq = torch.stack([n.double() for n in norms]).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
-        red = torch.stack([sq, torch.tensor(0.0 if loss_finite else 1.0, dtype=torch.float64)])
+        dev = self.device
+        sq = (torch.stack([n.double() for n in norms]).pow(2).sum() if norms
+              else torch.zeros((), dtype=torch.float64, device=dev))
+        red = torch.stack([sq, torch.tensor(0.0 if loss_finite else 1.0, dtype=torch.float64, device=dev)])
         if grid is not None:
             if grid.tp_group is not None:
                 dist.all_reduce(red, group=grid.tp_group)

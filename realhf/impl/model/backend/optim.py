@@ -35,8 +35,7 @@ def build_adamw(named_params: List[tuple], cfg: OptimizerConfig) -> torch.optim.
     nodecay = [p for n, p in named_params if no_decay(n)]
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": nodecay, "weight_decay": 0.0}) if g["params"]]
     kw: Dict = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    dev = named_params[0][1].device
-    try:
-        return torch.optim.AdamW(groups, fused=True, **kw) if dev.type in ("cpu", "cuda") else torch.optim.AdamW(groups, **kw)
+    try:  # the fused kernel serves the parameters' device (CPU and CUDA) where torch has one
+        return torch.optim.AdamW(groups, fused=True, **kw)
     except (RuntimeError, TypeError):  # fused kernel unavailable for this device/dtype
         return torch.optim.AdamW(groups, foreach=True, **kw)

@@ -199,9 +199,12 @@ def load_hf_into(model: ReaLModel, path: str):
         model.local_param(name).copy_(model.local_shard(name, t))
 
 
-def build_from_hf(path: str, grid=None, dtype=torch.float32, is_critic: bool = False, device="cpu") -> ReaLModel:
+def build_from_hf(path: str, grid=None, dtype: Optional[torch.dtype] = None, is_critic: bool = False, device=None,
+                  env=None) -> ReaLModel:
+    """A ReaLModel shard of the HF folder ``path`` for this rank of ``grid``, built on the device of ``env``
+    (a ``RuntimeEnv``) in ``dtype`` (default: the env's); without ``env``, see ``ReaLModel``."""
     cfg = config_from_hf_path(path, is_critic=is_critic)
-    model = ReaLModel(cfg, grid=grid, dtype=dtype, device=device)
+    model = ReaLModel(cfg, grid=grid, dtype=dtype, device=device, env=env)
     if is_critic:
         model.init_random(seed=0)
     load_hf_into(model, path)
@@ -275,7 +278,7 @@ def save_hf(model: ReaLModel, path: str, tokenizer_src: Optional[str] = None, dt
     pp = model.pp
     writer = grid is None or (grid.dp_rank == 0 and grid.tp_rank == 0)
     bad = torch.tensor([sum(int((~torch.isfinite(v)).sum()) for v in hf_sd.values() if v.is_floating_point())
-                        if writer else 0])
+                        if writer else 0], device=model.device)
     if group is not None:
         dist.all_reduce(bad, group=group)
     if int(bad):

@@ -1,8 +1,10 @@
 """Attention over packed variable-length sequences, rotary embeddings and norms.
 
 Packed layout: ``x`` is [total_tokens, ...] with sequence boundaries ``cu_seqlens`` (int32, [n+1]).
-No token attends across a boundary. On CUDA with flash-attn installed, ``flash_attn_varlen_func`` is
-used; otherwise sequences of similar length are right-padded into one batch per group and attended with
+No token attends across a boundary. Two kernels, chosen by the runtime environment
+(``RuntimeEnv.attention``): ``flash`` calls flash-attn's ``flash_attn_varlen_func`` on the packed tokens
+with ``cu_seqlens`` (CUDA, fp16/bf16; the environment picks it only on CUDA with flash_attn installed);
+``sdpa`` right-pads sequences of similar length into one batch per group and attends with
 ``scaled_dot_product_attention`` under a causal mask, which is exact (see ``varlen_causal_attention``).
 """
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch.nn.functional as F
 
 
 @functools.lru_cache(maxsize=1)
-def _flash_attn_varlen():
+def flash_attn_varlen():
+    """flash-attn's ``flash_attn_varlen_func``, or None where the package does not import."""
     try:
         from flash_attn import flash_attn_varlen_func  # GPU extra, imported lazily
 
@@ -35,12 +38,12 @@ def pad_indices(cu_seqlens: torch.Tensor, max_len: int):
     return batch_idx, pos, seqlens
 
 
-def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float):
-    """q: [T, hq, d]; k, v: [T, hkv, d] -> [T, hq, d]."""
-    fa = _flash_attn_varlen() if q.is_cuda else None
-    if fa is not None and q.dtype in (torch.float16, torch.bfloat16):
+def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float, kernel: str = "sdpa"):
+    """q: [T, hq, d]; k, v: [T, hkv, d] -> [T, hq, d]. ``kernel="flash"``: flash-attn's varlen kernel (GQA
+    natively) for fp16/bf16 inputs; fp32 inputs, which it does not take, use the SDPA path."""
+    if kernel == "flash" and q.dtype in (torch.float16, torch.bfloat16):
         cu = cu_seqlens.to(torch.int32)
-        return fa(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
+        return flash_attn_varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
     n = cu_seqlens.numel() - 1
     T, hq, d = q.shape
     hkv = k.shape[1]
@@ -156,7 +159,8 @@ def activation(name: str):
 
 
 def rotary_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> torch.Tensor:
-    """Inverse frequencies of rotary embeddings, with 'linear' and 'llama3' scaling."""
+    """Inverse frequencies of rotary embeddings, with 'linear' and 'llama3' scaling. Computed on the host,
+    as the HF families do, so the tables are the same bits on every device."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv
@@ -186,9 +190,9 @@ class Rotary(nn.Module):
     the form ``apply_rotary`` takes.
     """
 
-    def __init__(self, head_dim: int, base: float, scaling: Optional[dict]):
+    def __init__(self, head_dim: int, base: float, scaling: Optional[dict], device=None):
         super().__init__()
-        self.register_buffer("inv_freq", rotary_inv_freq(head_dim, base, scaling), persistent=False)
+        self.register_buffer("inv_freq", rotary_inv_freq(head_dim, base, scaling).to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device).unsqueeze(0)

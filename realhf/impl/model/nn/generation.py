@@ -155,7 +155,9 @@ class RowStreams:
     """One random stream per sequence: ``uniforms(rows, step)`` is the ``step``-th number of each listed
     sequence's own generator (seeded from ``seeds``, one per sequence, indexed by original sequence index),
     whatever other sequences share the batch. Numbers are drawn ``CHUNK`` at a time per sequence (one call
-    per sequence every ``CHUNK`` steps instead of one per sequence and step); steps must not decrease."""
+    per sequence every ``CHUNK`` steps instead of one per sequence and step); steps must not decrease.
+    The generators and their numbers live on the host, so a seed gives the same samples on every device;
+    ``sample_with_mask`` moves a step's numbers to the logits' device."""
 
     CHUNK = 64
 
@@ -283,7 +285,7 @@ def generate(
         raise ValueError("generate needs at least one prompt and every prompt must be non-empty")
     if pipeline_groups is not None and (not isinstance(pipeline_groups, int) or pipeline_groups < 1):
         raise ValueError(f"pipeline_groups must be a positive integer or None, got {pipeline_groups!r}")
-    device = model.flat.device
+    device = model.device
     cfg = model.config
     stop = set(gconfig.stop_token_ids)
     if eos_token_id is not None:
@@ -415,7 +417,7 @@ class _StageLinks:
         self.others = [grid.global_rank_of(s, grid.dp_rank, grid.tp_rank) for s in range(model.pp - 1)]
         self.hidden = model.config.hidden_dim
         self.dtype = model.dtype
-        self.device = model.flat.device
+        self.device = model.device
 
     def send_activation(self, y: torch.Tensor) -> List[tuple]:
         y = y.detach().contiguous()
@@ -466,7 +468,7 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
                         row_seeds: Optional[List[int]], max_len: int, tp_src: Optional[int],
                         n_groups: int) -> GenerationOutput:
     """The pipelined schedule of the module docstring (pp > 1, ``n_groups`` > 1)."""
-    device = model.flat.device
+    device = model.device
     cfg = model.config
     links = _StageLinks(model)
     B = len(prompts)

@@ -18,12 +18,14 @@ import torch
 import torch.nn as nn
 
 from realhf.api.core.model_api import ReaLModelConfig
+from realhf.base import runtime_env
 from realhf.impl.model.nn.attention import (
     Rotary,
     activation,
     apply_rotary,
     make_norm,
     RMSNorm,
+    flash_attn_varlen,
     varlen_causal_attention,
 )
 from realhf.impl.model.nn.compile_util import CompiledOrFallback
@@ -123,8 +125,9 @@ class Attention(nn.Module):
     """Self-attention of one block, in two calls around which ``Block.forward`` splits its work:
     ``project`` (q/k/v) and ``attend``; the block applies ``o_proj`` itself."""
 
-    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, tp_rank: int, dtype, device):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, tp_rank: int, dtype, device, kernel: str):
         super().__init__()
+        self.kernel = kernel  # "sdpa" | "flash" (RuntimeEnv.attention)
         _, self.hkv = kv_head_partition(cfg.n_kv_heads, tp)[tp_rank]
         self.hq = self.hkv * (cfg.n_q_heads // cfg.n_kv_heads)
         self.d = cfg.head_dim
@@ -162,7 +165,7 @@ class Attention(nn.Module):
         else:
             if cache is not None:
                 cache.store_prefill(layer, k, v)
-            out = varlen_causal_attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, self.scale)
+            out = varlen_causal_attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, self.scale, self.kernel)
         return out.reshape(q.shape[0], self.hq * self.d)
 
 
@@ -188,10 +191,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, tp_rank: int, dtype, device):
+    def __init__(self, cfg: ReaLModelConfig, tp_group, tp: int, tp_rank: int, dtype, device, kernel: str):
         super().__init__()
         self.attn_norm = make_norm(cfg.layer_norm_type, cfg.hidden_dim, cfg.layer_norm_epsilon, dtype, device)
-        self.attn = Attention(cfg, tp_group, tp, tp_rank, dtype, device)
+        self.attn = Attention(cfg, tp_group, tp, tp_rank, dtype, device, kernel)
         self.mlp_norm = make_norm(cfg.layer_norm_type, cfg.hidden_dim, cfg.layer_norm_epsilon, dtype, device)
         self.mlp = MLP(cfg, tp_group, tp, dtype, device)
         self.compiled = None  # (pre, post) compiled by ReaLModel.compile_blocks, else the eager functions run
@@ -269,10 +272,24 @@ class ReaLModel(nn.Module):
     ``forward(x, inp)``: on the first stage ``x`` is token ids [T]; elsewhere hidden states [T, H].
     Returns hidden states [T, H] on non-last stages, and on the last stage logits over this rank's
     vocabulary slice [T, V/tp] (or values [T] for a critic).
+
+    ``env`` (``realhf.base.runtime_env.RuntimeEnv``) says where the parameters live, their default dtype and
+    the attention kernel; without one, the environment of ``device`` (``for_device``), or the CPU
+    environment when no device is given either. ``dtype``/``device`` override the env's (``device="meta"``
+    builds shapes only).
     """
 
-    def __init__(self, config: ReaLModelConfig, grid=None, dtype=torch.float32, device="cpu"):
+    def __init__(self, config: ReaLModelConfig, grid=None, dtype=None, device=None, env=None):
         super().__init__()
+        if env is None:
+            env = runtime_env.for_device(device) if device is not None else runtime_env.cpu_env()
+        self.env = env
+        self.device = env.device if device is None else torch.device(device)
+        dtype = env.dtype if dtype is None else dtype
+        kernel = env.attention
+        if kernel == "flash" and flash_attn_varlen() is None:
+            raise ValueError(f"attention kernel 'flash' asked for ({env.describe()}), but flash_attn does not "
+                             "import here; install the GPU extra or use attention='sdpa'")
         self.config = config
         self.grid = grid
         tp = grid.tp_size if grid is not None else 1
@@ -286,11 +303,12 @@ class ReaLModel(nn.Module):
         self.is_first = stage == 0
         self.is_last = stage == pp - 1
         self.layer_start, self.layer_end = stage_layer_range(config.n_layers, pp, stage)
-        device = torch.device(device)
+        device = self.device
         r = self._tp_rank
         self.embed = Embedding(config, self.tp_group, tp, r, dtype, device) if self.is_first else None
         self.blocks = nn.ModuleDict(
-            {str(i): Block(config, self.tp_group, tp, r, dtype, device) for i in range(self.layer_start, self.layer_end)}
+            {str(i): Block(config, self.tp_group, tp, r, dtype, device, kernel)
+             for i in range(self.layer_start, self.layer_end)}
         )
         self.head = Head(config, self.tp_group, tp, dtype, device) if self.is_last else None
         # Tied embeddings inside one stage share the parameter; across stages the last stage keeps a copy
@@ -298,7 +316,8 @@ class ReaLModel(nn.Module):
         self.shares_tied_weight = config.tied_embedding and not config.is_critic and pp == 1
         if self.shares_tied_weight:
             self.head.lm_head.weight = self.embed.wte.weight
-        self.rotary = Rotary(config.head_dim, config.rotary_base, config.rotary_scaling) if config.apply_rotary else None
+        self.rotary = (Rotary(config.head_dim, config.rotary_base, config.rotary_scaling, device)
+                       if config.apply_rotary else None)
         self._build_flat()
 
     # ------------------------------------------------------------------ flat parameter buffer
@@ -306,8 +325,7 @@ class ReaLModel(nn.Module):
         """Move every parameter into one contiguous buffer; parameters become views of it."""
         named = list(self.named_parameters())  # tied parameters appear once
         total = sum(p.numel() for _, p in named)
-        device = named[0][1].device if named else torch.device("cpu")
-        self.flat = torch.zeros(total, dtype=self.dtype, device=device)
+        self.flat = torch.zeros(total, dtype=self.dtype, device=self.device)
         self.param_spec: Dict[str, Tuple[int, torch.Size]] = {}
         off = 0
         for name, p in named:
@@ -342,7 +360,8 @@ class ReaLModel(nn.Module):
         return self.flat[off : off + shape.numel()].view(shape)
 
     def init_random(self, seed: int = 0, std: float = 0.02):
-        """Layout-independent random init: each full tensor is drawn from a generator seeded by its name."""
+        """Layout-independent random init: each full tensor is drawn from a host generator seeded by its name
+        (the same values on every device and layout), then this rank's slice is copied to the parameters."""
         for name in self.param_spec:
             full = list(self.full_shape(name))
             key = tied_source_name(self.config, name)  # a tied head's copy starts equal to the embedding

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 
 class StageComm:
-    """Sends/receives [tokens, hidden] activations and their gradients to/from neighbouring stages."""
+    """Sends/receives [tokens, hidden] activations and their gradients to/from neighbouring stages; receive
+    buffers are allocated on ``device`` (the model's, from its runtime environment)."""
 
-    def __init__(self, grid, hidden: int, dtype, device="cpu"):
+    def __init__(self, grid, hidden: int, dtype, device):
         self.prev = grid.stage_neighbor(-1)
         self.next = grid.stage_neighbor(+1)
         self.hidden = hidden
