@@ -234,6 +234,8 @@ class ModelWorker:
                                drop_last=False)
             batches = [vds.collate([vds[i] for i in it.rank_share(it.global_batch_indices(0, s))])
                        for s in range(it.steps_per_epoch)]
+            for b in batches:  # on this worker's device, like every input the data manager hands an MFC
+                b.data = {k: v.to(self.env.device) for k, v in b.data.items()}
             self.valid_batches = lambda: batches
 
     # ------------------------------------------------------------------ serving
