@@ -5,7 +5,8 @@
 3. measures held-out greedy accuracy before training;
 4. runs `ppo-math` (GRPO: no critic, group-normalised rewards) through the quickstart launcher;
 5. measures held-out greedy accuracy of the trained checkpoint, prints before/after and writes the
-   reward curve to `<out>/reward_curve.png`.
+   reward curve (realhf.apps.plot: the task reward, +5 right / -5 wrong, and each MFC's time per step) to
+   `<out>/reward_curve.png`.
 
 Usage: python scripts/main_job.py [--out outputs/main_job] [--steps N] [key=value overrides for ppo-math]
 """
@@ -40,30 +41,6 @@ def make_data(out_dir: str, n_train: int, n_test: int):
     write_rows(train, os.path.join(out_dir, "train.jsonl"))
     write_rows(test, os.path.join(out_dir, "test.jsonl"))
     return train, test
-
-
-def plot_rewards(stats_path: str, png: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(l) for l in open(stats_path) if l.strip()]
-    steps = [r["global_step"] for r in rows if "task_reward" in r]
-    acc = [(r["task_reward"] + 5) / 10 for r in rows if "task_reward" in r]  # +5/-5 reward -> fraction correct
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, acc, marker="o", lw=1, label="batch accuracy (from reward)")
-    if len(acc) >= 4:
-        k = 4
-        avg = [sum(acc[max(0, i - k + 1): i + 1]) / len(acc[max(0, i - k + 1): i + 1]) for i in range(len(acc))]
-        ax.plot(steps, avg, lw=2, label=f"moving average ({k})")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("fraction of sampled answers correct")
-    ax.set_title("realhf GRPO on SmolLM2-135M-Instruct")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -110,10 +87,10 @@ def main(argv=None) -> int:
     train_secs = time.time() - t0
     ckpts = sorted(glob.glob(os.path.join(cfg.ckpt_dir(), "actor", "*")), key=os.path.getmtime)
     after = math_accuracy(ckpts[-1], test, **eval_kw)
-    stats = os.path.join(cfg.log_dir(), "stats.jsonl")
-    png = os.path.join(a.out, "reward_curve.png")
-    plot_rewards(stats, png)
-    rewards = [json.loads(l)["task_reward"] for l in open(stats) if "task_reward" in l]
+    from realhf.apps.plot import plot_run, step_rows
+
+    png = plot_run(cfg.log_dir(), os.path.join(a.out, "reward_curve.png"))
+    rewards = [r["task_reward"] for r in step_rows(cfg.log_dir())]
     k = max(1, len(rewards) // 4)
     summary = {
         "model": "SmolLM2-135M-Instruct", "algorithm": "GRPO", "steps": len(rewards),

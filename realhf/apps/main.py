@@ -19,10 +19,13 @@ import signal
 import sys
 import time
 import uuid
+from typing import Optional
 
 from realhf.api.quickstart.entry import config_to_yaml
+from realhf.apps.console import Console
 from realhf.base import logging, name_resolve
 from realhf.base.name_resolve import names
+from realhf.base.progress import clear_progress
 from realhf.base.recover import RecoverError, RecoverStore
 from realhf.base.run_lock import RunLock, RunLocked
 from realhf.base.process import env_with_source_path
@@ -43,10 +46,11 @@ class LaunchError(ValueError):
     that cannot be used); the message is for the user as is."""
 
 
-def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str) -> None:
+def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console: Console) -> None:
     nr = name_resolve.make_repository("file", root=name_resolve_root(config))
     nr.clear_subtree(names.trial_root(config.experiment_name, config.trial_name))
     os.makedirs(spec.log_dir, exist_ok=True)
+    clear_progress(spec.log_dir)
     cfg_path = os.path.join(spec.log_dir, "config.yaml")
     with open(cfg_path, "w") as f:
         f.write(config_to_yaml(config))
@@ -61,9 +65,11 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str) -> None
         sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env, worker=False)
         for r in range(spec.n_workers):
             sched.submit(f"model_worker_{r}", python_cmd("realhf.apps.remote", "--role", "model_worker", "--rank", str(r), *common), env)
-        sched.wait("master")
+        console.watch(spec.log_dir)
+        sched.wait("master", on_poll=console.poll)
         sched.wait_others()
     finally:
+        console.close()
         sched.stop_all()
 
 
@@ -113,7 +119,9 @@ def _first_launch(config, store: RecoverStore):
     return uuid.uuid4().hex[:12], False
 
 
-def run_experiment(exp_name: str, config) -> int:
+def run_experiment(exp_name: str, config, console: Optional[Console] = None) -> int:
+    """Run the experiment; ``console`` shows its progress (default: a normal one on stdout)."""
+    console = console or Console()
     spec = build_spec(exp_name, config)  # validates: raises before any process starts
     run_dir = os.path.dirname(spec.log_dir)
     lock = RunLock(run_dir)
@@ -140,9 +148,10 @@ def run_experiment(exp_name: str, config) -> int:
         while True:
             t0 = time.time()
             try:
-                _launch_once(exp_name, config, spec, resume=resume, run_id=run_id)
+                _launch_once(exp_name, config, spec, resume=resume, run_id=run_id, console=console)
                 store.mark_finished()
                 logger.info(f"experiment {config.experiment_name}/{config.trial_name} finished in {time.time() - t0:.1f}s; logs in {spec.log_dir}")
+                console.finish(spec.log_dir, f"{config.experiment_name}/{config.trial_name}")
                 return 0
             except JobFailure as e:
                 logger.error(f"run failed: {e}")

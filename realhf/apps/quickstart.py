@@ -3,6 +3,9 @@
 Every registered experiment (``realhf.experiments``) becomes a quickstart command. Config errors and
 anything wrong found while building the experiment (missing files, malformed data rows, layouts that do
 not fit the model, a DFG key nobody produces) are reported before any process starts, with exit code 2.
+
+``-q``/``--quiet`` shows only warnings and errors; ``-v``/``--verbose`` a line per step and debug logs; by default
+a live progress line on a terminal, periodic plain lines otherwise (realhf.apps.console).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from realhf.base import logging
 logger = logging.getLogger("realhf.quickstart")
 
 
-def _runner(name: str):
+def _runner(name: str, console=None):
     def run(cfg) -> int:
         from realhf.apps.main import run_experiment
         from realhf.experiments import build_spec
@@ -30,7 +33,7 @@ def _runner(name: str):
             msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
             sys.stderr.write(f"error: {msg}\n")
             return 2
-        return run_experiment(name, cfg)
+        return run_experiment(name, cfg, console)
 
     return run
 
@@ -44,9 +47,33 @@ def register_all():
             entry.register_quickstart_exp(name, cls, _runner(name))
 
 
+def console_flags(argv):
+    """(argv without the console flags, verbosity)."""
+    quiet = {"-q", "--quiet"} & set(argv)
+    verbose = {"-v", "--verbose"} & set(argv)
+    if quiet and verbose:
+        raise entry.ConfigError("choose one of --quiet and --verbose")
+    rest = [a for a in argv if a not in ("-q", "--quiet", "-v", "--verbose")]
+    return rest, "quiet" if quiet else "verbose" if verbose else "normal"
+
+
 def main(argv=None) -> int:
+    from realhf.apps.console import Console
+
     register_all()
-    return entry.main(argv)
+    try:
+        argv, verbosity = console_flags(sys.argv[1:] if argv is None else list(argv))
+        name, cfg = entry.parse_cli(argv)
+    except entry.HelpRequested as h:
+        sys.stdout.write(h.text)
+        return 0
+    except entry.ConfigError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    if verbosity != "normal":  # the launcher's own log; the processes' logs are in their files
+        logging.getLogger("realhf").setLevel("WARNING" if verbosity == "quiet" else "DEBUG")
+    logger.info("Running quickstart experiment %r (%s/%s)", name, cfg.experiment_name, cfg.trial_name)
+    return _runner(name, Console(verbosity))(cfg)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
-"""Checking that a value is plain JSON (what may travel in a wire header: no pickled objects)."""
+"""Plain JSON: checking that a value is plain JSON (what may travel in a wire header: no pickled objects), and
+writing a JSON file atomically (readers see the old or the new file, never a partial one)."""
 from __future__ import annotations
 
+import json
+import os
+import uuid
 from typing import Any
 
 
@@ -26,3 +30,30 @@ def check_plain_json(obj: Any, path: str = "data") -> None:
         f"{path} is a {type(obj).__name__}, which is not plain JSON "
         f"(use dict/list/str/int/float/bool/None; tensors travel separately)"
     )
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, obj: Any, durable: bool = True) -> None:
+    """Write ``obj`` as JSON to ``path`` so that readers see the old or the new file, never a partial one;
+    ``durable`` also fsyncs the file and its folder (for files that must survive a power loss)."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -27,6 +27,7 @@ import uuid
 from typing import Dict, Optional
 
 from realhf.base import logging
+from realhf.base.plain_json import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -37,30 +38,6 @@ _PREFIX = "ckpt-"
 
 class RecoverError(RuntimeError):
     """A recover checkpoint that cannot be used (missing, truncated or malformed files); names the file."""
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: str, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` so that readers see the old or the new file, never a partial one."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _read_json(path: str, what: str) -> dict:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from realhf.base import logging
 from realhf.base.process import MASTER_LOST_EXIT, tail
@@ -40,11 +40,14 @@ class WaitMixin:
     """``wait``/``wait_others`` over ``self._codes()`` ({job name: exit code, None while running}) and
     ``self.jobs[name].log_path``: shared by the launchers."""
 
-    def wait(self, main: str, poll: float = 0.2, timeout: Optional[float] = None) -> None:
+    def wait(self, main: str, poll: float = 0.2, timeout: Optional[float] = None,
+             on_poll: Optional[Callable[[], None]] = None) -> None:
         """Return when ``main`` exits 0; raise JobFailure when any job exits non-zero (or is lost),
-        TimeoutError after ``timeout`` seconds."""
+        TimeoutError after ``timeout`` seconds. ``on_poll()`` is called at every poll (e.g. to show progress)."""
         t0 = time.monotonic()
         while True:
+            if on_poll is not None:
+                on_poll()
             codes = self._codes()
             for name, code in codes.items():
                 if code == MASTER_LOST_EXIT and name != main:

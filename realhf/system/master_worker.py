@@ -15,6 +15,7 @@ the step's samples leave the buffer.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Dict, List, Optional
@@ -22,6 +23,7 @@ from typing import Dict, List, Optional
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.system_api import ExperimentSpec
 from realhf.base import logging
+from realhf.base.progress import key_stats, write_progress
 from realhf.base.recover import RecoverStore
 from realhf.base.stats import StatsLogger
 from realhf.base.topology import ProcessTopology
@@ -32,6 +34,7 @@ from realhf.system.evaluator import make_evaluator
 from realhf.system.executor import DFGExecutor
 from realhf.system.hooks import ParamReallocHook, ParamVersionHook
 from realhf.system.model_worker import load_recover_info, worker_name
+from realhf.system.notices import Notices
 from realhf.system.request_reply_stream import MasterClient, Payload
 
 logger = logging.getLogger(__name__)
@@ -62,7 +65,7 @@ class MasterWorker:
         if spec.wandb:
             os.makedirs(spec.wandb.get("dir", spec.log_dir), exist_ok=True)
         self.resume_info = load_recover_info(spec) if resume else None
-        self.stats = StatsLogger(spec.log_dir, wandb_config=spec.wandb,
+        self.stats = StatsLogger(spec.log_dir, tensorboard_dir=spec.tensorboard_dir, wandb_config=spec.wandb,
                                  resume_step=self.resume_info["global_step"] if self.resume_info is not None else None)
         self.evaluator = make_evaluator(spec, self.stats)  # None unless auto_eval.enabled
         self.versions = ParamVersionHook(spec, resumed=self.resume_info is not None)
@@ -70,6 +73,7 @@ class MasterWorker:
         self.hooks = [ParamReallocHook(spec, self._call_ranks, self.versions), self.versions]
         self.holders: List[int] = []
         self.step = 0  # the global step being run (1-based) once the loop starts
+        self.notices = Notices()
 
     # ------------------------------------------------------------------ requests
     def _call(self, handle_name: str, data_by_worker: Dict[str, dict], timeout=None) -> Dict[str, Payload]:
@@ -170,10 +174,17 @@ class MasterWorker:
         if self.resume_info is not None:
             global_step = self.resume_info["global_step"]
             logger.info(f"resuming after global step {global_step}")
+        first_step, epochs = global_step, math.ceil(total_steps / steps_per_epoch)
+        logger.info(f"this run does {total_steps} steps ({epochs} epoch(s) of {steps_per_epoch} steps"
+                    + (f", stopping at exp_ctrl.benchmark_steps={spec.benchmark_steps}" if spec.benchmark_steps else "")
+                    + (f"; resumed after step {first_step})" if first_step else ")"))
+        progress = {"total_steps": total_steps, "global_step": global_step, "first_step": first_step, "epoch": 0,
+                    "epochs": epochs, "steps_per_epoch": steps_per_epoch, "elapsed": 0.0, "eta": None, "last": {},
+                    "notices": self.notices.messages}
+        write_progress(spec.log_dir, progress)
         executor = None
         cadence = Cadence(spec)
         t_start = time.perf_counter()
-        steps_done_here = 0
         while global_step < total_steps:
             t0 = time.perf_counter()
             self.step = global_step + 1
@@ -184,7 +195,6 @@ class MasterWorker:
                 executor = DFGExecutor(graph, self.buffer, self._run_mfc)
             mfc_stats = executor.run(ids)
             global_step += 1
-            steps_done_here += 1
             epoch, epoch_step = info["epoch"], info["epoch_step"]
             stats = {}
             for name, st in mfc_stats.items():
@@ -194,11 +204,10 @@ class MasterWorker:
             self.buffer.drop(ids)
             dt = time.perf_counter() - t0
             elapsed = time.perf_counter() - t_start
-            remaining = elapsed / steps_done_here * (total_steps - global_step)
+            remaining = elapsed / (global_step - first_step) * (total_steps - global_step)
             logger.info(
-                f"Epoch {epoch + 1}/{spec.total_train_epochs} step {epoch_step + 1}/{steps_per_epoch} "
-                f"(global step {global_step}) finishes. Execution time: {dt:.2f}s. "
-                f"Estimated remaining time: {remaining:.1f}s. "
+                f"global step {global_step}/{total_steps} (epoch {epoch + 1}/{epochs}, step {epoch_step + 1}/"
+                f"{steps_per_epoch}) done in {dt:.2f}s; estimated remaining time {remaining:.1f}s. "
                 + ", ".join(f"{k}={v:.4g}" for k, v in sorted(stats.items()) if isinstance(v, (int, float)))
             )
             epoch_end = info.get("is_epoch_last", False)
@@ -206,7 +215,12 @@ class MasterWorker:
                 ev = self._evaluate()
                 stats.update(ev)
                 logger.info("evaluation: " + ", ".join(f"{k}={v:.4g}" for k, v in ev.items()))
-            self.stats.log(global_step, {"epoch": epoch + 1, "epoch_step": epoch_step + 1, "step_time": dt, **stats})
+            self.notices.check(global_step, stats)
+            self.stats.log(global_step, {"epoch": epoch + 1, "epoch_step": epoch_step + 1, "step_time": dt,
+                                         "total_steps": total_steps, **stats})
+            progress.update(global_step=global_step, epoch=epoch + 1, elapsed=elapsed, eta=remaining,
+                            last=key_stats({"step_time": dt, **stats}))
+            write_progress(spec.log_dir, progress)
             save, ckpt = cadence.save_and_ckpt(global_step, epoch, epoch_end, last=global_step == total_steps)
             if save:
                 self._save(f"epoch{epoch + 1}epochstep{epoch_step + 1}globalstep{global_step}", global_step)

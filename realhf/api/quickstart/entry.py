@@ -29,7 +29,8 @@ from realhf.base import logging
 
 logger = logging.getLogger(__name__)
 
-USAGE = "usage: python -m realhf.apps.quickstart <experiment> [--config FILE.yaml ...] [key=value ...] [--help]"
+USAGE = ("usage: python -m realhf.apps.quickstart <experiment> [--config FILE.yaml ...] [key=value ...] "
+         "[-q|--quiet | -v|--verbose] [--help]")
 
 
 class ConfigError(Exception):
