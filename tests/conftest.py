@@ -27,3 +27,14 @@ def tiny_math_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("ppo")
     write_math_jsonl(make_arithmetic_problems(32, seed=3, kind="easy"), str(d / "math.jsonl"))
     return ensure_tiny_model("qwen2", tie_word_embeddings=True), d
+
+
+@pytest.fixture(scope="module")
+def tiny_sft(tmp_path_factory):
+    """(a tiny tied Qwen2 model, a folder holding train.jsonl with 16 one-digit additions) for short sft runs."""
+    from realhf.base.testing import write_sum_rows
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    d = tmp_path_factory.mktemp("sft")
+    write_sum_rows(str(d / "train.jsonl"))
+    return ensure_tiny_model("qwen2", tie_word_embeddings=True), d

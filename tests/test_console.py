@@ -11,29 +11,11 @@ import subprocess
 import sys
 import termios
 
-import pytest
 from PIL import Image
 
 from realhf.base.process import env_with_source_path, source_root
 from realhf.base.progress import read_progress
-from realhf.base.testing import read_stats, run_quickstart, start_quickstart, wait_for_steps
-
-
-@pytest.fixture(scope="module")
-def sft_data(tmp_path_factory):
-    from realhf.impl.model.tiny import ensure_tiny_model
-
-    d = tmp_path_factory.mktemp("console")
-    with open(d / "train.jsonl", "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"{i % 10}+{i // 10}=", "answer": str(i % 10 + i // 10)}) + "\n")
-    return ensure_tiny_model("qwen2", tie_word_embeddings=True), d
-
-
-def sft(setup, root, exp, *extra):
-    model, d = setup
-    return ["sft", f"model.path={model}", "dataset.max_seqlen=512", f"dataset.train_path={d}/train.jsonl",
-            "dataset.train_bs_n_seqs=4", f"fileroot={root}", f"experiment_name={exp}", *extra]
+from realhf.base.testing import read_stats, run_quickstart, sft_cmd, start_quickstart, wait_for_steps
 
 
 def _run_in_pty(args):
@@ -62,8 +44,8 @@ def _run_in_pty(args):
     return p.returncode, out.decode(errors="replace")
 
 
-def test_progress_line_on_a_terminal(sft_data, tmp_path):
-    code, out = _run_in_pty(sft(sft_data, str(tmp_path), "tty", "exp_ctrl.total_train_epochs=30",
+def test_progress_line_on_a_terminal(tiny_sft, tmp_path):
+    code, out = _run_in_pty(sft_cmd(*tiny_sft, str(tmp_path), "tty", "exp_ctrl.total_train_epochs=30",
                                 "exp_ctrl.benchmark_steps=20"))
     assert code == 0, out[-3000:]
     # tqdm redraws one line with carriage returns: the last state shows every step done, the ETA and the stats
@@ -75,10 +57,10 @@ def test_progress_line_on_a_terminal(sft_data, tmp_path):
     assert "tty/trial0 finished: 20 steps" in out and "reward_curve.png" in out
 
 
-def test_plain_lines_totals_and_summary_without_a_terminal(sft_data, tmp_path):
+def test_plain_lines_totals_and_summary_without_a_terminal(tiny_sft, tmp_path):
     root = str(tmp_path)
     # 16 rows / 4 per step = 4 steps an epoch, 3 epochs: 12 steps (the epoch count decides)
-    p = run_quickstart(sft(sft_data, root, "plain", "exp_ctrl.total_train_epochs=3"), timeout=300)
+    p = run_quickstart(sft_cmd(*tiny_sft, root, "plain", "exp_ctrl.total_train_epochs=3"), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step 12/12 (100%)" in p.stdout and "ETA" in p.stdout, p.stdout
     assert "\r" not in p.stdout, "no terminal: no redrawn progress line"
@@ -92,13 +74,13 @@ def test_plain_lines_totals_and_summary_without_a_terminal(sft_data, tmp_path):
     master_log = open(os.path.join(log_dir, "master.log")).read()
     assert "global step 12/12 (epoch 3/3, step 4/4)" in master_log
     # quiet: nothing but warnings and errors
-    q = run_quickstart(["-q"] + sft(sft_data, root, "quiet", "exp_ctrl.benchmark_steps=2"), timeout=300)
+    q = run_quickstart(["-q"] + sft_cmd(*tiny_sft, root, "quiet", "exp_ctrl.benchmark_steps=2"), timeout=300)
     assert q.returncode == 0 and q.stdout == "" and "started master" not in q.stderr, (q.stdout, q.stderr[-2000:])
 
 
-def test_totals_with_benchmark_steps_and_after_a_resume(sft_data, tmp_path):
+def test_totals_with_benchmark_steps_and_after_a_resume(tiny_sft, tmp_path):
     root = str(tmp_path)
-    args = sft(sft_data, root, "resumed", "exp_ctrl.total_train_epochs=100", "exp_ctrl.benchmark_steps=10",
+    args = sft_cmd(*tiny_sft, root, "resumed", "exp_ctrl.total_train_epochs=100", "exp_ctrl.benchmark_steps=10",
                "exp_ctrl.ckpt_freq_steps=4")
     crashed = run_quickstart(args, env={"REALHF_FAILPOINTS": "recover.after_swap@1"}, timeout=300)
     assert crashed.returncode == 1  # the master was killed right after its checkpoint of step 4

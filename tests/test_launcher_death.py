@@ -5,30 +5,17 @@ its terminal sends), the master is stopped (SIGSTOP). Liveness is checked with g
 processes are expected to end within a few seconds; the deadline only keeps a broken build from hanging).
 """
 import ipaddress
-import json
 import signal
 
 import psutil
 import pytest
 
-from realhf.base.testing import run_processes, start_quickstart, wait_for_steps, wait_until_gone
-from realhf.impl.model.tiny import ensure_tiny_model
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    d = tmp_path_factory.mktemp("death")
-    with open(d / "train.jsonl", "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"{i % 10}+{i // 10}=", "answer": str(i % 10 + i // 10)}) + "\n")
-    return ensure_tiny_model("qwen2", tie_word_embeddings=True), d
+from realhf.base.testing import run_processes, sft_cmd, start_quickstart, wait_for_steps, wait_until_gone
 
 
 def long_run(setup, root, *extra):
-    model, d = setup
-    return start_quickstart(["sft", f"model.path={model}", "dataset.max_seqlen=512", f"dataset.train_path={d}/train.jsonl",
-                             "dataset.train_bs_n_seqs=4", f"fileroot={root}", "experiment_name=long",
-                             "allocation_mode=d2m1p1", "n_devices_per_node=2", "exp_ctrl.total_train_epochs=500", *extra])
+    return start_quickstart(sft_cmd(*setup, root, "long", "allocation_mode=d2m1p1", "n_devices_per_node=2",
+                                    "exp_ctrl.total_train_epochs=500", *extra))
 
 
 def _listening(procs):
@@ -42,9 +29,9 @@ def _listening(procs):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["kill-9", "hangup"])
-def test_every_process_ends_with_its_launcher(setup, tmp_path, sig):
+def test_every_process_ends_with_its_launcher(tiny_sft, tmp_path, sig):
     root = str(tmp_path)
-    p = long_run(setup, root)
+    p = long_run(tiny_sft, root)
     try:
         wait_for_steps(root, "long", 2, proc=p)
         procs = [q for q in run_processes(root) if q.pid != p.pid]
@@ -64,9 +51,9 @@ def test_every_process_ends_with_its_launcher(setup, tmp_path, sig):
         p.communicate()
 
 
-def test_a_stopped_master_ends_the_run_with_a_named_error(setup, tmp_path):
+def test_a_stopped_master_ends_the_run_with_a_named_error(tiny_sft, tmp_path):
     root = str(tmp_path)
-    p = long_run(setup, root, "worker_timeout_secs=4")
+    p = long_run(tiny_sft, root, "worker_timeout_secs=4")
     try:
         wait_for_steps(root, "long", 2, proc=p)
         (master,) = [q for q in run_processes(root) if "master" in q.cmdline()]

@@ -9,30 +9,14 @@ import os
 import shutil
 import signal
 
-import pytest
 import torch
 
 from realhf.base.recover import INFO, RecoverStore
-from realhf.base.testing import read_stats, run_quickstart, run_worker, start_quickstart, wait_for_steps
-from realhf.impl.model.tiny import ensure_tiny_model
-
-N_ROWS, BS = 16, 4
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    d = tmp_path_factory.mktemp("identity")
-    with open(d / "train.jsonl", "w") as f:
-        for i in range(N_ROWS):
-            f.write(json.dumps({"prompt": f"{i % 10}+{i // 10}=", "answer": str(i % 10 + i // 10)}) + "\n")
-    return ensure_tiny_model("qwen2", tie_word_embeddings=True), d
-
+from realhf.base.testing import read_stats, run_quickstart, run_worker, sft_cmd, start_quickstart, wait_for_steps
 
 def sft(setup, root, exp, *extra, trial="trial0"):
-    model, d = setup
-    return ["sft", f"model.path={model}", "dataset.max_seqlen=512", f"dataset.train_path={d}/train.jsonl", f"dataset.train_bs_n_seqs={BS}",
-            "model.optimizer.lr=1e-3", f"fileroot={root}", f"experiment_name={exp}", f"trial_name={trial}",
-            "allocation_mode=d2m1p1", "n_devices_per_node=2", *extra]
+    return sft_cmd(*setup, root, exp, "model.optimizer.lr=1e-3", f"trial_name={trial}", "allocation_mode=d2m1p1",
+                   "n_devices_per_node=2", *extra)
 
 
 def run(args, env=None, code=0):
@@ -52,13 +36,13 @@ def saved(root, exp, trial="trial0"):
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def test_a_relaunch_never_resumes_another_runs_checkpoint(setup, tmp_path):
+def test_a_relaunch_never_resumes_another_runs_checkpoint(tiny_sft, tmp_path):
     root = str(tmp_path)
     # run A finishes and leaves a recover checkpoint (global step 14 of 16)
-    run(sft(setup, root, "x", "exp_ctrl.total_train_epochs=4", "exp_ctrl.ckpt_freq_steps=2"))
+    run(sft(tiny_sft, root, "x", "exp_ctrl.total_train_epochs=4", "exp_ctrl.ckpt_freq_steps=2"))
     assert RecoverStore(os.path.join(root, "x", "trial0", "recover")).latest()["global_step"] == 14
     # run B: the same trial with another learning rate, killed before its first checkpoint, auto-relaunched
-    p = start_quickstart(sft(setup, root, "x", "exp_ctrl.total_train_epochs=4", "model.optimizer.lr=2e-3",
+    p = start_quickstart(sft(tiny_sft, root, "x", "exp_ctrl.total_train_epochs=4", "model.optimizer.lr=2e-3",
                              "recover_mode=auto"))
     wait_for_steps(root, "x", 3, proc=p)
     run_worker(os.path.join(root, "x"), 1).kill()
@@ -70,19 +54,19 @@ def test_a_relaunch_never_resumes_another_runs_checkpoint(setup, tmp_path):
     assert RecoverStore(stale).latest()["global_step"] == 14, "A's checkpoint is kept aside, not lost"
 
 
-def test_resume_checks_and_planted_files(setup, tmp_path):
+def test_resume_checks_and_planted_files(tiny_sft, tmp_path):
     root = str(tmp_path)
     base = ["exp_ctrl.total_train_epochs=3", "exp_ctrl.ckpt_freq_steps=2", "exp_ctrl.save_freq_epochs=3"]
     # recover_mode=resume with nothing to resume is an error before any process starts
-    out = run(sft(setup, root, "r", *base, "recover_mode=resume"), code=2)
+    out = run(sft(tiny_sft, root, "r", *base, "recover_mode=resume"), code=2)
     assert "holds no recover checkpoint" in out and not os.path.exists(os.path.join(root, "r", "trial0", "logs"))
     # the uninterrupted reference, and a run whose master is killed right after its second checkpoint (step 4)
-    run(sft(setup, root, "r", *base, trial="ref"))
-    run(sft(setup, root, "r", *base), env={"REALHF_FAILPOINTS": "recover.after_swap@2"}, code=1)
+    run(sft(tiny_sft, root, "r", *base, trial="ref"))
+    run(sft(tiny_sft, root, "r", *base), env={"REALHF_FAILPOINTS": "recover.after_swap@2"}, code=1)
     ckpt = RecoverStore(os.path.join(root, "r", "trial0", "recover")).latest()
     assert ckpt["global_step"] == 4 and not ckpt["finished"]
     # other options: refused, naming the option
-    out = run(sft(setup, root, "r", *base, "model.optimizer.lr=5e-4", "recover_mode=resume"), code=2)
+    out = run(sft(tiny_sft, root, "r", *base, "model.optimizer.lr=5e-4", "recover_mode=resume"), code=2)
     assert "written with other options" in out and "model.optimizer.lr: 0.001 -> 0.0005" in out, out[-2000:]
     # a truncated file: refused before any process starts, naming the file
     victim = os.path.join(ckpt["path"], "default", "engine_rank0.pt")
@@ -90,7 +74,7 @@ def test_resume_checks_and_planted_files(setup, tmp_path):
     shutil.copy(victim, keep)
     with open(victim, "r+b") as f:
         f.truncate(os.path.getsize(victim) // 2)
-    out = run(sft(setup, root, "r", *base, "recover_mode=resume"), code=2)
+    out = run(sft(tiny_sft, root, "r", *base, "recover_mode=resume"), code=2)
     assert f"{victim} has" in out and "truncated" in out, out[-2000:]
     shutil.copy(keep, victim)
     # a planted pickle (with its size written into the manifest, as an attacker could): never executed
@@ -109,7 +93,7 @@ def test_resume_checks_and_planted_files(setup, tmp_path):
     info["files"]["worker_rank0.pt"] = os.path.getsize(planted)
     with open(info_path, "w") as f:
         json.dump(info, f)
-    out = run(sft(setup, root, "r", *base, "recover_mode=resume"), code=1)
+    out = run(sft(tiny_sft, root, "r", *base, "recover_mode=resume"), code=1)
     assert not os.path.exists(marker), "a planted recover file ran code"
     assert f"cannot load recover file {planted}" in out, out[-3000:]
     # restored: the resumed run ends with the parameters of the uninterrupted one, every step once
@@ -117,15 +101,15 @@ def test_resume_checks_and_planted_files(setup, tmp_path):
     info["files"]["worker_rank0.pt"] = os.path.getsize(planted)
     with open(info_path, "w") as f:
         json.dump(info, f)
-    run(sft(setup, root, "r", *base, "recover_mode=resume"))
+    run(sft(tiny_sft, root, "r", *base, "recover_mode=resume"))
     assert steps(root, "r") == list(range(1, 13))
     ref, got = saved(root, "r", "ref"), saved(root, "r")
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 
 
-def test_a_second_launch_of_a_running_trial_fails_at_once(setup, tmp_path):
+def test_a_second_launch_of_a_running_trial_fails_at_once(tiny_sft, tmp_path):
     root = str(tmp_path)
-    args = sft(setup, root, "busy", "exp_ctrl.total_train_epochs=500", "exp_ctrl.ckpt_freq_steps=5")
+    args = sft(tiny_sft, root, "busy", "exp_ctrl.total_train_epochs=500", "exp_ctrl.ckpt_freq_steps=5")
     first = start_quickstart(args)
     try:
         wait_for_steps(root, "busy", 6, proc=first)
@@ -142,8 +126,8 @@ def test_a_second_launch_of_a_running_trial_fails_at_once(setup, tmp_path):
     assert RecoverStore(os.path.join(root, "busy", "trial0", "recover")).latest()["global_step"] >= 5
 
 
-def test_an_unwritable_fileroot_fails_before_start(setup, tmp_path):
+def test_an_unwritable_fileroot_fails_before_start(tiny_sft, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    out = run(sft(setup, str(blocker / "runs"), "w"), code=2)
+    out = run(sft(tiny_sft, str(blocker / "runs"), "w"), code=2)
     assert "fileroot=" in out and "cannot write the run folder" in out, out[-2000:]

@@ -204,3 +204,19 @@ def wait_until_gone(fileroot: str, timeout: float = 30.0) -> list:
             return []
         time.sleep(0.2)
     return run_processes(fileroot)
+
+
+def write_sum_rows(path: str, n: int = 16) -> None:
+    """``n`` SFT rows ``{"prompt": "a+b=", "answer": "a+b"}`` (one-digit a, b) for short test runs."""
+    import json
+
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"{i % 10}+{i // 10}=", "answer": str(i % 10 + i // 10)}) + "\n")
+
+
+def sft_cmd(model: str, data_dir: str, root: str, exp: str, *extra: str) -> list:
+    """An ``sft`` quickstart command line over ``<data_dir>/train.jsonl`` (see :func:`write_sum_rows`), 4 sequences a
+    step, on a tiny model with 512 positions; ``extra`` options are appended (later ones win)."""
+    return ["sft", f"model.path={model}", "dataset.max_seqlen=512", f"dataset.train_path={data_dir}/train.jsonl",
+            "dataset.train_bs_n_seqs=4", f"fileroot={root}", f"experiment_name={exp}", *extra]
