@@ -142,6 +142,12 @@ def test_prompt_dataset(tmp_path, tok):
     dup = _rows(tmp_path / "dup.jsonl", [{"prompt": "a", "query_id": "x"}, {"prompt": "b", "query_id": "x"}])
     with pytest.raises(DatasetError, match="dup.jsonl:2: query_id 'x'"):
         PromptDataset(dup, tok, 64)
+    assert plain.skipped is None
+    long = _rows(tmp_path / "long.jsonl", [{"prompt": "hello"}, {"prompt": "hello " * 40}, {"prompt": "world"}])
+    part = PromptDataset(long, tok, max_prompt_len=8)
+    assert len(part) == 2 and part.skipped is not None
+    assert "long.jsonl: skipped 1 of 3 rows" in part.skipped and "(lines 2)" in part.skipped
+    assert "dataset.max_prompt_len" in part.skipped  # what to change, for the run's warning
 
 
 def test_math_dataset(tmp_path, tok):

@@ -99,7 +99,7 @@ def replica_specs(role: str, replicas: Dict[str, Tuple[ParallelDims, Tuple[int, 
     for name, (dims, ranks) in replicas.items():
         trains = optimizer is not None and name == role
         specs.append(ModelSpec(
-            name, path, dims, list(ranks), dtype=model_cfg.dtype if model_cfg is not None else "float32",
+            name, path, dims, list(ranks), dtype=model_cfg.dtype if model_cfg is not None else "auto",
             is_critic=is_critic, optimizer=optimizer if trains else None, total_train_steps=total_train_steps,
             tokenizer_path=tokenizer_path, realloc_from=role if optimizer is not None and not trains else None,
             offload=bool(model_cfg is not None and model_cfg.offload and not trains),

@@ -40,6 +40,10 @@ from realhf.system.request_reply_stream import MasterClient, Payload
 logger = logging.getLogger(__name__)
 
 
+# stats every MFC has: logged as <mfc>/<stat>
+PER_MFC_STATS = ("time", "compute_time", "realloc_time", "peak_mem_gib", "reserved_mem_gib")
+
+
 def balanced_dp_split(ids: List[str], tokens: Dict[str, int], dp: int) -> List[List[str]]:
     from realhf.api.core.partition import balanced_partition
 
@@ -124,10 +128,13 @@ class MasterWorker:
                 self.buffer.add(rep.data["output"], _rank(w), step=self.step, version=version)
             if "stats" in rep.data:
                 out_stats.update(rep.data["stats"])
-        # the slowest worker's own compute time; time - compute_time is messaging, data transfer, scheduling
-        secs = [rep.data["seconds"] for rep in replies.values() if "seconds" in rep.data]
-        if secs:
-            out_stats["compute_time"] = max(secs)
+        # over the MFC's workers: the slowest one's own compute time (time - compute_time is messaging, data
+        # transfer, scheduling) and the largest peak memory of the call
+        for key, stat in (("seconds", "compute_time"), ("peak_mem_gib", "peak_mem_gib"),
+                          ("reserved_mem_gib", "reserved_mem_gib")):
+            vals = [rep.data[key] for rep in replies.values() if key in rep.data]
+            if vals:
+                out_stats[stat] = max(vals)
         out_stats["time"] = time.perf_counter() - t0
         for h in self.hooks:
             h.after(mfc, out_stats)
@@ -166,6 +173,9 @@ class MasterWorker:
         spec = self.spec
         infos = self._all("dataset_info", {})
         self.holders = sorted(_rank(w) for w, r in infos.items() if r.data.get("holder"))
+        for r in infos.values():  # every holder loads the whole file: one note says it
+            if r.data.get("skipped"):
+                self.notices.add("data_skipped", r.data["skipped"])
         steps_per_epoch = min(r.data["steps_per_epoch"] for r in infos.values() if r.data.get("holder"))
         total_steps = steps_per_epoch * spec.total_train_epochs
         if spec.benchmark_steps:
@@ -199,7 +209,7 @@ class MasterWorker:
             stats = {}
             for name, st in mfc_stats.items():
                 for k, v in st.items():
-                    stats[f"{name}/{k}" if k in ("time", "compute_time", "realloc_time") else k] = v
+                    stats[f"{name}/{k}" if k in PER_MFC_STATS else k] = v
             self._all("clear", {"ids": ids})
             self.buffer.drop(ids)
             dt = time.perf_counter() - t0

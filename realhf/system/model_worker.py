@@ -17,7 +17,6 @@ read with ``torch.load(weights_only=True)``: a file planted in the run folder ca
 """
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import random
@@ -275,7 +274,8 @@ class ModelWorker:
         if self.data_iter is None:
             return {"holder": False}, []
         return {"holder": True, "steps_per_epoch": self.data_iter.steps_per_epoch, "n_samples": len(self.dataset),
-                "dp_rank": self.grids[self.spec.dataset.holder_model].dp_rank}, []
+                "dp_rank": self.grids[self.spec.dataset.holder_model].dp_rank,
+                "skipped": getattr(self.dataset, "skipped", None)}, []
 
     def _h_fetch(self, data):
         it = self.data_iter

@@ -30,8 +30,8 @@ class Notices:
             self.add("no_eos", f"step {step}: {no_eos:.0%} of the sampled answers hit the max-new-tokens limit "
                                "without ending; raise ppo.gen.max_new_tokens (gen.max_new_tokens) or ask for shorter "
                                "answers")
-        spread = stats.get("task_reward_std")
-        if isinstance(spread, float) and spread == 0.0:
+        spread, reward = stats.get("task_reward_std"), stats.get("task_reward")
+        if isinstance(spread, float) and isinstance(reward, float) and spread <= 1e-6 * max(1.0, abs(reward)):
             self.add("flat_reward", f"step {step}: every answer of the batch got the same reward "
                                     f"({stats.get('task_reward')}); with group-normalised advantages nothing is "
                                     "learned from it: check the reward, the answer format or the task's difficulty")

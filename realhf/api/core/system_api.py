@@ -27,7 +27,7 @@ class ModelSpec:
     path: str
     layout: ParallelDims
     ranks: List[int]  # model-worker ranks of its mesh, in grid order
-    dtype: str = "float32"
+    dtype: str = "auto"  # a torch dtype name, or auto: the worker's runtime default (bf16 on GPU, fp32 on CPU)
     is_critic: bool = False
     optimizer: Optional[OptimizerConfig] = None  # None: inference/generation only
     total_train_steps: int = 1

@@ -42,7 +42,7 @@ MODES = ("local", "ray", "slurm")
 IMPLEMENTED_MODES = ("local", "ray")
 RECOVER_MODES = ("disabled", "auto", "resume")
 WANDB_MODES = ("disabled", "offline", "online")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
@@ -167,7 +167,8 @@ class ModelConfig:
     """A model loaded from a Hugging Face folder."""
 
     path: str = option("", "Hugging Face model folder (config.json + safetensors + tokenizer)")
-    dtype: str = option("float32", "parameter dtype: float32 (CPU) | bfloat16 (GPU)")
+    dtype: str = option("auto", "parameter dtype: auto (the runtime's default: bfloat16 on GPU, float32 on CPU) "
+                                "| float32 | bfloat16")
     offload: bool = option(False, "keep this model's inference-only replicas (the reference model, the actor's "
                                   "generation layout) in host memory between their calls, freeing GPU memory")
     compile: bool = option(False, "run the transformer blocks' parts around attention (norms, projections, "

@@ -159,10 +159,15 @@ def _encode(tokenizer, texts: List[str], add_special_tokens: bool) -> List[List[
     return [list(map(int, ids)) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
 
 
-def _warn_dropped(path: str, what: str, lines: List[int], total: int) -> None:
-    if lines:
-        shown = ", ".join(map(str, lines[:5])) + (", ..." if len(lines) > 5 else "")
-        logger.warning("%s: skipped %d of %d rows %s (lines %s)", path, len(lines), total, what, shown)
+def _warn_dropped(path: str, what: str, lines: List[int], total: int, key: str) -> Optional[str]:
+    """Log (and return, for the datasets' ``skipped`` note) which rows were left out, or None when none was;
+    ``key`` is the option that decides it."""
+    if not lines:
+        return None
+    shown = ", ".join(map(str, lines[:5])) + (", ..." if len(lines) > 5 else "")
+    msg = f"{path}: skipped {len(lines)} of {total} rows {what} (lines {shown}); raise {key} to use them"
+    logger.warning(msg)
+    return msg
 
 
 # ----------------------------------------------------------------------------- SFT
@@ -200,7 +205,9 @@ class PromptAnswerDataset:
                 raise DatasetError(f"{path}:{line_no}: id {rid!r} repeats the one on line {seen[rid]}; ids must be unique")
             seen[rid] = line_no
             self.items.append({"id": rid, "input_ids": ids, "prompt_mask": [True] * len(p) + [False] * (len(ids) - len(p))})
-        _warn_dropped(path, f"whose prompt has >= max_seqlen={max_seqlen} tokens", dropped, len(rows))
+        # rows left out, for the run's warnings (None: none)
+        self.skipped = _warn_dropped(path, f"whose prompt has >= max_seqlen={max_seqlen} tokens", dropped, len(rows),
+                                     "dataset.max_seqlen")
         if n_trunc:
             logger.info("%s: truncated %d of %d sequences to max_seqlen=%d", path, n_trunc, len(rows), max_seqlen)
         if not self.items:
@@ -265,7 +272,8 @@ class PromptDataset:
                 dropped.append(line_no)
                 continue
             self.items.append({"id": qid, "query_id": qid, "prompt": row["prompt"], "prompt_ids": ids, **extra})
-        _warn_dropped(path, f"with more than max_prompt_len={max_prompt_len} tokens", dropped, len(rows))
+        self.skipped = _warn_dropped(path, f"with more than max_prompt_len={max_prompt_len} tokens", dropped,
+                                     len(rows), "dataset.max_prompt_len")  # rows left out, for the run's warnings
         if not self.items:
             raise DatasetError(f"{path}: every prompt has more than max_prompt_len={max_prompt_len} tokens; "
                                "raise max_prompt_len")

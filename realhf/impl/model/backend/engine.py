@@ -84,11 +84,13 @@ class InferenceEngine:
         max_tokens_per_mb: int = 2**31 - 1,
         post_fn: Optional[Callable[[torch.Tensor, SequenceSample], Any]] = None,
         head_rows_fn: Optional[Callable[[SequenceSample], torch.Tensor]] = None,
+        n_mbs: int = 1,
     ) -> Optional[List[Any]]:
-        """Per micro-batch ``post_fn(output, mb)`` (or the raw output) on the last stage; None elsewhere.
-        ``head_rows_fn(mb)``: the packed positions the output head runs on (the output then has one row per
+        """Per micro-batch ``post_fn(output, mb)`` (or the raw output) on the last stage, in batch order; None
+        elsewhere. At least ``n_mbs`` micro-batches (and one per pipeline stage), each within ``max_tokens_per_mb``
+        tokens. ``head_rows_fn(mb)``: the packed positions the output head runs on (the output then has one row per
         entry), e.g. only those whose next token is an answer token; default every position."""
-        mbs = sample.split_mbs(max_tokens_per_mb, min_n_mbs=self.model.pp) if sample.bs > 1 else [sample]
+        mbs = sample.split_mbs(max_tokens_per_mb, min_n_mbs=max(n_mbs, self.model.pp)) if sample.bs > 1 else [sample]
         inputs = [_mb_inputs(mb, self.device, head_rows_fn) for mb in mbs]
         model = self.model
         if model.pp == 1:

@@ -16,13 +16,12 @@ prompt), ``use_critic`` and ``seed``.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 import torch.distributed as dist
 
 from realhf.api.core.data_api import SequenceSample
-from realhf.api.core.dfg import MicroBatchSpec
 from realhf.api.core.model_api import Model, ModelInterface, register_interface
 from realhf.api.quickstart.ppo_config import PPOHyperparameters
 from realhf.base import logging
@@ -53,31 +52,28 @@ def _per_token(sample: SequenceSample, tensors: Dict[str, torch.Tensor]) -> Sequ
     return out
 
 
-def n_minibatches(requested: int, local_bs: int, grid) -> int:
+def n_minibatches(requested: int, local_bs: int, grid, device) -> int:
     """Minibatches per step, identical on every data-parallel rank (each needs >= 1 sample per minibatch):
     every rank must run the same number of optimizer steps, or their collectives would not match."""
-    t = torch.tensor([min(requested, local_bs)], dtype=torch.long)
+    t = torch.tensor([min(requested, local_bs)], dtype=torch.long, device=device)
     if grid is not None and grid.dp_group is not None:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=grid.dp_group)
     return int(t)
 
 
-def _dp_mean(x: float, count: float, grid) -> float:
-    t = torch.tensor([x * count, count], dtype=torch.float64)
+def _dp_reduce(means: Dict[str, float], sums: Dict[str, float], count: int, grid, device) -> Dict[str, float]:
+    """In one all-reduce over the data-parallel ranks: the sample-weighted means of per-rank ``means`` (each rank
+    holds ``count`` samples), the totals of ``sums``, and ``n_seqs``, the number of samples."""
+    mk, sk = sorted(means), sorted(sums)
+    t = torch.tensor([means[k] * count for k in mk] + [sums[k] for k in sk] + [count], dtype=torch.float64,
+                     device=device)
     if grid is not None and grid.dp_group is not None:
         dist.all_reduce(t, group=grid.dp_group)
-    return float(t[0] / max(t[1], 1.0))
-
-
-def forward_mbs(model: Model, data: SequenceSample, mb_spec: MicroBatchSpec, post_fn: Callable,
-                head_rows_fn: Optional[Callable] = None) -> Optional[List]:
-    """``model.engine.forward`` over at least ``mb_spec.n_mbs`` micro-batches of ``data``, each within
-    ``mb_spec.max_tokens_per_mb`` tokens: per-micro-batch ``post_fn`` results in batch order on the last
-    pipeline stage, None elsewhere. Every stage runs every part (the stages exchange activations)."""
-    parts = data.split_mbs(mb_spec.max_tokens_per_mb, mb_spec.n_mbs) if mb_spec.n_mbs > 1 and data.bs > 1 else [data]
-    res = [model.engine.forward(p, max_tokens_per_mb=mb_spec.max_tokens_per_mb, post_fn=post_fn,
-                                head_rows_fn=head_rows_fn) for p in parts]
-    return None if any(r is None for r in res) else [x for r in res for x in r]
+    vals, total = t.tolist(), max(float(t[-1]), 1.0)
+    out = {k: v / total for k, v in zip(mk, vals)}
+    out.update(zip(sk, vals[len(mk):-1]))
+    out["n_seqs"] = vals[-1]
+    return out
 
 
 def compute_advantages(sample: SequenceSample, cfg: PPOHyperparameters, grid, use_critic: bool, group_size: int,
@@ -171,7 +167,8 @@ class PPOActorInterface(GenerationInterface):
                 lp[rows.to(out.device)] = logprobs_at(out, ids, rows, tp, temp).float()
                 return lp
 
-        res = forward_mbs(model, data, mb_spec, post, head_rows_fn=rows_fn)
+        res = model.engine.forward(data, max_tokens_per_mb=mb_spec.max_tokens_per_mb, post_fn=post,
+                                   head_rows_fn=rows_fn, n_mbs=mb_spec.n_mbs)
         if res is None:
             return None
         lp = torch.cat(res).float()
@@ -207,7 +204,7 @@ class PPOActorInterface(GenerationInterface):
                           "actor_clip_ratio": float(st["clip_ratio"]) * float(m.sum()), "ppo_approx_kl": float(st["approx_kl"]) * float(m.sum()),
                           "n_loss_tokens": float(m.sum())}
 
-        n_mb = n_minibatches(cfg.ppo_n_minibatches, data.bs, grid)
+        n_mb = n_minibatches(cfg.ppo_n_minibatches, data.bs, grid, model.module.device)
         sums: Dict[str, float] = {}
         grad_norms = []
         for part in sample.split(n_mb):
@@ -222,19 +219,16 @@ class PPOActorInterface(GenerationInterface):
         stats["actor_grad_norm"] = sum(grad_norms) / len(grad_norms)
         # batch statistics (data-parallel averages)
         lens = data.flat_seqlens("packed_input_ids")
-        plen = [int(x) for x in torch.segment_reduce(data.data["prompt_mask"].float(), "sum", lengths=torch.tensor(lens)).tolist()]
         n = len(lens)
+        n_prompt = float(data.data["prompt_mask"].float().sum())
         rewards = data.data["rewards"].float()
-        stats["task_reward"] = _dp_mean(float(rewards.mean()), n, grid)
-        stats["avg_seq_len"] = _dp_mean(sum(lens) / n, n, grid)
-        stats["avg_prompt_len"] = _dp_mean(sum(plen) / n, n, grid)
-        stats["no_eos_ratio"] = _dp_mean(float(data.data["seq_no_eos_mask"].float().mean()), n, grid)
-        tot = torch.tensor([sum(lens), float(mask.sum()), n], dtype=torch.float64)
-        if grid.dp_group is not None:
-            dist.all_reduce(tot, group=grid.dp_group)
-        stats["n_tokens"], stats["n_valid_tokens"], stats["n_seqs"] = [float(x) for x in tot]
-        for k, v in adv_stats.items():
-            stats[k] = _dp_mean(v, n, grid)
+        out = _dp_reduce({"task_reward": float(rewards.mean()), "task_reward_sq": float(rewards.pow(2).mean()),
+                          "avg_seq_len": sum(lens) / n, "avg_prompt_len": n_prompt / n,
+                          "no_eos_ratio": float(data.data["seq_no_eos_mask"].float().mean()), **adv_stats},
+                         {"n_tokens": float(sum(lens)), "n_valid_tokens": float(mask.sum())}, n, grid, model.module.device)
+        # the spread of the rewards over the whole batch (0: every answer got the same reward)
+        out["task_reward_std"] = max(out.pop("task_reward_sq") - out["task_reward"] ** 2, 0.0) ** 0.5
+        stats.update(out)
         stats["actor_lr"] = model.engine.optimizer.param_groups[0]["lr"]
         stats["actor_skipped_nonfinite"] = float(model.engine.skipped_nonfinite)  # over the run
         return stats
@@ -262,7 +256,8 @@ class PPOCriticInterface(ModelInterface):
 
     @torch.no_grad()
     def inference(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
-        res = forward_mbs(model, data, mb_spec, lambda out, mb: out.float())
+        res = model.engine.forward(data, max_tokens_per_mb=mb_spec.max_tokens_per_mb,
+                                   post_fn=lambda out, mb: out.float(), n_mbs=mb_spec.n_mbs)
         if res is None:
             return None
         v = torch.cat(res)
@@ -292,7 +287,7 @@ class PPOCriticInterface(ModelInterface):
                           "n_loss_tokens": float(m.sum())}
 
         sums: Dict[str, float] = {}
-        for part in sample.split(n_minibatches(cfg.ppo_n_minibatches, data.bs, grid)):
+        for part in sample.split(n_minibatches(cfg.ppo_n_minibatches, data.bs, grid, model.module.device)):
             st = model.engine.train_batch(part, loss_fn, lambda mb: float(mb.data["loss_mask"].sum()),
                                           max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs)
             for k, v in st.extra.items():

@@ -40,7 +40,7 @@ class SFTInterface(ModelInterface):
     def evaluate(self, model: Model, batches) -> Dict[str, float]:
         """Token-averaged loss over this dp rank's share of the validation set, reduced over dp."""
         tp = model.module.tp_group
-        tot = torch.zeros(2, dtype=torch.float64)
+        tot = torch.zeros(2, dtype=torch.float64, device=model.module.device)
         for b in batches:
             res = model.engine.forward(b, post_fn=lambda out, mb: _loss(out, mb, tp))
             if res is not None:
