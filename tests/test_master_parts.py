@@ -113,3 +113,39 @@ def test_cadence():
     assert c.save_and_ckpt(7, 2, False, last=True) == (True, False)  # the last step saves, never checkpoints
     quiet = Cadence(_spec())
     assert quiet.save_and_ckpt(5, 0, True, last=True) == (False, False) and not quiet.evaluate(5, 0, True)
+
+
+def test_hooks_reallocate_stale_mirrors_and_offload_after_their_mfc():
+    from realhf.api.core.config import OptimizerConfig
+    from realhf.system.hooks import OffloadHook, ParamReallocHook, ParamVersionHook
+
+    P = ParallelDims.parse
+    models = [ModelSpec("actor", "", P("d1m2p1"), [0, 1], optimizer=OptimizerConfig()),
+              ModelSpec("actor@1", "", P("d2m1p1"), [1, 2], realloc_from="actor", offload=True)]
+    spec = ExperimentSpec(experiment_name="e", trial_name="t", n_workers=3, models=models, mfcs=[],
+                          dataset=DatasetSpec("prompt", {}, 2, "actor"), total_train_epochs=1, seed=1, log_dir="/tmp/l",
+                          save_dir="/tmp/s", recover_dir="/tmp/r")
+    calls = []
+    call = lambda name, by_rank: calls.append((name, by_rank)) or {}
+    versions = ParamVersionHook(spec, resumed=False)
+    hooks = [ParamReallocHook(spec, call, versions), versions, OffloadHook(spec, call)]
+    gen = MFCDef("actor_gen", "actor@1", "generate", "x", input_keys=("p",), output_keys=("ids",))
+    train = MFCDef("actor_train", "actor", "train_step", "x", input_keys=("ids",))
+
+    def run(mfc):
+        stats = {}
+        for h in hooks:
+            stats.update(h.before(mfc))
+        for h in hooks:
+            h.after(mfc, stats)
+        return stats
+
+    assert "realloc_time" not in run(gen)  # both at version 0: nothing to move
+    assert calls == [("offload", {1: {"models": ["actor@1"]}, 2: {"models": ["actor@1"]}})]
+    calls.clear()
+    run(train)
+    assert calls == [] and versions.version("actor") == 1  # the trained replica is never offloaded
+    assert "realloc_time" in run(gen)
+    assert [c[0] for c in calls] == ["realloc", "offload"]
+    assert sorted(calls[0][1]) == [0, 1, 2] and calls[0][1][0] == {"src": "actor", "dst": "actor@1"}
+    assert versions.version("actor@1") == 1

@@ -232,7 +232,8 @@ def _audited_worker(path, runtime_env):
 
             generate(actor.module, prompts, g0, pipeline_groups=1)  # sequential schedule over 2 stages
             ref.engine.generate(prompts, GenerationHyperparameters(max_new_tokens=4, temperature=0.7), seeds=[1, 2])
-            w._h_realloc({"src": "actor", "dst": "actor@1"})  # loads the offloaded mirror, moves, offloads it
+            w._h_realloc({"src": "actor", "dst": "actor@1"})  # loads the mirror and moves the parameters
+            w._h_offload({"models": ["actor@1"]})  # what the master's OffloadHook asks after the mirror's MFC
             w._load_params("actor@1")
             w.models["actor@1"].engine.forward(batch.split(2)[rank])
             dm = DataManager(rank, env.device)

@@ -6,9 +6,10 @@ cases inside the call path:
 * :class:`ParamReallocHook` brings a mirror replica (e.g. the actor's generation layout) the trained parameters
   of its source before it runs, when they changed since it last got them: point-to-point between the workers
   of both layouts, or through a checkpoint on disk (``param_realloc=disk``).
+* :class:`OffloadHook` moves an offloaded inference replica's parameters to host memory after each of its MFCs
+  (the workers bring them back when a request uses them).
 
-(Offloading idle inference replicas is done by the workers that hold them, after each call; weight
-publication to generation servers will be a hook here.)
+(Weight publication to generation servers will be a hook here.)
 """
 from __future__ import annotations
 
@@ -89,3 +90,13 @@ class ParamReallocHook(MFCHook):
             self.versions.set(m.name, version)
             logger.debug(f"reallocated {src.name} ({src.layout}) -> {m.name} ({m.layout}) in {dt:.3f}s")
             return {"realloc_time": dt}
+
+
+class OffloadHook(MFCHook):
+    def __init__(self, spec: ExperimentSpec, call: Call):
+        self.spec, self.call = spec, call
+
+    def after(self, mfc: MFCDef, stats: dict) -> None:
+        m = self.spec.model(str(mfc.model_name))
+        if m.offload:
+            self.call("offload", {r: {"models": [m.name]} for r in m.ranks})

@@ -32,7 +32,7 @@ from realhf.system.cadence import Cadence
 from realhf.system.data_manager import plan_transfers
 from realhf.system.evaluator import make_evaluator
 from realhf.system.executor import DFGExecutor
-from realhf.system.hooks import ParamReallocHook, ParamVersionHook
+from realhf.system.hooks import OffloadHook, ParamReallocHook, ParamVersionHook
 from realhf.system.model_worker import load_recover_info, worker_name
 from realhf.system.notices import Notices
 from realhf.system.request_reply_stream import MasterClient, Payload
@@ -74,7 +74,8 @@ class MasterWorker:
         self.evaluator = make_evaluator(spec, self.stats)  # None unless auto_eval.enabled
         self.versions = ParamVersionHook(spec, resumed=self.resume_info is not None)
         # before-hooks run in this order, after-hooks too
-        self.hooks = [ParamReallocHook(spec, self._call_ranks, self.versions), self.versions]
+        self.hooks = [ParamReallocHook(spec, self._call_ranks, self.versions), self.versions,
+                      OffloadHook(spec, self._call_ranks)]
         self.holders: List[int] = []
         self.step = 0  # the global step being run (1-based) once the loop starts
         self.notices = Notices()

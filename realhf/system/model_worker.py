@@ -315,7 +315,6 @@ class ModelWorker:
         # this worker's compute time and peak memory of the call (realhf.base.runtime_env: peak_mem_gib, and
         # reserved_mem_gib on CUDA)
         reply = {"seconds": time.perf_counter() - t0, **self.env.memory_stats()}
-        self._maybe_offload(role)
         is_owner = self.rank == owner_rank(grid, grid.dp_rank)
         if isinstance(res, SequenceSample):
             if is_owner:
@@ -401,7 +400,6 @@ class ModelWorker:
         self._load_params(dst)
         n = execute_plan(plan, self.rank, self.models[src].module.flat if src in self.models else None,
                          self.models[dst].module.flat if dst in self.models else None)
-        self._maybe_offload(dst)
         if src in self.models and dst in self.models:
             self.models[dst].version = self.models[src].version
         return {"seconds": time.perf_counter() - t0, **n}, []
@@ -421,7 +419,6 @@ class ModelWorker:
         if data["dst"] in self.models:
             self._load_params(data["dst"])
             load_hf_into(self.models[data["dst"]].module, data["path"])
-            self._maybe_offload(data["dst"])
         return {}, []
 
     def _load_params(self, name: str):
@@ -429,10 +426,14 @@ class ModelWorker:
         if m is not None and m.engine is not None:
             m.engine.load()
 
-    def _maybe_offload(self, name: str):
-        m = self.models.get(name)
-        if m is not None and m.engine is not None and self.spec.model(name).offload:
-            m.engine.offload()
+    def _h_offload(self, data):
+        """Move the parameters of ``data["models"]`` (inference-only replicas) to host memory; the next request that
+        uses one brings it back (``_load_params``). Sent by the master's OffloadHook after their MFCs."""
+        for name in data["models"]:
+            m = self.models.get(name)
+            if m is not None and m.engine is not None:
+                m.engine.offload()
+        return {}, []
 
     def _h_clear(self, data):
         self.data.drop(data["ids"])
