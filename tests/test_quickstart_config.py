@@ -34,8 +34,8 @@ def registered():
                 raise ValueError(f"toy_factor={self.toy_factor} is not allowed; expected [0, 1]")
 
     calls = []
-    entry.register_quickstart_exp("toy-sft", ToyConfig, lambda cfg: calls.append(cfg) or 0)
-    entry.register_quickstart_exp("toy-gen", qc.GenerationExpConfig, lambda cfg: 3)
+    entry.register_quickstart_exp("toy-sft", ToyConfig)
+    entry.register_quickstart_exp("toy-gen", qc.GenerationExpConfig)
     yield calls
     entry._EXPERIMENTS.pop("toy-sft", None)
     entry._EXPERIMENTS.pop("toy-gen", None)
@@ -196,17 +196,22 @@ def test_help(registered):
 
 
 def test_main(paths, registered, capsys):
-    assert entry.main(["toy-sft"] + _base_args(paths) + ["seed=3"]) == 0
+    def run(name, cfg):  # what the quickstart does with a parsed command line
+        registered.append(cfg)
+        return 3 if name == "toy-gen" else 0
+
+    main = lambda argv: entry.main(argv, run)  # noqa: E731
+    assert main(["toy-sft"] + _base_args(paths) + ["seed=3"]) == 0
     assert registered[-1].seed == 3
-    assert entry.main(["toy-sft"] + _base_args(paths) + ["model.optimizer.lr=-1"]) == 2
+    assert main(["toy-sft"] + _base_args(paths) + ["model.optimizer.lr=-1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "model.optimizer.lr" in err and "Traceback" not in err
-    assert entry.main(["toy-sft", "--help"]) == 0
+    assert main(["toy-sft", "--help"]) == 0
     assert "model.optimizer.lr" in capsys.readouterr().out
     gen_args = [f"model.path={paths[0]}", f"dataset.path={paths[1]}", "gen.top_p=0"]
-    assert entry.main(["toy-gen"] + gen_args) == 2
+    assert main(["toy-gen"] + gen_args) == 2
     assert "gen.top_p" in capsys.readouterr().err
-    assert entry.main(["toy-gen"] + gen_args[:2]) == 3
+    assert main(["toy-gen"] + gen_args[:2]) == 3
 
 
 def test_load_config_programmatic(paths):
@@ -219,11 +224,18 @@ def test_load_config_programmatic(paths):
 def test_registry(registered):
     exps = entry.registered_experiments()
     assert exps["toy-sft"].config_cls.__name__ == "ToyConfig"
-    entry.register_quickstart_exp("toy-sft", exps["toy-sft"].config_cls, exps["toy-sft"].run_fn)  # idempotent
+    entry.register_quickstart_exp("toy-sft", exps["toy-sft"].config_cls, exps["toy-sft"].build_fn)  # idempotent
     with pytest.raises(ValueError, match="already registered"):
         entry.register_quickstart_exp("toy-sft", qc.SFTConfig, lambda c: 0)
     with pytest.raises(ValueError, match="dataclass"):
         entry.register_quickstart_exp("toy-x", int, lambda c: 0)
+    # the experiments of realhf.experiments are in the same registry, with the builder of their spec
+    from realhf.experiments import build_spec, registered
+
+    assert {"sft", "gen", "ppo-math"} <= set(registered()) and "toy-sft" not in registered()  # no builder
+    assert entry.registered_experiments()["ppo-math"].config_cls is qc.PPOMathConfig
+    with pytest.raises(KeyError, match="unknown experiment 'toy-sft'"):
+        build_spec("toy-sft", None)
 
 
 def test_ppo_checks(paths):

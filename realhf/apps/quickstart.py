@@ -17,34 +17,24 @@ from realhf.base import logging
 logger = logging.getLogger("realhf.quickstart")
 
 
-def _runner(name: str, console=None):
-    def run(cfg) -> int:
-        from realhf.apps.main import run_experiment
-        from realhf.experiments import build_spec
-        from realhf.impl.dataset import DatasetError
-        from realhf.scheduler import get_launcher
+def run(name: str, cfg, console=None) -> int:
+    """Build experiment ``name`` from ``cfg`` (every check runs here, before anything starts: exit code 2 with the
+    message) and run it through its launcher."""
+    from realhf.apps.main import run_experiment
+    from realhf.experiments import build_spec
+    from realhf.impl.dataset import DatasetError
+    from realhf.scheduler import get_launcher
 
-        try:
-            launcher = get_launcher(cfg.mode)
-            spec = build_spec(name, cfg)  # fail fast, with a clear message, before anything starts
-            if launcher.check is not None:  # e.g. the Ray cluster must exist and hold the workers
-                launcher.check(cfg, spec.n_workers)
-        except (ValueError, KeyError, FileNotFoundError, DatasetError) as e:
-            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-            sys.stderr.write(f"error: {msg}\n")
-            return 2
-        return run_experiment(name, cfg, console)
-
-    return run
-
-
-def register_all():
-    from realhf.experiments import registered
-
-    have = entry.registered_experiments()
-    for name, cls in registered().items():
-        if name not in have:
-            entry.register_quickstart_exp(name, cls, _runner(name))
+    try:
+        launcher = get_launcher(cfg.mode)
+        spec = build_spec(name, cfg)  # fail fast, with a clear message, before anything starts
+        if launcher.check is not None:  # e.g. the Ray cluster must exist and hold the workers
+            launcher.check(cfg, spec.n_workers)
+    except (ValueError, KeyError, FileNotFoundError, DatasetError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        sys.stderr.write(f"error: {msg}\n")
+        return 2
+    return run_experiment(name, cfg, console)
 
 
 def console_flags(argv):
@@ -59,21 +49,17 @@ def console_flags(argv):
 
 def main(argv=None) -> int:
     from realhf.apps.console import Console
+    from realhf.experiments import registered
 
-    register_all()
+    registered()  # imports (and so registers) every experiment
     try:
         argv, verbosity = console_flags(sys.argv[1:] if argv is None else list(argv))
-        name, cfg = entry.parse_cli(argv)
-    except entry.HelpRequested as h:
-        sys.stdout.write(h.text)
-        return 0
     except entry.ConfigError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
     if verbosity != "normal":  # the launcher's own log; the processes' logs are in their files
         logging.getLogger("realhf").setLevel("WARNING" if verbosity == "quiet" else "DEBUG")
-    logger.info("Running quickstart experiment %r (%s/%s)", name, cfg.experiment_name, cfg.trial_name)
-    return _runner(name, Console(verbosity))(cfg)
+    return entry.main(argv, lambda name, cfg: run(name, cfg, Console(verbosity)))
 
 
 if __name__ == "__main__":

@@ -1,42 +1,45 @@
 """Experiments: each quickstart experiment turned into an ExperimentSpec (models, layouts, dataset, DFG).
 
-Experiments register themselves with :func:`register_experiment`; importing this package imports them.
+Experiments register themselves where they are defined with :func:`register_experiment` (the quickstart registry,
+``realhf.api.quickstart.entry.register_quickstart_exp``: one registry serves the command line and the launch);
+importing this package's functions imports them.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict
 
-_EXPERIMENTS: Dict[str, Tuple[type, Callable]] = {}
+from realhf.api.quickstart.entry import register_quickstart_exp as register_experiment
+from realhf.api.quickstart.entry import registered_experiments
+
 _FINAL_HOOKS: Dict[str, Callable] = {}
 
-
-def register_experiment(name: str, config_cls: type, build_fn: Callable):
-    if name in _EXPERIMENTS:
-        raise ValueError(f"experiment {name!r} registered twice")
-    _EXPERIMENTS[name] = (config_cls, build_fn)
+__all__ = ["register_experiment", "register_final_hook", "registered", "config_class", "build_spec", "final_hook"]
 
 
 def register_final_hook(name: str, fn: Callable):
     _FINAL_HOOKS[name] = fn
 
 
-def registered() -> Dict[str, type]:
+def _experiment(name: str):
     _import_all()
-    return {k: v[0] for k, v in _EXPERIMENTS.items()}
+    exp = registered_experiments().get(name)
+    if exp is None or exp.build_fn is None:
+        raise KeyError(f"unknown experiment {name!r}; available: {sorted(registered())}")
+    return exp
+
+
+def registered() -> Dict[str, type]:
+    """name -> config class of every experiment that can be built."""
+    _import_all()
+    return {k: v.config_cls for k, v in registered_experiments().items() if v.build_fn is not None}
 
 
 def config_class(name: str) -> type:
-    _import_all()
-    if name not in _EXPERIMENTS:
-        raise KeyError(f"unknown experiment {name!r}; available: {sorted(_EXPERIMENTS)}")
-    return _EXPERIMENTS[name][0]
+    return _experiment(name).config_cls
 
 
 def build_spec(name: str, config):
-    _import_all()
-    if name not in _EXPERIMENTS:
-        raise KeyError(f"unknown experiment {name!r}; available: {sorted(_EXPERIMENTS)}")
-    return _EXPERIMENTS[name][1](config)
+    return _experiment(name).build_fn(config)
 
 
 def final_hook(name: str) -> Callable:

@@ -39,7 +39,6 @@ from realhf.base.topology import ParallelDims
 logger = logging.getLogger(__name__)
 
 MODES = ("local", "ray", "slurm")
-IMPLEMENTED_MODES = ("local", "ray")
 RECOVER_MODES = ("disabled", "auto", "resume")
 WANDB_MODES = ("disabled", "offline", "online")
 DTYPES = ("auto", "float32", "bfloat16")

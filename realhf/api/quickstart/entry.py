@@ -1,7 +1,9 @@
 """The quickstart registry and command line: ``<experiment> [--config FILE.yaml ...] [key=value ...]``.
 
-Experiments register themselves with :func:`register_quickstart_exp` where they are defined (in
-``realhf.experiments``); ``python -m realhf.apps.quickstart`` imports them and calls :func:`main`.
+This module holds the one registry of experiments: :func:`register_quickstart_exp` (name -> config dataclass and
+the function that builds the experiment's spec from a config). Experiments register themselves where they are
+defined (``realhf.experiments``); ``python -m realhf.apps.quickstart`` imports them, parses the command line
+here and runs the result.
 
 A command line is turned into a config in this order, later sources winning: the config dataclass
 defaults (with ``experiment_name`` defaulting to the experiment's registered name), each YAML file
@@ -48,29 +50,29 @@ class HelpRequested(Exception):
 class QuickstartExperiment(NamedTuple):
     name: str
     config_cls: type
-    run_fn: Callable[[Any], int]
+    build_fn: Optional[Callable[[Any], Any]]  # config -> ExperimentSpec (realhf.api.core.system_api)
 
 
 _EXPERIMENTS: Dict[str, QuickstartExperiment] = {}
 
 
-def register_quickstart_exp(name: str, config_cls: type, run_fn: Callable[[Any], int]) -> None:
-    """Make ``name`` runnable from the CLI: its config is a ``config_cls`` dataclass and
-    ``run_fn(config) -> exit code`` runs it. Registering the same triple again is a no-op."""
+def register_quickstart_exp(name: str, config_cls: type, build_fn: Optional[Callable[[Any], Any]] = None) -> None:
+    """Make ``name`` an experiment: its config is a ``config_cls`` dataclass and ``build_fn(config)`` builds its
+    ExperimentSpec. Registering the same triple again is a no-op."""
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_\-]*", name):
         raise ValueError(f"quickstart experiment name must be letters, digits, '-' or '_', got {name!r}")
     if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
         raise ValueError(f"quickstart experiment {name!r}: config_cls must be a dataclass, got {config_cls!r}")
-    if not callable(run_fn):
-        raise ValueError(f"quickstart experiment {name!r}: run_fn must be callable, got {run_fn!r}")
+    if build_fn is not None and not callable(build_fn):
+        raise ValueError(f"quickstart experiment {name!r}: build_fn must be callable, got {build_fn!r}")
     old = _EXPERIMENTS.get(name)
-    if old is not None and (old.config_cls is not config_cls or old.run_fn is not run_fn):
+    if old is not None and (old.config_cls is not config_cls or old.build_fn is not build_fn):
         raise ValueError(f"quickstart experiment {name!r} is already registered (with {old.config_cls.__name__})")
-    _EXPERIMENTS[name] = QuickstartExperiment(name, config_cls, run_fn)
+    _EXPERIMENTS[name] = QuickstartExperiment(name, config_cls, build_fn)
 
 
 def registered_experiments() -> Dict[str, QuickstartExperiment]:
-    """name -> (name, config_cls, run_fn), a copy."""
+    """name -> (name, config_cls, build_fn), a copy."""
     return dict(_EXPERIMENTS)
 
 
@@ -436,8 +438,8 @@ def _name_default(exp: QuickstartExperiment) -> Dict[str, Any]:
     return {"experiment_name": exp.name} if "experiment_name" in names else {}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Parse the command line and run the experiment; returns the exit code (2 for config errors)."""
+def main(argv: Optional[Sequence[str]], run: Callable[[str, Any], int]) -> int:
+    """Parse the command line and ``run(experiment name, config)``; returns the exit code (2 for config errors)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         name, cfg = parse_cli(argv)
@@ -449,5 +451,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     logger.info("Running quickstart experiment %r (%s/%s)", name, getattr(cfg, "experiment_name", "?"),
                 getattr(cfg, "trial_name", "?"))
-    rc = _EXPERIMENTS[name].run_fn(cfg)
-    return int(rc or 0)
+    return int(run(name, cfg) or 0)
