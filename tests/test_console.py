@@ -11,6 +11,7 @@ import subprocess
 import sys
 import termios
 
+import pytest
 from PIL import Image
 
 from realhf.base.process import env_with_source_path, source_root
@@ -18,10 +19,13 @@ from realhf.base.progress import read_progress
 from realhf.base.testing import read_stats, run_quickstart, sft_cmd, start_quickstart, wait_for_steps
 
 
-def _run_in_pty(args):
-    """Run the quickstart with a pseudo-terminal as stdout/stderr; its whole output, as the terminal got it."""
+def _run_in_pty(args, sized=True):
+    """Run the quickstart with a pseudo-terminal as stdout/stderr; its whole output, as the terminal got it.
+    ``sized``: the terminal reports 40 rows x 200 columns, as a terminal window does (a pseudo-terminal that
+    nobody sized, as ``script`` or a CI runner may give, reports 0 x 0)."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))  # 40 rows, 200 columns
+    if sized:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
     p = subprocess.Popen([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=source_root(),
                          env=env_with_source_path(), stdin=subprocess.DEVNULL, stdout=slave,
                          stderr=slave)
@@ -44,9 +48,10 @@ def _run_in_pty(args):
     return p.returncode, out.decode(errors="replace")
 
 
-def test_progress_line_on_a_terminal(tiny_sft, tmp_path):
+@pytest.mark.parametrize("sized", [True, False], ids=["sized", "unsized"])
+def test_progress_line_on_a_terminal(tiny_sft, tmp_path, sized):
     code, out = _run_in_pty(sft_cmd(*tiny_sft, str(tmp_path), "tty", "exp_ctrl.total_train_epochs=30",
-                                "exp_ctrl.benchmark_steps=20"))
+                                    "exp_ctrl.benchmark_steps=20"), sized=sized)
     assert code == 0, out[-3000:]
     # tqdm redraws one line with carriage returns: the last state shows every step done, the ETA and the stats
     frames = re.split(r"[\r\n]", out)

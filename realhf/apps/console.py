@@ -139,12 +139,13 @@ class Console:
         from tqdm import tqdm
 
         if self._bar is None:
-            try:  # a terminal that reports no size (e.g. a fresh pseudo-terminal) gets 100 columns
-                sized = os.get_terminal_size(self.stream.fileno()).columns > 0
+            try:  # a terminal that reports no size (e.g. a pseudo-terminal nobody sized) gets 100 x 24
+                size = os.get_terminal_size(self.stream.fileno())
+                sized = size.columns > 0 and size.lines > 0
             except (OSError, ValueError):
                 sized = False
             self._bar = tqdm(total=p["total_steps"], initial=p["global_step"], file=self.stream, desc="step",
-                             dynamic_ncols=sized, ncols=None if sized else 100,
+                             dynamic_ncols=sized, ncols=None if sized else 100, nrows=None if sized else 24,
                              bar_format="{desc} {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| [{elapsed}{postfix}]")
         self._bar.set_postfix_str(", ".join(x for x in (eta, stats) if x), refresh=False)
         self._bar.update(p["global_step"] - self._bar.n)
