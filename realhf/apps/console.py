@@ -42,12 +42,15 @@ def _short_secs(s: float) -> str:
     return f"{s:.2f}s" if s < 10 else f"{s:.1f}s" if s < 60 else fmt_secs(s)
 
 
-def _stats_text(last: dict) -> str:
+def _stats_text(last: dict, compact: bool = False) -> str:
+    """The step time, the key stats and each MFC's time; ``compact`` (the live line): only the task reward (or the
+    loss) besides the times."""
     parts = [f"step {_short_secs(last['step_time'])}" if "step_time" in last else ""]
+    headline = next((k for k in ("task_reward", "loss") if k in last), None)
     for k, v in last.items():
         if k.endswith("/time"):
             parts.append(f"{k[:-5]} {_short_secs(v)}")
-        elif k != "step_time":
+        elif k != "step_time" and (not compact or k == headline):
             parts.append(f"{k} {v:.4g}")
     return ", ".join(p for p in parts if p)
 
@@ -124,7 +127,7 @@ class Console:
         self._step = step
         eta = f"ETA {fmt_secs(p['eta'])}" if p.get("eta") is not None else "ETA ?"
         if self.tty:
-            self._tty_update(p, eta, _stats_text(p.get("last", {})))
+            self._tty_update(p, eta, _stats_text(p.get("last", {}), compact=True))
         elif self.verbosity == "verbose":  # every step, from the stats rows (steps may finish between polls)
             for row in self._tail.new_rows():
                 self._write(f"step {row['global_step']}/{total} | {_stats_text(key_stats(row))}")
@@ -139,13 +142,13 @@ class Console:
         from tqdm import tqdm
 
         if self._bar is None:
-            try:  # a terminal that reports no size (e.g. a pseudo-terminal nobody sized) gets 100 x 24
+            try:  # a terminal that reports no size (e.g. a pseudo-terminal nobody sized) gets 120 x 24
                 size = os.get_terminal_size(self.stream.fileno())
                 sized = size.columns > 0 and size.lines > 0
             except (OSError, ValueError):
                 sized = False
             self._bar = tqdm(total=p["total_steps"], initial=p["global_step"], file=self.stream, desc="step",
-                             dynamic_ncols=sized, ncols=None if sized else 100, nrows=None if sized else 24,
+                             dynamic_ncols=sized, ncols=None if sized else 120, nrows=None if sized else 24,
                              bar_format="{desc} {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| [{elapsed}{postfix}]")
         self._bar.set_postfix_str(", ".join(x for x in (eta, stats) if x), refresh=False)
         self._bar.update(p["global_step"] - self._bar.n)
