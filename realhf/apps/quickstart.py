@@ -14,8 +14,6 @@ import sys
 from realhf.api.quickstart import entry
 from realhf.base import logging
 
-logger = logging.getLogger("realhf.quickstart")
-
 
 def run(name: str, cfg, console=None) -> int:
     """Build experiment ``name`` from ``cfg`` (every check runs here, before anything starts: exit code 2 with the

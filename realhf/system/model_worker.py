@@ -45,6 +45,7 @@ from realhf.system.request_reply_stream import Payload, WorkerServer
 
 logger = logging.getLogger(__name__)
 
+
 def worker_name(rank: int) -> str:
     return f"model_worker_{rank}"
 
@@ -165,7 +166,7 @@ class ModelWorker:
                                               first_timeout_s=660.0, what=self.name)
         self.server = WorkerServer(self.name, self.secret, host=network.worker_host(), name_resolve=self.nr,
                                    key=names.worker_address(exp, trial, self.name))
-        hb_addr = self.nr.wait(names.master_heartbeat(spec.experiment_name, spec.trial_name), timeout=120)
+        hb_addr = self.nr.wait(names.master_heartbeat(exp, trial), timeout=120)
         self.heartbeat = HeartbeatSender(self.name, self.secret, hb_addr)
         self.heartbeat.start()
         logger.info(f"{self.name} ready: models {sorted(self.models)}")
