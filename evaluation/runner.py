@@ -59,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top_k", type=int, default=0, help="0: no top-k")
     p.add_argument("--seed", type=int, default=1, help="base seed (problem subsets and per-problem sampling seeds)")
     p.add_argument("--max_problems", type=int, default=None, help="a fixed seeded subset of N problems per dataset")
-    p.add_argument("--engine", default="realhf", help="realhf (own engine) or vllm")
+    p.add_argument("--engine", default="realhf", help="realhf (own engine in --n_workers processes), or a "
+                                                      "generation-server backend: gen | vllm | sglang")
+    p.add_argument("--allocation", default=None, help="generation servers as an allocation, e.g. vllm.d2m1p1 (2 vLLM "
+                                                      "servers, tensor parallel 1): sets --engine, --n_servers and "
+                                                      "--tensor_parallel_size")
+    p.add_argument("--n_servers", type=int, default=1, help="generation servers (server backends)")
     p.add_argument("--n_workers", type=int, default=1, help="data-parallel generation processes (0: in this process)")
     p.add_argument("--threads_per_worker", type=int, default=None, help="torch threads per worker process")
     p.add_argument("--batch_size", type=int, default=16, help="prompts per generation batch")
@@ -300,6 +305,18 @@ def _validate(args):
         raise EvalError("--n_workers must be >= 0 and --batch_size >= 1")
     if args.prompt_type not in prompts.PROMPT_TYPES:
         raise EvalError(f"unknown prompt_type {args.prompt_type!r}; choose from {', '.join(prompts.PROMPT_TYPES)}")
+    if args.allocation:  # e.g. vllm.d2m1p1: backend, servers (d) and tensor parallelism (m)
+        import re
+
+        m = re.fullmatch(r"([a-z]+)\.d(\d+)m(\d+)p1", args.allocation.strip())
+        if not m:
+            raise EvalError(f"--allocation must look like vllm.d2m1p1 (<backend>.d<servers>m<tensor parallel>p1), "
+                            f"got {args.allocation!r}")
+        args.engine, args.n_servers, args.tensor_parallel_size = m.group(1), int(m.group(2)), int(m.group(3))
+        if args.engine == "realhf":
+            raise EvalError("--allocation names a generation-server backend (gen, vllm, sglang), not realhf")
+    if args.n_servers < 1 or args.tensor_parallel_size < 1:
+        raise EvalError("--n_servers and --tensor_parallel_size must be >= 1")
     if args.engine not in engines.ENGINES:
         raise EvalError(f"unknown engine {args.engine!r}; available: {', '.join(sorted(engines.ENGINES))}")
 

@@ -61,8 +61,8 @@ def test_gen_and_train_on_different_layouts(tiny_math_run, single):
 
 
 def test_decoupled_generation_devices(tiny_math_run, single):
-    """gen.d1m1p1+d1m2p1: generation on worker 2 alone, everything else on workers 0-1 (disjoint meshes:
-    the prompts travel to the generation device, the answers back, and the parameters every step)."""
+    """gen.d1m1p1+d1m2p1: generation by realhf's own generation server on device 2, everything else on workers
+    0-1 under tensor parallelism (the tp shards are gathered and published to the server every step)."""
     model, d = tiny_math_run
     st = run(model, d, "decoupled", 3, "allocation_mode=gen.d1m1p1+d1m2p1")
     _same(single, st, "decoupled gen.d1m1p1+d1m2p1")
@@ -86,7 +86,9 @@ def test_manual_meshes_and_disk_reallocation(tiny_math_run, single):
      ["more than once"]),
     (["allocation_mode=manual", "actor_gen.device_mesh=node02:0", "actor_gen.parallel=d1m1p1"], ["unknown node"]),
     (["allocation_mode=manual", "actor_gen.device_mesh=localhost:5", "actor_gen.parallel=d1m1p1"], ["do not exist"]),
-    (["allocation_mode=vllm.d1m1p1+d1m1p1"], ["vllm", "gen.d1m1p1"]),
+    (["allocation_mode=gen.d1m1p2+d1m1p1", "n_devices_per_node=3"], ["do not support pipeline parallelism", "use p1"]),
+    (["allocation_mode=gen.d1m2p1+d1m1p1", "n_devices_per_node=3"], ["tp=1 per server", "gen.d2m1p1"]),
+    (["allocation_mode=sglang.d1m1p1+d1m1p1"], ["sglang", "vllm./gen."]),
     (["allocation_mode=actor_gen:d1m4p1,*:d1m1p1", "n_devices_per_node=4"], ["actor.path", "actor@1", "d1m4p1"]),
     (["allocation_mode=actor_gen:d1m1p1,actor_train:d1m1p5,*:d1m1p1", "n_devices_per_node=5"],
      ["actor.path", "cannot fill 5 pipeline stages"]),

@@ -62,6 +62,10 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console
     sched = launcher.make(spec.log_dir, config, spec.n_workers)
     common = ["--exp", exp_name, "--config", cfg_path, "--resume", "1" if resume else "0", "--run-id", run_id]
     try:
+        if spec.served() is not None:  # generation servers first: the workers connect to them at start
+            from realhf.gen_server.launch import start_servers
+
+            start_servers(sched, spec, config, env, nr, name_resolve_root(config), own_devices=config.mode == "ray")
         sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env, worker=False)
         for r in range(spec.n_workers):
             sched.submit(f"model_worker_{r}", python_cmd("realhf.apps.remote", "--role", "model_worker", "--rank", str(r), *common), env)

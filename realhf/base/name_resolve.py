@@ -269,3 +269,8 @@ class names:
     @staticmethod
     def distributed_init(experiment_name: str, trial_name: str) -> str:
         return f"{names.trial_root(experiment_name, trial_name)}/distributed_init"
+
+    @staticmethod
+    def gen_server(experiment_name: str, trial_name: str, index: int) -> str:
+        """``host:port`` of generation server ``index`` (registered once it serves)."""
+        return f"{names.trial_root(experiment_name, trial_name)}/gen_server/{int(index)}"

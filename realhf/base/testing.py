@@ -220,3 +220,39 @@ def sft_cmd(model: str, data_dir: str, root: str, exp: str, *extra: str) -> list
     step, on a tiny model with 512 positions; ``extra`` options are appended (later ones win)."""
     return ["sft", f"model.path={model}", "dataset.max_seqlen=512", f"dataset.train_path={data_dir}/train.jsonl",
             "dataset.train_bs_n_seqs=4", f"fileroot={root}", f"experiment_name={exp}", *extra]
+
+
+def perturbed_model(hf_path: str, out_dir: str, seed: int, scale: float = 0.05):
+    """(ReaLModel of ``hf_path`` with every weight perturbed by ``scale``-sized noise of ``seed``, the HF folder it
+    was saved to under ``out_dir``): a "trainer" after some steps, for checking weight updates of servers."""
+    import torch
+
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf, save_hf
+
+    m = build_from_hf(hf_path, grid=single_process_grid(), dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    path = os.path.join(str(out_dir), f"perturbed{seed}")
+    save_hf(m, path)
+    return m, path
+
+
+def sequence_logprobs(model, seqs: List[List[int]]) -> List[List[float]]:
+    """Log-prob of every token after the first of each sequence under ``model`` (a ReaLModel, one process; one
+    packed forward at temperature 1): what a trainer computes, to compare a server's ``logprobs`` with."""
+    import torch
+
+    from realhf.impl.model.nn.real_model import make_packed_input
+
+    ids = torch.tensor([t for s in seqs for t in s], device=model.device)
+    inp = make_packed_input([len(s) for s in seqs], device=model.device)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids, inp).float(), -1)
+    out, off = [], 0
+    for s in seqs:
+        out.append([float(lp[off + i, s[i + 1]]) for i in range(len(s) - 1)])
+        off += len(s)
+    return out

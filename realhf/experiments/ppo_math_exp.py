@@ -6,6 +6,11 @@ DFG (keys infer the edges):
   ref_inf     (ref,    inference)  packed_input_ids, prompt_mask -> packed_ref_logprobs        [KL on]
   critic_inf  (critic, inference)  packed_input_ids, prompt_mask -> values                     [critic on]
   actor_train (actor,  train_step) all of the above
+
+With a decoupled allocation (``vllm.d2m1p1+d1m1p1``, ``sglang.``, ``gen.``) actor_gen is served by generation
+servers on the generation devices (``realhf.gen_server``): its replica ``actor@1`` is a client on worker 0, the
+trained weights reach the servers before each generation (``param_realloc=disk|memory``), and actor_gen also
+outputs ``packed_versions`` (the weight version behind every generated token; -1 on prompt tokens).
   critic_train(critic, train_step) all of the above                                           [critic on]
 """
 from __future__ import annotations
@@ -16,7 +21,9 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.system_api import DatasetSpec, ExperimentSpec
 from realhf.api.quickstart.config import PPOMathConfig
 from realhf.experiments import register_experiment
-from realhf.experiments.common import check_model_fits, experiment_spec, model_replicas, replica_specs
+from realhf.base.topology import ParallelDims
+from realhf.experiments.common import (check_model_fits, experiment_spec, gen_servers_spec, model_replicas,
+                                       replica_specs)
 
 GEN_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask")
 
@@ -27,10 +34,9 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     from realhf.impl.dataset.math import MATH_OPTIONAL, MATH_REQUIRED
 
     mode = cfg.allocation()
-    if mode.kind == "decoupled" and mode.gen_backend != "gen":
-        raise ValueError(
-            f"allocation_mode={cfg.allocation_mode!r}: generation servers of backend {mode.gen_backend!r} are not "
-            f"available in this build; use 'gen.{mode.gen}+...' (realhf's own engine on the separate devices)")
+    served = None
+    if mode.kind == "decoupled":  # actor_gen is served by generation servers on the generation devices
+        served = gen_servers_spec(cfg, cfg.dataset.max_prompt_len + cfg.ppo.gen.max_new_tokens, cfg.actor.dtype)
     use_ref = cfg.use_ref()
     use_critic = cfg.use_critic
     roles: Dict[str, List[Tuple[str, bool]]] = {"actor": [("actor_gen", False), ("actor_train", True)],
@@ -44,11 +50,16 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     for role, mfc_list in roles.items():
         of, replicas[role] = model_replicas(cfg, role, mfc_list)
         model_of.update(of)
+    if served is not None:  # the served replica is a client on worker 0; the servers hold the generation devices
+        replicas["actor"][model_of["actor_gen"]] = (ParallelDims(1, 1, 1), (0,))
     if use_critic and cfg.ppo.value_norm and model_of["critic_inf"] != model_of["critic_train"]:
         raise ValueError("ppo.value_norm=true needs critic_inf and critic_train on one layout and device mesh: the "
                          "running value statistics that training updates are the ones inference denormalises with")
     paths = {"actor": cfg.actor.path, "ref": cfg.ref_path(), "critic": cfg.critic_path()}
     seqlen = {"dataset.max_prompt_len": cfg.dataset.max_prompt_len, "ppo.gen.max_new_tokens": cfg.ppo.gen.max_new_tokens}
+    if served is not None:
+        check_model_fits(cfg.actor.path, mode.gen, f"actor.path (generation servers {cfg.allocation_mode!r})",
+                         seqlen=seqlen, tokenizer=True)
     for role in ("actor", "ref", "critic"):
         for name, (dims, _) in replicas.get(role, {}).items():
             # every model reads whole sequences; the actor's tokenizer serves all of them
@@ -66,6 +77,10 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     train_steps = steps * p.ppo_n_minibatches
     models = replica_specs("actor", replicas["actor"], cfg.actor.path, cfg.actor, optimizer=cfg.actor.optimizer,
                            total_train_steps=train_steps)
+    if served is not None:
+        for m in models:
+            if m.name == model_of["actor_gen"]:
+                m.gen_servers = served
     models += replica_specs("ref", replicas.get("ref", {}), cfg.ref_path(), cfg.ref, tokenizer_path=tok)
     models += replica_specs("critic", replicas.get("critic", {}), cfg.critic_path(), cfg.critic,
                             optimizer=cfg.critic.optimizer, total_train_steps=train_steps, is_critic=True,
@@ -77,7 +92,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     train_inputs = list(GEN_KEYS) + ["rewards"]
     mfcs = [
         MFCDef("actor_gen", model_of["actor_gen"], "generate", "ppo_actor", actor_args, input_keys=("packed_prompts",),
-               output_keys=GEN_KEYS, mb_spec=cfg.actor_gen.mb_spec.to_spec()),
+               output_keys=GEN_KEYS + (("packed_versions",) if served is not None else ()), mb_spec=cfg.actor_gen.mb_spec.to_spec()),
         MFCDef("rew_inf", model_of["rew_inf"], "inference", "rw-math",
                dict(correct_reward=cfg.correct_reward, wrong_reward=cfg.wrong_reward,
                     reward_output_scaling=p.reward_output_scaling, reward_output_bias=p.reward_output_bias,

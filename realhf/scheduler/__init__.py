@@ -1,7 +1,7 @@
 """Launchers (``mode=local|ray|slurm``) behind one protocol, found through one registry.
 
 A launcher registers a :class:`Launcher`: ``make(log_dir, config, n_workers)`` returns a scheduler with
-``submit(name, cmd, env, worker)``, ``wait(main)`` (returns when ``main`` exits 0, raises
+``submit(name, cmd, env, worker, slots=1)``, ``wait(main)`` (returns when ``main`` exits 0, raises
 ``realhf.scheduler.local.JobFailure`` naming the failed job), ``wait_others()`` and ``stop_all()``;
 ``check(config, n_workers)``, when given, runs before anything starts and raises ValueError with a message for the
 user (e.g. a Ray cluster that is unreachable or too small); ``remote`` says its jobs may run on other nodes, which

@@ -78,8 +78,10 @@ class LocalScheduler(WaitMixin):
         self.jobs: Dict[str, Job] = {}
         atexit.register(self.stop_all)
 
-    def submit(self, name: str, cmd: List[str], env: Optional[dict] = None, worker: bool = True) -> Job:
-        """Start ``cmd`` as job ``name``. (``worker`` matters to launchers that reserve resources.)"""
+    def submit(self, name: str, cmd: List[str], env: Optional[dict] = None, worker: bool = True,
+               slots: int = 1) -> Job:
+        """Start ``cmd`` as job ``name``. (``worker`` and ``slots``, the device slots it holds, matter to launchers
+        that reserve resources.)"""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         proc = start_logged(cmd, env or {}, log_path)
         job = Job(name, proc, log_path)

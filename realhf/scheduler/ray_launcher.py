@@ -118,9 +118,11 @@ class RayScheduler(WaitMixin):
         self.ray = connect_for(config, n_workers)  # checked again at each (re)launch: nodes may have gone
         self.jobs: Dict[str, RayJob] = {}
 
-    def submit(self, name: str, cmd: List[str], env: Optional[dict] = None, worker: bool = True) -> RayJob:
+    def submit(self, name: str, cmd: List[str], env: Optional[dict] = None, worker: bool = True,
+               slots: int = 1) -> RayJob:
+        """``slots``: device slots the job holds (a generation server with tp ranks holds tp of them)."""
         log_path = os.path.join(self.log_dir, f"{name}.log")
-        opts = dict(num_cpus=self.cpus, num_gpus=self.gpus) if worker else dict(num_cpus=0, num_gpus=0)
+        opts = dict(num_cpus=self.cpus * slots, num_gpus=self.gpus * slots) if worker else dict(num_cpus=0, num_gpus=0)
         actor = _actor_class().options(name=None, **opts).remote()
         pid, host = self.ray.get(actor.start.remote(cmd, dict(env or {}), log_path))
         job = RayJob(name, actor, log_path, pid, host)

@@ -9,7 +9,9 @@ cases inside the call path:
 * :class:`OffloadHook` moves an offloaded inference replica's parameters to host memory after each of its MFCs
   (the workers bring them back when a request uses them).
 
-(Weight publication to generation servers will be a hook here.)
+A replica served by generation servers (``ModelSpec.gen_servers``) is brought up to date the same way, by
+publishing its source's weights to the servers (``publish_weights``: through disk or a weight group; see
+``realhf.gen_server.served``).
 """
 from __future__ import annotations
 
@@ -78,6 +80,13 @@ class ParamReallocHook(MFCHook):
             if self.versions.version(m.name) >= version:
                 return {}
             t0 = time.perf_counter()
+            if m.gen_servers is not None:
+                ranks = sorted(set(src.ranks) | set(m.ranks))
+                self.call("publish_weights", {r: {"src": src.name, "dst": m.name, "version": version} for r in ranks})
+                dt = time.perf_counter() - t0
+                self.versions.set(m.name, version)
+                logger.debug(f"published {src.name} version {version} to the {m.gen_servers.backend} servers in {dt:.3f}s")
+                return {"weight_sync_time": dt}
             if self.spec.param_realloc == "disk":
                 path = os.path.join(self.spec.save_dir, ".realloc", m.name)
                 shutil.rmtree(path, ignore_errors=True)

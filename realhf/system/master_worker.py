@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 
 # stats every MFC has: logged as <mfc>/<stat>
-PER_MFC_STATS = ("time", "compute_time", "realloc_time", "peak_mem_gib", "reserved_mem_gib")
+PER_MFC_STATS = ("time", "compute_time", "realloc_time", "weight_sync_time", "peak_mem_gib", "reserved_mem_gib")
 
 
 def balanced_dp_split(ids: List[str], tokens: Dict[str, int], dp: int) -> List[List[str]]:

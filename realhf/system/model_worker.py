@@ -133,6 +133,7 @@ class ModelWorker:
         self.data_iter = None
         self.valid_batches = None
         self._realloc_plans = {}
+        self._publishers = {}  # served replica name -> WeightPublisher (realhf.gen_server.served)
 
     # ------------------------------------------------------------------ setup
     def setup(self):
@@ -184,6 +185,14 @@ class ModelWorker:
         from realhf.impl.model.backend.engine import InferenceEngine, TrainEngine
         from realhf.impl.model.conversion.hf_io import build_from_hf
 
+        if m.gen_servers is not None:  # served by generation servers: a client and the tokenizer
+            import transformers
+
+            from realhf.gen_server.served import ServedEngine, make_client
+
+            tok = transformers.AutoTokenizer.from_pretrained(m.tokenizer_path or m.path)
+            engine = ServedEngine(make_client(self.spec, m.gen_servers, self.secret, self.nr))
+            return Model(name=m.name, engine=engine, tokenizer=tok, grid=self.grids[m.name], path=m.path)
         if not m.path:  # a model without weights (e.g. a rule-based reward): only the tokenizer
             import transformers
 
@@ -405,6 +414,22 @@ class ModelWorker:
             self.models[dst].version = self.models[src].version
         return {"seconds": time.perf_counter() - t0, **n}, []
 
+    def _h_publish_weights(self, data):
+        """Bring the parameters of trained replica ``src`` to the generation servers that serve replica ``dst``
+        (collective over ``src``'s workers); ``dst``'s worker only records the version it now generates with."""
+        from realhf.gen_server.served import WeightPublisher
+
+        src, dst, version = data["src"], data["dst"], int(data["version"])
+        out = {}
+        if src in self.models:
+            if dst not in self._publishers:
+                self._publishers[dst] = WeightPublisher(self.spec, self.spec.model(dst).gen_servers, self.secret,
+                                                        self.nr, self.env, dst)
+            out = self._publishers[dst].publish(self.models[src], version)
+        if dst in self.models:
+            self.models[dst].version = version
+        return out, []
+
     def _h_realloc_save(self, data):
         """Disk path, first half: the source layout writes its parameters as a HF checkpoint."""
         from realhf.impl.model.conversion.hf_io import save_hf
@@ -448,5 +473,10 @@ class ModelWorker:
             self.heartbeat.stop()
         if hasattr(self, "server"):
             self.server.close()
+        for p in self._publishers.values():
+            p.close()
+        for m in self.models.values():
+            if hasattr(m.engine, "close"):
+                m.engine.close()
         if dist.is_initialized():
             dist.destroy_process_group()

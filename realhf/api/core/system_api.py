@@ -15,6 +15,27 @@ from realhf.base.topology import ParallelDims
 
 
 @dataclasses.dataclass
+class GenServersSpec:
+    """The generation servers that serve a model replica (a ``vllm.``/``sglang.``/``gen.`` allocation): one
+    server process per data-parallel rank of the generation layout, each with ``tp`` tensor-parallel ranks
+    (device slots ``first_slot + i * tp ...``), started by the launcher before the master and the workers."""
+
+    backend: str  # gen | vllm | sglang
+    n_servers: int
+    tp: int = 1
+    first_slot: int = 0  # the device slot of server 0's first rank (after the slots of everything else)
+    dtype: str = "auto"  # auto: the runtime's default (bf16 on GPU, fp32 on CPU)
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    weight_sync: str = "disk"  # disk | memory: how trained weights reach the servers
+    routing: str = "least_requests"
+    startup_timeout_secs: float = 600.0
+    request_timeout_secs: float = 3600.0
+    threads: int = 1  # torch threads of a CPU server
+    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # backend options (e.g. vLLM engine args)
+
+
+@dataclasses.dataclass
 class ModelSpec:
     """One replica of a model role (``actor``, ``actor@1``, ...) held by a set of workers under one layout.
 
@@ -35,6 +56,9 @@ class ModelSpec:
     realloc_from: Optional[str] = None  # the trained replica this one mirrors
     offload: bool = False  # keep the parameters in host memory between calls (inference-only replicas)
     compile: bool = False  # run the blocks' non-attention parts as compiled graphs (ReaLModel.compile_blocks)
+    # served by generation servers: this replica (on one worker, layout d1m1p1) holds no weights, only a client;
+    # its ``realloc_from`` source publishes its weights to the servers instead of reallocating them
+    gen_servers: Optional[GenServersSpec] = None
 
     @property
     def role(self) -> str:
@@ -93,6 +117,10 @@ class ExperimentSpec:
     final_hook: Optional[str] = None
     # the checkpoint evaluator (realhf.api.quickstart.eval_config.EvaluatorConfig); None or disabled = off
     auto_eval: Optional[Any] = None
+
+    def served(self) -> Optional[ModelSpec]:
+        """The model replica served by generation servers, if any."""
+        return next((m for m in self.models if m.gen_servers is not None), None)
 
     def model(self, name: str) -> ModelSpec:
         for m in self.models:

@@ -465,15 +465,49 @@ class GenerationExpConfig(BaseExperimentConfig):
 
 
 @dataclasses.dataclass
+class GenServerConfig:
+    """Generation servers of a ``vllm.``/``sglang.``/``gen.`` allocation (one per data-parallel rank of its layout)."""
+
+    max_num_seqs: int = option(64, "samples a server decodes together at most (more wait for a free slot)")
+    routing: str = option("least_requests", "which server a request goes to: round_robin | least_requests | "
+                                            "least_tokens (the samples of one prompt stay together)")
+    startup_timeout_secs: float = option(600.0, "time the servers get to load the model and serve, before training")
+    request_timeout_secs: float = option(3600.0, "time limit of one generation request")
+    extra: str = option("{}", "backend options as a JSON object, e.g. vLLM engine args "
+                              "'{\"enable_prefix_caching\": true}'")
+
+    def __post_init__(self):
+        import json
+
+        check_int("gen_server.max_num_seqs", self.max_num_seqs, 1)
+        check_choice("gen_server.routing", self.routing, ("round_robin", "least_requests", "least_tokens"))
+        check_number("gen_server.startup_timeout_secs", self.startup_timeout_secs, lo=0, lo_open=True)
+        check_number("gen_server.request_timeout_secs", self.request_timeout_secs, lo=0, lo_open=True)
+        try:
+            ok = isinstance(json.loads(self.extra), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"gen_server.extra must be a JSON object, got {self.extra!r}")
+
+    def extra_dict(self) -> dict:
+        import json
+
+        return json.loads(self.extra)
+
+
+@dataclasses.dataclass
 class PPOMathConfig(BaseExperimentConfig):
     """PPO (or GRPO with use_critic=false) on math prompts with a rule-based correctness reward."""
 
     param_realloc: str = option("memory", "how parameters move between the layouts of one model (e.g. actor_train -> "
-                                          "actor_gen): memory (point-to-point between the workers) | disk "
-                                          "(through a checkpoint; for device sets that share no communicator)")
+                                          "actor_gen) or reach generation servers: memory (point-to-point, or a "
+                                          "weight group with the servers) | disk (through a checkpoint)")
     exp_ctrl: ExperimentSaveControl = option(help="stopping, saving, recover checkpoints",
                                              factory=ExperimentSaveControl)
     auto_eval: EvaluatorConfig = _auto_eval_option()
+    gen_server: GenServerConfig = option(help="generation servers of a decoupled allocation (vllm./sglang./gen.)",
+                                         factory=GenServerConfig)
     actor: ModelTrainEvalConfig = option(help="the policy", factory=ModelTrainEvalConfig)
     critic: ModelTrainEvalConfig = option(help="the value model, loaded with a value head [hidden -> 1] instead of the "
                                                "LM head (path '' = initialise from actor.path)",

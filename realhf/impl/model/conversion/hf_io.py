@@ -232,6 +232,21 @@ def gather_full_state(model: ReaLModel) -> Dict[str, torch.Tensor]:
     return out
 
 
+def stage_hf_state(model: ReaLModel, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
+    """This pipeline stage's parameters as HF-named full tensors (collective over the tp group): what the stage
+    writes in a HF checkpoint, or publishes to generation servers. A tied LM head is left to the embedding."""
+    sd = gather_full_state(model)
+    cfg = model.config
+    if cfg.tied_embedding and not model.shares_tied_weight and not model.is_first:
+        sd.pop("head.lm_head.weight", None)  # the first stage writes the embedding
+    if model.shares_tied_weight:
+        sd.pop("head.lm_head.weight", None)
+    hf_sd = get_hf_family(cfg.family).real_to_hf(sd, cfg)
+    if dtype is not None:
+        hf_sd = {k: v.to(dtype) for k, v in hf_sd.items()}
+    return hf_sd
+
+
 def staging_paths(path: str) -> Tuple[str, str]:
     """(folder a save of ``path`` is written into, name an existing ``path`` is moved to while replaced):
     hidden siblings of ``path``, the same on every rank."""
@@ -265,16 +280,9 @@ def save_hf(model: ReaLModel, path: str, tokenizer_src: Optional[str] = None, dt
 
     grid = model.grid
     group = grid.all_group if grid is not None else None
-    sd = gather_full_state(model)
+    hf_sd = stage_hf_state(model, dtype)
     cfg = model.config
-    if cfg.tied_embedding and not model.shares_tied_weight and not model.is_first:
-        sd.pop("head.lm_head.weight", None)  # the first stage writes the embedding
-    if model.shares_tied_weight:
-        sd.pop("head.lm_head.weight", None)
     fam = get_hf_family(cfg.family)
-    hf_sd = fam.real_to_hf(sd, cfg)
-    if dtype is not None:
-        hf_sd = {k: v.to(dtype) for k, v in hf_sd.items()}
     pp = model.pp
     writer = grid is None or (grid.dp_rank == 0 and grid.tp_rank == 0)
     bad = torch.tensor([sum(int((~torch.isfinite(v)).sum()) for v in hf_sd.values() if v.is_floating_point())

@@ -2,7 +2,9 @@
 
 Output keys per prompt sample (``n`` sequences each): ``packed_input_ids`` (prompt + answer),
 ``packed_logprobs`` (one per next-token position: 0 on prompt positions), ``prompt_mask`` (True on
-prompt tokens), ``seq_no_eos_mask`` (one bool per sequence: hit max_new_tokens without a stop token).
+prompt tokens), ``seq_no_eos_mask`` (one bool per sequence: hit max_new_tokens without a stop token), and,
+when generation servers serve the model, ``packed_versions`` (the weight version behind each generated token;
+-1 on prompt tokens).
 With ``output_file`` set, rows ``{query_id, prompt, output_ids, output_text, logprobs}`` are written
 to ``<output_file>.<rank>`` by the worker that owns the outputs: the file is started afresh at this
 process's first write (so rows an earlier, unfinished run left there are not kept) and appended to
@@ -54,9 +56,11 @@ class GenerationInterface(ModelInterface):
         outs = [model.engine.generate([prompts[i] for i in p], self.gconfig, eos_token_id=eos, seeds=[seeds[i] for i in p])
                 for p in parts]
         out = GenerationOutput(tokens=[t for o in outs for t in o.tokens], logprobs=[lp for o in outs for lp in o.logprobs],
-                               no_eos=[x for o in outs for x in o.no_eos])
+                               no_eos=[x for o in outs for x in o.no_eos],
+                               versions=None if any(o.versions is None for o in outs) else
+                               [v for o in outs for v in o.versions])
         n = self.gconfig.n
-        ids, lps, pms, no_eos, seqlens = [], [], [], [], []
+        ids, lps, pms, no_eos, seqlens, vers = [], [], [], [], [], []
         for i, p in enumerate(prompts):
             per_sample = []
             for j in range(n):
@@ -70,6 +74,10 @@ class GenerationInterface(ModelInterface):
                 pm = torch.zeros(len(seq), dtype=torch.bool)
                 pm[: len(p)] = True
                 pms.append(pm)
+                if out.versions is not None:
+                    v = torch.full((len(seq),), -1, dtype=torch.int32)
+                    v[len(p):] = torch.tensor(out.versions[k], dtype=torch.int32)
+                    vers.append(v)
                 no_eos.append(out.no_eos[k])
                 per_sample.append(len(seq))
             seqlens.append(per_sample)
@@ -84,6 +92,12 @@ class GenerationInterface(ModelInterface):
             data={"packed_input_ids": torch.cat(ids), "packed_logprobs": torch.cat(lps), "prompt_mask": torch.cat(pms),
                   "seq_no_eos_mask": torch.tensor(no_eos, dtype=torch.bool)},
         )
+        if out.versions is not None:  # generation servers: the weight version behind every generated token
+            result.keys.add("packed_versions")
+            result.seqlens["packed_versions"] = seqlens
+            result.trailing_shapes["packed_versions"] = ()
+            result.dtypes["packed_versions"] = torch.int32
+            result.data["packed_versions"] = torch.cat(vers)
         if self.output_file and model.module.is_last and model.grid.tp_rank == 0:
             self._write(model, data, prompts, out)
         return result

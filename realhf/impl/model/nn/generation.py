@@ -72,6 +72,7 @@ class GenerationOutput:
     tokens: List[List[int]]  # generated ids per sequence (prompt excluded; stop token included)
     logprobs: List[List[float]]  # log-prob of each generated token
     no_eos: List[bool]  # True where the sequence hit max_new_tokens without a stop token
+    versions: Optional[List[List[int]]] = None  # weight version behind each generated token (generation servers)
 
 
 def _top_p_remove(logits: torch.Tensor, top_p: float) -> torch.Tensor:

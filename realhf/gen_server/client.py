@@ -1,0 +1,322 @@
+"""The one client of generation servers: training, the ``gen`` experiment and evaluation all use it.
+
+:class:`GenClient` (asyncio, aiohttp) knows every server of a run by name and address and
+
+* routes each request to one server (``round_robin``, ``least_requests`` or ``least_tokens``, counted from
+  what this client has in flight); the ``n`` samples of one request stay on one server (a prompt's group
+  is then prefilled once);
+* signs every POST with the run secret (``realhf.gen_server.auth``);
+* times out (``request_timeout``) and retries a request that failed to connect or timed out on another
+  server (``retries`` times); an answer the server gave (400/401/500) is not retried but raised as is;
+* raises :class:`GenServerError` naming the server (index and address) and the cause, e.g. when a server
+  dies or never comes up;
+* broadcasts weight updates, pause/continue and abort to every server.
+
+Backends that are servers of their own (SGLang) are spoken to through a *dialect*
+(``realhf.gen_server.sglang.SGLangDialect``) with the same methods.
+
+Synchronous callers (model workers) use :class:`SyncGenClient`, which runs one ``GenClient`` on an event
+loop in a background thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import threading
+import time
+from typing import Any, List, Optional, Sequence
+
+from realhf.base import logging
+from realhf.gen_server.api import GenerateRequest, GenerateResult, TensorMeta, WeightGroupSpec
+from realhf.gen_server.auth import sign
+
+logger = logging.getLogger("realhf.gen_server.client")
+
+ROUTINGS = ("round_robin", "least_requests", "least_tokens")
+
+
+class GenServerError(RuntimeError):
+    """A generation server failed, answered with an error, or cannot be reached."""
+
+    def __init__(self, server: str, msg: str, status: Optional[int] = None):
+        self.server, self.status = server, status
+        super().__init__(f"generation server {server}: {msg}")
+
+
+@dataclasses.dataclass
+class ServerState:
+    index: int
+    address: str  # host:port
+    in_flight: int = 0
+    tokens_in_flight: int = 0
+    failures: int = 0
+    down_until: float = 0.0  # monotonic time before which routing avoids it (after a connection failure)
+    version: int = 0  # the last version this client set on it
+
+    @property
+    def label(self) -> str:
+        return f"{self.index} ({self.address})"
+
+
+class RealhfDialect:
+    """realhf's own server protocol (``gen`` and ``vllm`` backends): see ``realhf.gen_server.server``."""
+
+    def __init__(self, client: "GenClient"):
+        self.c = client
+
+    async def generate(self, s: ServerState, req: GenerateRequest) -> GenerateResult:
+        return GenerateResult.from_dict(await self.c.post(s, "/generate", req.to_dict(), self.c.request_timeout))
+
+    async def logprobs(self, s: ServerState, seqs: List[List[int]]) -> List[List[float]]:
+        return (await self.c.post(s, "/logprobs", {"sequences": seqs}, self.c.request_timeout))["logprobs"]
+
+    async def update_weights_from_disk(self, s: ServerState, path: str, version: int) -> dict:
+        return await self.c.post(s, "/update_weights_from_disk", {"path": path, "version": version},
+                                 self.c.weight_timeout)
+
+    async def init_weight_group(self, s: ServerState, spec: WeightGroupSpec) -> dict:
+        return await self.c.post(s, "/init_weight_group", dataclasses.asdict(spec), self.c.weight_timeout)
+
+    async def update_weights_from_group(self, s: ServerState, metas: List[TensorMeta], version: int) -> dict:
+        return await self.c.post(s, "/update_weights_from_distributed",
+                                 {"tensors": [dataclasses.asdict(m) for m in metas], "version": version},
+                                 self.c.weight_timeout)
+
+    async def pause(self, s: ServerState) -> dict:
+        return await self.c.post(s, "/pause", {}, self.c.control_timeout)
+
+    async def resume(self, s: ServerState) -> dict:
+        return await self.c.post(s, "/continue", {}, self.c.control_timeout)
+
+    async def abort(self, s: ServerState, rids: Optional[List[str]]) -> int:
+        return (await self.c.post(s, "/abort", {"rids": rids}, self.c.control_timeout))["aborted"]
+
+    async def health(self, s: ServerState) -> dict:
+        return await self.c.get(s, "/health", self.c.control_timeout)
+
+    async def metrics(self, s: ServerState) -> dict:
+        return await self.c.get(s, "/metrics", self.c.control_timeout)
+
+
+class GenClient:
+    def __init__(self, addresses: Sequence[str], secret: bytes, routing: str = "least_requests",
+                 request_timeout: float = 3600.0, weight_timeout: float = 1800.0, control_timeout: float = 30.0,
+                 retries: int = 1, dialect: str = "realhf", api_key: Optional[str] = None):
+        if not addresses:
+            raise ValueError("GenClient needs at least one server address")
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing={routing!r}; allowed: {list(ROUTINGS)}")
+        self.servers = [ServerState(i, a) for i, a in enumerate(addresses)]
+        self.secret, self.routing, self.retries = secret, routing, int(retries)
+        self.request_timeout, self.weight_timeout, self.control_timeout = request_timeout, weight_timeout, control_timeout
+        self._rr = itertools.count()
+        self._session = None
+        if dialect == "realhf":
+            self.dialect = RealhfDialect(self)
+        elif dialect == "sglang":
+            from realhf.gen_server.sglang import SGLangDialect
+
+            self.dialect = SGLangDialect(self, api_key=api_key)
+        else:
+            raise ValueError(f"unknown server dialect {dialect!r}; allowed: realhf, sglang")
+
+    # ------------------------------------------------------------------ transport
+    async def session(self):
+        if self._session is None or self._session.closed:
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def close(self):
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def post(self, s: ServerState, path: str, data: Any, timeout: float, signed: bool = True,
+                   headers: Optional[dict] = None) -> Any:
+        body = json.dumps(data).encode()
+        h = {"Content-Type": "application/json", **(headers or {})}
+        if signed:
+            h.update(sign(self.secret, "POST", path, body))
+        return await self._call(s, "POST", path, timeout, data=body, headers=h)
+
+    async def get(self, s: ServerState, path: str, timeout: float, headers: Optional[dict] = None) -> Any:
+        return await self._call(s, "GET", path, timeout, headers=headers)
+
+    async def _call(self, s: ServerState, method: str, path: str, timeout: float, **kw) -> Any:
+        import aiohttp
+
+        sess = await self.session()
+        try:
+            async with sess.request(method, f"http://{s.address}{path}",
+                                    timeout=aiohttp.ClientTimeout(total=timeout), **kw) as r:
+                text = await r.text()
+                if r.status != 200:
+                    try:
+                        msg = json.loads(text).get("error", text)
+                    except ValueError:
+                        msg = text[:500]
+                    raise GenServerError(s.label, f"{path} answered {r.status}: {msg}", status=r.status)
+                return json.loads(text) if text else {}
+        except GenServerError:
+            raise
+        except asyncio.TimeoutError:
+            raise GenServerError(s.label, f"{path} timed out after {timeout:.0f} s") from None
+        except aiohttp.ClientError as e:
+            raise GenServerError(s.label, f"{path} failed: cannot reach the server ({type(e).__name__}: {e}); "
+                                          "did it exit? see its log") from None
+
+    # ------------------------------------------------------------------ routing
+    def _pick(self, cost: int, exclude: set) -> ServerState:
+        now = time.monotonic()
+        cands = [s for s in self.servers if s.index not in exclude and s.down_until <= now]
+        if not cands:
+            cands = [s for s in self.servers if s.index not in exclude]
+        if not cands:
+            raise GenServerError("(any)", "no server left to try")
+        if self.routing == "round_robin":
+            return cands[next(self._rr) % len(cands)]
+        key = (lambda s: (s.in_flight, s.tokens_in_flight)) if self.routing == "least_requests" else \
+            (lambda s: (s.tokens_in_flight, s.in_flight))
+        best = min(key(s) for s in cands)
+        ties = [s for s in cands if key(s) == best]
+        return ties[next(self._rr) % len(ties)]
+
+    async def generate(self, req: GenerateRequest, server: Optional[int] = None) -> GenerateResult:
+        """Serve ``req`` on one server (``server`` pins it); retried elsewhere when a server is unreachable."""
+        cost = len(req.input_ids) + req.sampling.n * req.sampling.max_new_tokens
+        tried: set = set()
+        errors = []
+        for attempt in range(1 + (0 if server is not None else self.retries)):
+            s = self.servers[server] if server is not None else self._pick(cost, tried)
+            tried.add(s.index)
+            s.in_flight += 1
+            s.tokens_in_flight += cost
+            try:
+                res = await self.dialect.generate(s, req)
+                s.failures = 0
+                return res
+            except GenServerError as e:
+                if e.status is not None:  # the server answered: not a transport problem
+                    raise
+                s.failures += 1
+                s.down_until = time.monotonic() + min(60.0, 2.0 ** s.failures)
+                errors.append(str(e))
+                if len(tried) == len(self.servers):
+                    break
+                logger.warning("%s; retrying request %s on another server", e, req.rid)
+            finally:
+                s.in_flight -= 1
+                s.tokens_in_flight -= cost
+        raise GenServerError(", ".join(str(i) for i in sorted(tried)),
+                             f"request {req.rid} failed on every server tried: " + " | ".join(errors))
+
+    async def generate_many(self, reqs: Sequence[GenerateRequest]) -> List[GenerateResult]:
+        return list(await asyncio.gather(*(self.generate(r) for r in reqs)))
+
+    async def logprobs(self, seqs: List[List[int]], server: int = 0) -> List[List[float]]:
+        return await self.dialect.logprobs(self.servers[server], seqs)
+
+    # ------------------------------------------------------------------ every server
+    async def _all(self, fn, *args) -> List[Any]:
+        return list(await asyncio.gather(*(fn(s, *args) for s in self.servers)))
+
+    async def update_weights_from_disk(self, path: str, version: int) -> List[dict]:
+        out = await self._all(self.dialect.update_weights_from_disk, path, version)
+        for s in self.servers:
+            s.version = version
+        return out
+
+    async def init_weight_group(self, specs: List[WeightGroupSpec]) -> List[dict]:
+        """``specs[i]``: server i's view of the group (its own ``rank_offset``)."""
+        return list(await asyncio.gather(*(self.dialect.init_weight_group(s, sp) for s, sp in zip(self.servers, specs))))
+
+    async def update_weights_from_group(self, metas: List[TensorMeta], version: int) -> List[dict]:
+        out = await self._all(self.dialect.update_weights_from_group, metas, version)
+        for s in self.servers:
+            s.version = version
+        return out
+
+    async def pause(self):
+        return await self._all(self.dialect.pause)
+
+    async def resume(self):
+        return await self._all(self.dialect.resume)
+
+    async def abort(self, rids: Optional[List[str]] = None) -> int:
+        return sum(await self._all(self.dialect.abort, rids))
+
+    async def metrics(self) -> List[dict]:
+        return await self._all(self.dialect.metrics)
+
+    async def health(self) -> List[dict]:
+        return await self._all(self.dialect.health)
+
+    async def wait_ready(self, timeout: float, alive=None) -> None:
+        """Return when every server answers /health; GenServerError naming those that do not after ``timeout``
+        seconds. ``alive(i)`` (optional) says whether server i's process still runs: a dead one fails at once."""
+        t0 = time.monotonic()
+        pending = list(self.servers)
+        while pending:
+            still = []
+            for s in pending:
+                try:
+                    await self.dialect.health(s)
+                except GenServerError as e:
+                    if alive is not None and not alive(s.index):
+                        raise GenServerError(s.label, "exited before it served") from None
+                    still.append((s, e))
+            pending = [s for s, _ in still]
+            if not pending:
+                return
+            if time.monotonic() - t0 > timeout:
+                raise GenServerError(", ".join(s.label for s in pending),
+                                     f"not ready after {timeout:.0f} s: {still[0][1]}")
+            await asyncio.sleep(0.2)
+
+
+class SyncGenClient:
+    """A :class:`GenClient` for synchronous code: its coroutines run on an event loop in a daemon thread.
+    ``call(client.method(...))`` would need the client inside the loop, so use ``run(lambda c: c.method(...))``."""
+
+    def __init__(self, *args, **kw):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="gen-client")
+        self._thread.start()
+        self.client: GenClient = self.run(lambda: _make(*args, **kw))
+
+    def run(self, fn, timeout: Optional[float] = None):
+        """Run ``fn()`` (which returns a coroutine, evaluated on the client's loop) and return its result."""
+
+        async def wrap():
+            return await fn()
+
+        return asyncio.run_coroutine_threadsafe(wrap(), self._loop).result(timeout)
+
+    def submit(self, fn):
+        """Start ``fn()`` on the client's loop without waiting: returns a concurrent Future."""
+
+        async def wrap():
+            return await fn()
+
+        return asyncio.run_coroutine_threadsafe(wrap(), self._loop)
+
+    def __getattr__(self, name):
+        attr = getattr(self.client, name)
+        if not asyncio.iscoroutinefunction(attr):
+            return attr
+        return lambda *a, **k: self.run(lambda: attr(*a, **k))
+
+    def close(self):
+        try:
+            self.run(self.client.close, timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+
+async def _make(*args, **kw) -> GenClient:
+    return GenClient(*args, **kw)

@@ -1,0 +1,95 @@
+"""Starting a run's generation servers before its master and workers (every launcher: local, Ray).
+
+``start_servers`` submits one job ``gen_server_<i>`` per server through the run's scheduler, then waits until
+every server has registered its address (which it does only once its engine has loaded) and answers
+``/health``. A server that exits first fails the launch at once with its exit code and the tail of its log
+(a bad model path, a port taken, out of memory ...); one that is still not up after ``startup_timeout_secs``
+fails it too. Once running, the servers are jobs like the workers: a server that dies stops the run, named.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Dict, List
+
+from realhf.base import logging
+from realhf.base.name_resolve import names
+from realhf.base.process import tail
+
+logger = logging.getLogger(__name__)
+
+
+def server_name(i: int) -> str:
+    return f"gen_server_{i}"
+
+
+def server_cmd(fleet, model_path: str, i: int, exp: str, trial: str, nr_root: str) -> List[str]:
+    if fleet.backend == "sglang":
+        module = "realhf.gen_server.sglang"
+    else:
+        module = "realhf.gen_server.server"
+    return [sys.executable, "-m", module, "--backend", fleet.backend, "--model", model_path, "--dtype", fleet.dtype,
+            "--device", "auto", "--tp", str(fleet.tp), "--max-model-len", str(fleet.max_model_len),
+            "--max-num-seqs", str(fleet.max_num_seqs), "--threads", str(fleet.threads),
+            "--extra", json.dumps(fleet.extra), "--index", str(i), "--exp", exp, "--trial", trial,
+            "--name-resolve-root", nr_root]
+
+
+def device_env(fleet, i: int, n_devices_per_node: int) -> Dict[str, str]:
+    """The GPUs of server ``i`` on its node (local launcher on a CUDA machine): its ``tp`` device slots."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+    except ImportError:
+        return {}
+    slots = [fleet.first_slot + i * fleet.tp + k for k in range(fleet.tp)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(s % n_devices_per_node) for s in slots)}
+
+
+def start_servers(sched, spec, config, env: Dict[str, str], nr, nr_root: str, own_devices: bool) -> List[str]:
+    """Submit and wait for the servers of ``spec``'s served replica; returns their ``host:port`` addresses.
+    ``own_devices``: the launcher gives each job its own devices (Ray), so no CUDA_VISIBLE_DEVICES is set here."""
+    from realhf.scheduler.local import JobFailure
+
+    m = spec.served()
+    fleet = m.gen_servers
+    exp, trial = spec.experiment_name, spec.trial_name
+    for i in range(fleet.n_servers):
+        e = dict(env)
+        if not own_devices:
+            e.update(device_env(fleet, i, config.n_devices_per_node))
+        sched.submit(server_name(i), server_cmd(fleet, m.path, i, exp, trial, nr_root), e, worker=True, slots=fleet.tp)
+    t0 = time.monotonic()
+    addrs: Dict[int, str] = {}
+    logger.info("waiting for %d %s generation server(s) to load %s (at most %.0f s)", fleet.n_servers, fleet.backend,
+                m.path, fleet.startup_timeout_secs)
+    while len(addrs) < fleet.n_servers:
+        codes = sched._codes()
+        for i in range(fleet.n_servers):
+            name = server_name(i)
+            code = codes.get(name)
+            if code is not None:
+                raise JobFailure(name, code, tail(sched.jobs[name].log_path),
+                                 reason=f"generation server {i} ({fleet.backend}) exited with code {code} before it "
+                                        "served; the run was not started")
+            if i not in addrs:
+                try:
+                    addrs[i] = nr.get(names.gen_server(exp, trial, i))
+                except KeyError:
+                    pass
+        if len(addrs) == fleet.n_servers:
+            break
+        if time.monotonic() - t0 > fleet.startup_timeout_secs:
+            late = [i for i in range(fleet.n_servers) if i not in addrs]
+            name = server_name(late[0])
+            raise JobFailure(name, -1, tail(sched.jobs[name].log_path),
+                             reason=f"generation server(s) {late} ({fleet.backend}) did not serve within "
+                                    f"gen_server.startup_timeout_secs={fleet.startup_timeout_secs:g}; the run was not "
+                                    "started")
+        time.sleep(0.2)
+    logger.info("%d %s generation server(s) up in %.1f s: %s", fleet.n_servers, fleet.backend, time.monotonic() - t0,
+                ", ".join(addrs[i] for i in range(fleet.n_servers)))
+    return [addrs[i] for i in range(fleet.n_servers)]

@@ -1,0 +1,186 @@
+"""Training with generation servers: the model worker's side.
+
+* :class:`ServedEngine` stands where a ``ReaLModel`` engine stands for a generation MFC: ``generate`` sends one
+  request per prompt (its ``n`` samples together, with the prompt's seed) to the servers through the run's
+  client and returns a ``GenerationOutput`` with the weight version behind every token. Seeds follow
+  ``generate(seeds=...)``, so the ``gen`` backend samples exactly what the colocated engine would.
+* :class:`WeightPublisher` brings the trained weights of the source replica to every server after training
+  (the master's ``ParamReallocHook`` asks for it before the next generation): ``disk`` — the replica writes a HF
+  checkpoint (``save_hf``, atomic) and every server loads it; ``memory`` — the replica's stage writers and
+  every server rank join one torch.distributed group (gloo on CPU, NCCL on GPU) and the writers broadcast the
+  HF-named tensors, which the servers load as they arrive.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import uuid
+from typing import List, Optional, Sequence
+
+import torch.distributed as dist
+
+from realhf.base import logging, network
+from realhf.base.name_resolve import names
+from realhf.gen_server.api import GenerateRequest, SamplingParams, WeightGroupSpec
+from realhf.gen_server.client import SyncGenClient
+
+logger = logging.getLogger(__name__)
+
+
+def server_addresses(nr, experiment: str, trial: str, n: int, timeout: float = 60.0) -> List[str]:
+    return [nr.wait(names.gen_server(experiment, trial, i), timeout=timeout) for i in range(n)]
+
+
+def make_client(spec, fleet, secret: bytes, nr) -> SyncGenClient:
+    addrs = server_addresses(nr, spec.experiment_name, spec.trial_name, fleet.n_servers)
+    dialect = "sglang" if fleet.backend == "sglang" else "realhf"
+    api_key = None
+    if dialect == "sglang":
+        from realhf.gen_server.sglang import api_key_of
+
+        api_key = api_key_of(secret)
+    return SyncGenClient(addrs, secret, routing=fleet.routing, request_timeout=fleet.request_timeout_secs,
+                         dialect=dialect, api_key=api_key)
+
+
+class ServedModule:
+    """What interfaces read of a served replica's "module": it is one stage that samples."""
+
+    is_first = is_last = True
+    tp_group = None
+    tp = pp = 1
+
+
+class ServedEngine:
+    def __init__(self, client: SyncGenClient):
+        self.client = client
+        self.model = ServedModule()
+
+    def load(self):
+        pass
+
+    def offload(self):
+        pass
+
+    def generate(self, prompts: Sequence[Sequence[int]], gconfig, eos_token_id=None, generator=None,
+                 seeds: Optional[Sequence[int]] = None):
+        from realhf.impl.model.nn.generation import GenerationOutput
+
+        stop = sorted(set(gconfig.stop_token_ids) | ({int(eos_token_id)} if eos_token_id is not None else set()))
+        base = uuid.uuid4().hex[:12]
+        reqs = []
+        for i, p in enumerate(prompts):
+            sp = SamplingParams(n=gconfig.n, greedy=gconfig.greedy, temperature=gconfig.temperature,
+                                top_p=gconfig.top_p, top_k=gconfig.top_k, min_new_tokens=gconfig.min_new_tokens,
+                                max_new_tokens=gconfig.max_new_tokens, stop_token_ids=stop,
+                                seed=None if seeds is None or gconfig.greedy else int(seeds[i]))
+            reqs.append(GenerateRequest(rid=f"{base}-{i}", input_ids=[int(t) for t in p], sampling=sp))
+        t0 = time.perf_counter()
+        results = self.client.generate_many(reqs)
+        out = GenerationOutput(tokens=[], logprobs=[], no_eos=[], versions=[])
+        for r in results:
+            for o in r.outputs:
+                out.tokens.append(list(o.output_ids))
+                out.logprobs.append(list(o.logprobs))
+                out.no_eos.append(o.finish_reason != "stop")
+                out.versions.append(list(o.versions))
+        n_tok = sum(len(t) for t in out.tokens)
+        logger.debug("served generation: %d prompts x %d, %d tokens in %.2f s", len(prompts), gconfig.n, n_tok,
+                     time.perf_counter() - t0)
+        return out
+
+    def close(self):
+        self.client.close()
+
+
+class WeightPublisher:
+    """Publishes the weights of one trained replica (``src`` on this worker) to the servers of ``fleet``."""
+
+    def __init__(self, spec, fleet, secret: bytes, nr, env, dst: str):
+        self.spec, self.fleet, self.secret, self.nr, self.env, self.dst = spec, fleet, secret, nr, env, dst
+        self.client: Optional[SyncGenClient] = None
+        self.group = None
+        self.path = os.path.join(spec.save_dir, ".gen_weights", dst)
+
+    def _client(self) -> SyncGenClient:
+        if self.client is None:
+            self.client = make_client(self.spec, self.fleet, self.secret, self.nr)
+        return self.client
+
+    def publish(self, model, version: int) -> dict:
+        t0 = time.perf_counter()
+        if self.fleet.weight_sync == "disk":
+            self._publish_disk(model, version)
+        else:
+            self._publish_memory(model, version)
+        return {"seconds": time.perf_counter() - t0}
+
+    @staticmethod
+    def _is_head(grid) -> bool:
+        return grid.dp_rank == 0 and grid.tp_rank == 0 and grid.pp_rank == 0
+
+    def _publish_disk(self, model, version: int):
+        from realhf.impl.model.conversion.hf_io import save_hf
+
+        save_hf(model.module, self.path)  # collective over the replica; the folder is complete when it returns
+        if self._is_head(model.grid):
+            self._client().update_weights_from_disk(self.path, version)
+
+    def _publish_memory(self, model, version: int):
+        from realhf.gen_server.weight_group import metas_of, send
+        from realhf.impl.model.conversion.hf_io import stage_hf_state
+
+        module, grid = model.module, model.grid
+        hf = stage_hf_state(module)  # collective over the tp group
+        if grid.dp_rank != 0 or grid.tp_rank != 0:
+            return
+        pp, stage = module.pp, grid.pp_rank
+        writers_group = grid.pp_group if pp > 1 else None  # the stage writers: dp 0, tp 0 of every stage
+        metas = metas_of(hf, src=stage)
+        if writers_group is not None:
+            everyone: List = [None] * pp
+            dist.all_gather_object(everyone, metas, group=writers_group)
+            metas = [m for part in everyone for m in part]
+        client = self._client() if stage == 0 else None
+        if self.group is None:
+            self._join(client, stage, pp, writers_group, grid)
+        pending = None
+        if stage == 0:  # the servers receive while the writers send
+            pending = client.submit(lambda: client.client.update_weights_from_group(metas, version))
+        send(self.group, hf, metas)
+        if pending is not None:
+            pending.result()
+
+    def _join(self, client, stage: int, pp: int, writers_group, grid):
+        from realhf.gen_server.weight_group import WeightGroup
+
+        f = self.fleet
+        if stage == 0:
+            host = network.worker_host()
+            addr = [host, network.find_free_port(host)]
+        else:
+            addr = [None, None]
+        if writers_group is not None:
+            dist.broadcast_object_list(addr, src=grid.global_rank_of(0, 0, 0), group=writers_group)
+        backend = "nccl" if self.env.device.type == "cuda" else "gloo"
+        world = pp + f.n_servers * f.tp
+        name = f"{self.dst}-{uuid.uuid4().hex[:8]}" if stage == 0 else None
+        if writers_group is not None:
+            box = [name]
+            dist.broadcast_object_list(box, src=grid.global_rank_of(0, 0, 0), group=writers_group)
+            name = box[0]
+        base = WeightGroupSpec(master_addr=addr[0], master_port=int(addr[1]), rank_offset=0, world_size=world,
+                               group_name=name, backend=backend)
+        pending = None
+        if stage == 0:
+            specs = [dataclasses.replace(base, rank_offset=pp + i * f.tp) for i in range(f.n_servers)]
+            pending = client.submit(lambda: client.client.init_weight_group(specs))
+        self.group = WeightGroup(base, rank=stage)
+        if pending is not None:
+            pending.result()
+        logger.info("joined the weight group %s of %d ranks (%s) as rank %d", name, world, backend, stage)
+
+    def close(self):
+        if self.client is not None:
+            self.client.close()
