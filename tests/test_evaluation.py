@@ -389,3 +389,21 @@ def test_realhf_math_rows_and_chat_prompt(tmp_path):
     text, ids = build_prompt(tok, rows[0]["prompt"], "chat")
     expect = tok.apply_chat_template([{"role": "user", "content": rows[0]["prompt"]}], add_generation_prompt=True, tokenize=False)
     assert text == expect and "step by step" not in text and ids
+
+
+def test_generation_servers_give_the_realhf_engines_results(tiny, tmp_path, capsys):
+    """--allocation gen.d2m1p1: two realhf generation servers driven by the generation client; each problem's
+    seeded samples are those of the in-process engine, whatever server serves them."""
+    ref, got = str(tmp_path / "ref"), str(tmp_path / "servers")
+    assert main(["--model_path", tiny, "--output_path", ref, "--n_workers", "0"] + E2E) == 0
+    table = capsys.readouterr().out
+    assert main(["--model_path", tiny, "--output_path", got, "--allocation", "gen.d2m1p1"] + E2E) == 0
+    assert capsys.readouterr().out == table
+    for name in ("math_500", "aime24"):
+        for p in ("greedy", "sample"):
+            a, b = _rows(os.path.join(ref, name, f"{p}.jsonl")), _rows(os.path.join(got, name, f"{p}.jsonl"))
+            assert [r["completions"] for r in b] == [r["completions"] for r in a], (name, p)
+    logs = sorted(os.listdir(os.path.join(got, "gen_servers")))
+    assert "gen_server_0.log" in logs and "gen_server_1.log" in logs
+    assert main(["--model_path", tiny, "--output_path", got, "--allocation", "gen.2"] + E2E) == 2
+    assert "--allocation must look like vllm.d2m1p1" in capsys.readouterr().err

@@ -87,3 +87,31 @@ def test_a_server_that_cannot_start_fails_the_run_before_training(tiny_math_run)
     assert "no_such_option" in err
     logs = os.path.join(d, "nostart", "trial0", "logs")
     assert not os.path.exists(os.path.join(logs, "master.log"))  # nothing else was started
+
+
+def test_gen_experiment_through_servers_writes_the_colocated_rows(tiny_math_run, tmp_path):
+    """`gen` with gen.d2m1p1+d1m1p1 (two servers, their client on worker 0) writes the same rows as in-process
+    generation, in the same format."""
+    import json
+
+    model, _ = tiny_math_run
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i} plus {i + 3} is", "query_id": f"q{i}"}) + "\n"
+                               for i in range(6)))
+
+    def gen(exp, *extra):
+        p = run_quickstart(["gen", f"model.path={model}", f"dataset.path={prompts}", "dataset.train_bs_n_seqs=3",
+                            "gen.max_new_tokens=5", "gen.n=2", "gen.temperature=1.0", "use_chat_template=false",
+                            f"fileroot={tmp_path}", f"experiment_name={exp}", *extra])
+        assert p.returncode == 0, p.stderr[-3000:]
+        with open(os.path.join(tmp_path, exp, "trial0", "logs", "generated.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    ref = gen("colocated", "allocation_mode=d1m1p1")
+    got = gen("served", "allocation_mode=gen.d2m1p1+d1m1p1", "n_devices_per_node=3")
+    assert len(got) == 12 and [sorted(r) for r in got] == [sorted(r) for r in ref]
+    for a, b in zip(ref, got):
+        assert (b["query_id"], b["sample_idx"], b["output_ids"]) == (a["query_id"], a["sample_idx"], a["output_ids"])
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-4
+    logs = os.path.join(tmp_path, "served", "trial0", "logs")
+    assert os.path.exists(os.path.join(logs, "gen_server_1.log"))

@@ -205,12 +205,31 @@ SFT: Dict[str, Any] = {
 }
 
 # ------------------------------------------------------------------------------------------ gen
+def _gen_server(mfc: str) -> Dict[str, Any]:
+    """Options of the generation servers of a decoupled allocation: the served replica's GenServersSpec, which the
+    launcher starts the servers from and the workers' client reads."""
+    needs = ("allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2")
+
+    def fleet(field):
+        return lambda b: getattr(b.model_of(mfc).gen_servers, field)
+
+    return {
+        "gen_server.max_num_seqs": Reach("8", fleet("max_num_seqs"), needs=needs),
+        "gen_server.routing": Reach("round_robin", fleet("routing"), needs=needs),
+        "gen_server.startup_timeout_secs": Reach("30.0", fleet("startup_timeout_secs"), needs=needs),
+        "gen_server.request_timeout_secs": Reach("60.0", fleet("request_timeout_secs"), needs=needs),
+        "gen_server.extra": Reach('{"compile_decode": true}', fleet("extra"), expect=lambda x: json.loads(x),
+                                  needs=needs),
+    }
+
+
 GEN: Dict[str, Any] = {
     **_model_options("model", "default", trains=False, offload=Reach("true", lambda b: b.model("default").offload)),
     "dataset.path": Reach(lambda env: env.prompts2, _ds("path")),
     "dataset.max_prompt_len": Reach("128", _ds("max_prompt_len")),
     "dataset.train_bs_n_seqs": Reach("8", lambda b: b.spec.dataset.batch_size),
     **_sampling("gen", "gen"),
+    **_gen_server("gen"),
     "gen.temperature": Reach("0.7", _gconfig("gen", "temperature")),
     "gen.n": Reach("2", _gconfig("gen", "n")),
     **_mb_spec("mb_spec", "gen"),
@@ -241,6 +260,7 @@ def _ppo_both(k: str, v: str) -> Reach:
 PPO: Dict[str, Any] = {
     **TRAINING,
     "param_realloc": Reach("disk", _spec("param_realloc")),
+    **_gen_server("actor_gen"),
     **_model_options("actor", "actor", trains=True, offload=Reach(  # the actor's generation replica
         "true", lambda b: b.model_of("actor_gen").offload,
         needs=("allocation_mode=actor_gen:d2m1p1,*:d1m1p1", "n_devices_per_node=2"))),

@@ -437,34 +437,6 @@ class SFTConfig(BaseExperimentConfig):
 
 
 @dataclasses.dataclass
-class GenerationExpConfig(BaseExperimentConfig):
-    """Generate answers for a prompt file and write them as JSONL."""
-
-    MFC_NAMES = ("gen",)
-
-    exp_ctrl: RunControl = option(help="stopping early (gen saves no checkpoints)", factory=RunControl)
-    model: ModelConfig = option(help="the model that generates", factory=ModelConfig)
-    dataset: PromptOnlyDatasetConfig = option(help="prompts", factory=PromptOnlyDatasetConfig)
-    gen: GenConfig = option(help="sampling options", factory=GenConfig)
-    mb_spec: MicroBatchConfig = option(help="micro-batching of generation (max_tokens_per_mb counts prompt tokens)",
-                                       factory=MicroBatchConfig)
-    output_file: Optional[str] = option(None, "output JSONL (null = <log_dir>/generated.jsonl)")
-    use_chat_template: bool = option(True, "wrap each prompt in the tokenizer's chat template")
-
-    def __post_init__(self):
-        super().__post_init__()
-        _require_dir("model.path", self.model.path, "a Hugging Face model folder")
-        _require_file("dataset.path", self.dataset.path, "a JSONL file of {prompt} rows")
-        self._check_bs("dataset.train_bs_n_seqs", self.dataset.train_bs_n_seqs, "gen", what="prompt")
-
-    def mfc_names(self) -> List[str]:
-        return list(self.MFC_NAMES)
-
-    def output_path(self) -> str:
-        return os.path.expanduser(self.output_file) if self.output_file else os.path.join(self.log_dir(), "generated.jsonl")
-
-
-@dataclasses.dataclass
 class GenServerConfig:
     """Generation servers of a ``vllm.``/``sglang.``/``gen.`` allocation (one per data-parallel rank of its layout)."""
 
@@ -494,6 +466,36 @@ class GenServerConfig:
         import json
 
         return json.loads(self.extra)
+
+
+@dataclasses.dataclass
+class GenerationExpConfig(BaseExperimentConfig):
+    """Generate answers for a prompt file and write them as JSONL."""
+
+    MFC_NAMES = ("gen",)
+
+    exp_ctrl: RunControl = option(help="stopping early (gen saves no checkpoints)", factory=RunControl)
+    model: ModelConfig = option(help="the model that generates", factory=ModelConfig)
+    dataset: PromptOnlyDatasetConfig = option(help="prompts", factory=PromptOnlyDatasetConfig)
+    gen: GenConfig = option(help="sampling options", factory=GenConfig)
+    mb_spec: MicroBatchConfig = option(help="micro-batching of generation (max_tokens_per_mb counts prompt tokens)",
+                                       factory=MicroBatchConfig)
+    output_file: Optional[str] = option(None, "output JSONL (null = <log_dir>/generated.jsonl)")
+    gen_server: GenServerConfig = option(help="generation servers of a decoupled allocation (vllm./sglang./gen.)",
+                                         factory=GenServerConfig)
+    use_chat_template: bool = option(True, "wrap each prompt in the tokenizer's chat template")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require_dir("model.path", self.model.path, "a Hugging Face model folder")
+        _require_file("dataset.path", self.dataset.path, "a JSONL file of {prompt} rows")
+        self._check_bs("dataset.train_bs_n_seqs", self.dataset.train_bs_n_seqs, "gen", what="prompt")
+
+    def mfc_names(self) -> List[str]:
+        return list(self.MFC_NAMES)
+
+    def output_path(self) -> str:
+        return os.path.expanduser(self.output_file) if self.output_file else os.path.join(self.log_dir(), "generated.jsonl")
 
 
 @dataclasses.dataclass
