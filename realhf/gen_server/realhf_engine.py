@@ -1,0 +1,799 @@
+"""realhf's own generation engine (backend ``gen``): continuous batching over one ``ReaLModel`` replica.
+
+One background thread owns the model and runs the scheduling loop; the async methods (called from the
+server's event loop) hand it work through a thread-safe queue and are answered through asyncio futures
+(``loop.call_soon_threadsafe``), so the event loop is never blocked by a forward pass. Every iteration of
+the loop:
+
+1. takes the commands that arrived (new requests, abort, pause/resume, weight updates, log-prob passes;
+   the last two run here, between decode steps, so no forward ever sees weights change);
+2. unless paused, *admits* waiting requests (first come, first served) while the running samples stay
+   within ``max_num_seqs``: their prompts are prefilled in one packed forward (each distinct prompt once;
+   its samples copy its cache row), the first token of every sample is drawn, and the new rows are
+   appended to the running KV cache (``KVCache.append``);
+3. runs ONE decode step for every running row in one forward pass, samples a token per row (rows grouped
+   by identical sampling parameters, ``generation.sample_with_mask``), records it with the current weight
+   version, finishes rows that produced a stop token (``"stop"``, the token included) or reached
+   ``max_new_tokens`` (``"length"``), and drops them from the cache (``KVCache.keep``);
+4. answers the requests whose samples have all finished.
+
+A request submitted while others run joins the batch at the next iteration. Sampling follows
+``generation.generate`` exactly: log-probs under ``log_softmax(logits / temperature)`` of the unmodified
+distribution, stop tokens banned before ``min_new_tokens``; a request with ``seed`` draws sample ``j`` by
+inverse CDF from its own stream seeded by ``sample_seed(seed, j)`` in chunks of ``RowStreams.CHUNK``
+numbers, so it gets the samples ``generate(..., seeds=[seed])`` gives, whatever else shares the batch.
+Requests without a seed draw from the engine's generator (seeded by ``EngineConfig.seed``).
+
+Backend options (``EngineConfig.extra``): ``compile_decode`` (bool, default False: run the decode forward
+as one compiled graph, ``realhf.impl.model.nn.compiled_decode``; a one-off compile cost of seconds),
+``max_prefill_tokens`` (int, default 16384: prompt tokens prefilled in one iteration at most; one request
+is always admitted even if longer).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from realhf.base import logging
+from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerateResult, GenerationEngine, RequestError,
+                                   SampleOutput, TensorMeta, WeightGroupSpec, sample_seed)
+
+logger = logging.getLogger("realhf.gen_server.engine")
+
+_EXTRA_KEYS = {"compile_decode": bool, "max_prefill_tokens": int}
+
+# Parameters of the ReaLModelConfig that a weight update from disk may not change (everything that fixes the
+# architecture: the served model keeps its config, so a folder that differs there would be run wrongly).
+_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class EngineClosed(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(eq=False)
+class _Req:
+    """One request as the engine thread sees it."""
+
+    rid: str
+    ids: List[int]
+    sp: Any  # SamplingParams
+    fut: asyncio.Future
+    outputs: List[Optional[SampleOutput]] = dataclasses.field(default_factory=list)
+    rows: List["_Row"] = dataclasses.field(default_factory=list)  # its samples, once admitted
+    n_done: int = 0
+    state: str = "waiting"  # waiting | running | done
+
+
+class _Row:
+    """One sample of a running request (one row of the running batch and its KV cache)."""
+
+    __slots__ = ("req", "j", "ids", "lps", "vers", "stop", "max_new", "min_new", "gen", "chunk", "done")
+
+    def __init__(self, req: _Req, j: int):
+        sp = req.sp
+        self.req, self.j = req, j
+        self.ids: List[int] = []
+        self.lps: List[float] = []
+        self.vers: List[int] = []
+        self.stop = frozenset(sp.stop_token_ids)
+        self.max_new = sp.max_new_tokens
+        self.min_new = sp.min_new_tokens if self.stop else 0  # nothing to ban without stop tokens
+        # a seeded sample's own random stream, as RowStreams draws it: CHUNK float64 numbers at a time
+        self.gen: Optional[torch.Generator] = None
+        self.chunk: Optional[List[float]] = None
+        if sp.seed is not None and not sp.greedy:
+            self.gen = torch.Generator().manual_seed(sample_seed(sp.seed, j) % (2**63))
+            self.chunk = torch.rand(_CHUNK, generator=self.gen, dtype=torch.float64).tolist()
+        self.done = False
+
+
+def _sampling_key(sp) -> tuple:
+    """Rows whose keys are equal are sampled together by one ``sample_with_mask`` call."""
+    if sp.greedy:
+        return (True, 1.0, 0, 1.0, False)
+    return (False, float(sp.temperature), int(sp.top_k), float(sp.top_p), sp.seed is not None)
+
+
+class _Group:
+    __slots__ = ("key", "rows", "idx", "all", "min_new")
+
+    def __init__(self, key, rows: List[_Row], idx: List[int], n_total: int, device):
+        self.key, self.rows = key, rows
+        self.all = len(idx) == n_total
+        self.idx = None if self.all else torch.tensor(idx, dtype=torch.long, device=device)
+        self.min_new = any(r.min_new for r in rows)
+
+
+def _chunk() -> int:
+    from realhf.impl.model.nn.generation import RowStreams
+
+    return RowStreams.CHUNK
+
+
+_CHUNK = _chunk()
+
+
+class RealhfEngine(GenerationEngine):
+    backend = "gen"
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.model = None
+        self._q: "queue.Queue[tuple]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()  # guards the request registry and its counters
+        self._live: Dict[str, _Req] = {}  # rid -> request not yet answered
+        self._n_waiting = 0
+        self._n_running = 0
+        self._version = 0
+        self._closed = False
+        self._dead: Optional[BaseException] = None  # the loop itself failed: every call fails with this
+        self._weight_group = None
+        # engine-thread state
+        self._waiting: List[_Req] = []
+        self._rows: List[_Row] = []
+        self._groups: List[_Group] = []
+        self._cache = None
+        self._tok: Optional[torch.Tensor] = None  # last sampled token of every running row
+        self._paused = False
+        self._stop_flag = False
+        self._gen: Optional[torch.Generator] = None
+        self._answers: List[tuple] = []  # (future, result, exception) to hand back at the end of the iteration
+        self._decoder = None
+        self._stats = dict(generated_tokens=0, steps=0, prefills=0, prefill_tokens=0, batch_size=0,
+                           max_batch_size=0, tokens_in_flight=0, finished_requests=0, aborted_requests=0,
+                           failed_requests=0, weight_updates=0)
+        extra = dict(cfg.extra or {})
+        unknown = sorted(set(extra) - set(_EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"unknown options {unknown} for the gen backend; allowed: {sorted(_EXTRA_KEYS)}")
+        for k, t in _EXTRA_KEYS.items():
+            if k in extra and (not isinstance(extra[k], t) or (t is int and isinstance(extra[k], bool))):
+                raise ValueError(f"gen backend option {k} must be {t.__name__}, got {extra[k]!r}")
+        self._compile = bool(extra.get("compile_decode", False))
+        self._max_prefill_tokens = int(extra.get("max_prefill_tokens", 16384))
+        if self._max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self._max_prefill_tokens}")
+
+    # ================================================================== lifecycle
+    async def start(self) -> None:
+        cfg = self.cfg
+        pp = (cfg.extra or {}).get("pp_size", 1)
+        if cfg.tp_size != 1 or pp != 1:
+            raise ValueError(
+                f"the gen backend runs one model replica per server with tp=1 (got tp_size={cfg.tp_size}"
+                f"{f', pp_size={pp}' if pp != 1 else ''}); use the vllm backend for tensor parallelism, or more "
+                "gen servers (one per data-parallel replica) for more throughput")
+        if cfg.max_num_seqs < 1 or cfg.max_model_len < 2:
+            raise ValueError(f"max_num_seqs must be >= 1 and max_model_len >= 2, got {cfg.max_num_seqs}, "
+                             f"{cfg.max_model_len}")
+        if self._thread is not None:
+            raise RuntimeError("RealhfEngine.start called twice")
+        dtype = None if cfg.dtype in (None, "", "auto") else getattr(torch, str(cfg.dtype), None)
+        if cfg.dtype not in (None, "", "auto") and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {cfg.dtype!r}; use float32, bfloat16, float16 or auto")
+        if cfg.threads:
+            torch.set_num_threads(int(cfg.threads))
+        self.model = await asyncio.to_thread(self._build, dtype)
+        mc = self.model.config
+        self.vocab_size = mc.vocab_size
+        limits = [("max_model_len", cfg.max_model_len)]
+        pos = mc.n_positions or mc.max_positions
+        if pos:
+            limits.append(("the model's positions", int(pos)))
+        self._len_limit = min(limits, key=lambda kv: kv[1])
+        self._gen = torch.Generator(device=self.model.device).manual_seed(int(cfg.seed))
+        if self._compile:
+            from realhf.impl.model.nn.compiled_decode import compiled_decoder
+
+            self._decoder = compiled_decoder(self.model)
+        self._thread = threading.Thread(target=self._run, name="realhf-gen-engine", daemon=True)
+        self._thread.start()
+
+    def _build(self, dtype):
+        from realhf.base.topology import single_process_grid
+        from realhf.impl.model.conversion.hf_io import build_from_hf
+
+        model = build_from_hf(self.cfg.model_path, grid=single_process_grid(), dtype=dtype, device=self.cfg.device)
+        model.eval()
+        return model
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._q.put(("close",))
+            await asyncio.to_thread(self._thread.join)
+        self._weight_group = None
+        self.model = None
+
+    # ================================================================== the async interface
+    def _check_usable(self):
+        if self._dead is not None:
+            raise RuntimeError(f"the generation engine failed and serves no more requests: "
+                               f"{type(self._dead).__name__}: {self._dead}")
+        if self._closed:
+            raise EngineClosed("the generation engine is closed")
+        if self._thread is None:
+            raise RuntimeError("the generation engine is not started (call start() first)")
+
+    def _check_ids(self, ids: Sequence[int], what: str):
+        V = self.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < V:
+                raise RequestError(f"{what} holds token id {t} at position {i}, outside the model's vocabulary "
+                                   f"[0, {V})")
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        self._check_usable()
+        sp = req.sampling.validate()
+        ids = list(req.input_ids)
+        if not ids:
+            raise RequestError("input_ids must not be empty")
+        self._check_ids(ids, "input_ids")
+        self._check_ids(sp.stop_token_ids, "sampling.stop_token_ids")
+        name, limit = self._len_limit
+        if len(ids) + sp.max_new_tokens > limit:
+            raise RequestError(f"prompt of {len(ids)} tokens + max_new_tokens {sp.max_new_tokens} = "
+                               f"{len(ids) + sp.max_new_tokens} exceeds {name} ({limit})")
+        if sp.n > self.cfg.max_num_seqs:
+            raise RequestError(f"sampling.n={sp.n} exceeds the server's max_num_seqs ({self.cfg.max_num_seqs}); "
+                               "split the request")
+        fut = asyncio.get_running_loop().create_future()
+        r = _Req(rid=req.rid, ids=ids, sp=sp, fut=fut, outputs=[None] * sp.n)
+        with self._lock:
+            if req.rid in self._live:
+                raise RequestError(f"a request with rid {req.rid!r} is already running on this server")
+            self._live[req.rid] = r
+            self._n_waiting += 1
+        self._q.put(("gen", r))
+        try:
+            return await fut
+        except asyncio.CancelledError:  # the caller went away: free its rows
+            self._q.put(("abort", [r], None))
+            raise
+
+    async def _call(self, kind: str, *args):
+        self._check_usable()
+        fut = asyncio.get_running_loop().create_future()
+        self._q.put((kind, *args, fut))
+        return await fut
+
+    async def _between_steps(self, fn: Callable[[], Any]):
+        """Run ``fn()`` on the engine thread between two decode steps; its result or exception is ours."""
+        return await self._call("call", fn)
+
+    async def abort(self, rids: Optional[Sequence[str]] = None) -> int:
+        return await self._call("abort", None if rids is None else list(rids))
+
+    async def pause(self) -> None:
+        await self._call("pause")
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        await self._between_steps(lambda: self._load_from_disk(path, version))
+
+    async def init_weight_group(self, spec: WeightGroupSpec) -> None:
+        self._check_usable()
+        from realhf.gen_server.weight_group import WeightGroup
+
+        # blocking until the trainer joins; decoding goes on meanwhile
+        group = await asyncio.to_thread(WeightGroup, spec, spec.rank_offset)
+        old, self._weight_group = self._weight_group, group
+        if old is not None:
+            old.close()
+
+    async def update_weights_from_group(self, tensors: List[TensorMeta], version: int) -> None:
+        if self._weight_group is None:
+            raise RuntimeError("no weight group: call init_weight_group before update_weights_from_group")
+        metas = list(tensors)
+        await self._between_steps(lambda: self._load_from_group(metas, version))
+
+    async def logprobs(self, sequences: List[List[int]]) -> List[List[float]]:
+        self._check_usable()
+        if not isinstance(sequences, list) or not sequences:
+            raise RequestError("sequences must be a non-empty list of token-id lists")
+        name, limit = self._len_limit
+        for i, s in enumerate(sequences):
+            if not isinstance(s, (list, tuple)) or len(s) < 2:
+                raise RequestError(f"sequence {i} must be a list of at least 2 token ids")
+            if len(s) > limit:
+                raise RequestError(f"sequence {i} has {len(s)} tokens, more than {name} ({limit})")
+            self._check_ids(s, f"sequence {i}")
+        seqs = [list(map(int, s)) for s in sequences]
+        return await self._between_steps(lambda: self._logprobs(seqs))
+
+    def metrics(self) -> Dict[str, Any]:
+        with self._lock:
+            m = dict(running_requests=self._n_running, waiting_requests=self._n_waiting)
+        s = dict(self._stats)
+        m.update(tokens_in_flight=s.pop("tokens_in_flight"), version=self._version,
+                 generated_tokens=s.pop("generated_tokens"), paused=self._paused,
+                 running_samples=s["batch_size"], max_num_seqs=self.cfg.max_num_seqs, **s)
+        return m
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ================================================================== futures (engine thread -> event loop)
+    def _resolve(self, fut: Optional[asyncio.Future], result=None, exc: Optional[BaseException] = None):
+        """Answer ``fut`` at the end of this iteration (``_flush``), once the metrics are up to date."""
+        if fut is not None:
+            self._answers.append((fut, result, exc))
+
+    def _flush(self):
+        answers, self._answers = self._answers, []
+        for fut, result, exc in answers:
+            def done(fut=fut, result=result, exc=exc):
+                if not fut.done():
+                    if exc is not None:
+                        fut.set_exception(exc)
+                    else:
+                        fut.set_result(result)
+
+            try:
+                fut.get_loop().call_soon_threadsafe(done)
+            except RuntimeError:  # the caller's event loop is closed: nobody waits any more
+                pass
+
+    def _unregister(self, r: _Req, was: str):
+        with self._lock:
+            if self._live.get(r.rid) is r:
+                del self._live[r.rid]
+            if was == "waiting":
+                self._n_waiting -= 1
+            elif was == "running":
+                self._n_running -= 1
+
+    def _answer(self, r: _Req):
+        """All samples of ``r`` are finished: answer it."""
+        was, r.state = r.state, "done"
+        self._unregister(r, was)
+        self._stats["finished_requests"] += 1
+        self._resolve(r.fut, GenerateResult(rid=r.rid, outputs=list(r.outputs)))
+
+    def _fail(self, r: _Req, exc: BaseException):
+        if r.state == "done":
+            return
+        was, r.state = r.state, "done"
+        for row in r.rows:
+            row.done = True
+        self._unregister(r, was)
+        self._stats["failed_requests"] += 1
+        self._resolve(r.fut, exc=exc)
+
+    # ================================================================== the engine thread
+    def _run(self):
+        try:
+            with torch.no_grad():
+                while not self._stop_flag:
+                    try:
+                        self._iteration()
+                    finally:
+                        self._flush()
+        except BaseException as e:  # a bug in the loop itself: fail everything rather than hang callers
+            logger.error("generation engine loop died: %s", traceback.format_exc())
+            self._dead = e
+        finally:
+            exc = self._dead if self._dead is not None else EngineClosed("the generation engine was closed")
+            self._shutdown(exc)
+
+    def _shutdown(self, exc: BaseException):
+        for r in list(self._waiting) + list({id(row.req): row.req for row in self._rows}.values()):
+            self._fail(r, exc)
+        self._waiting, self._rows, self._groups, self._cache, self._tok = [], [], [], None, None
+        while True:  # commands that will never run
+            try:
+                cmd = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "gen":
+                self._fail(cmd[1], exc)
+            elif cmd[0] != "close":
+                self._resolve(cmd[-1], exc=exc)
+        self._flush()
+
+    def _iteration(self):
+        busy = not self._paused and (self._rows or self._waiting)
+        cmds = []
+        if not busy:
+            cmds.append(self._q.get())
+        while True:
+            try:
+                cmds.append(self._q.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in cmds:
+            self._command(cmd)
+            if self._stop_flag:
+                return
+        if self._paused:
+            return
+        if self._waiting and len(self._rows) < self.cfg.max_num_seqs:
+            self._admit()
+        if self._rows:
+            self._decode_step()
+
+    def _command(self, cmd: tuple):
+        kind = cmd[0]
+        if kind == "gen":
+            self._waiting.append(cmd[1])
+        elif kind == "close":
+            self._stop_flag = True
+        elif kind == "pause":
+            self._paused = True
+            self._resolve(cmd[1])
+        elif kind == "resume":
+            self._paused = False
+            self._resolve(cmd[1])
+        elif kind == "abort":
+            try:
+                n = self._abort(cmd[1])
+            except Exception as e:
+                self._resolve(cmd[2], exc=e)
+            else:
+                self._resolve(cmd[2], n)
+        elif kind == "call":
+            fn, fut = cmd[1], cmd[2]
+            try:
+                res = fn()
+            except Exception as e:
+                logger.warning("generation engine: %s", f"{type(e).__name__}: {e}")
+                self._resolve(fut, exc=e)
+            else:
+                self._resolve(fut, res)
+        else:  # pragma: no cover - only this module puts commands
+            raise RuntimeError(f"unknown engine command {kind!r}")
+
+    # ------------------------------------------------------------------ abort
+    def _abort(self, which) -> int:
+        """``which``: None (all), a list of rids, or a list of request objects."""
+        if which is None:
+            match = lambda r: True  # noqa: E731
+        elif which and isinstance(which[0], _Req):
+            objs = {id(r) for r in which}
+            match = lambda r: id(r) in objs  # noqa: E731
+        else:
+            names = set(which)
+            match = lambda r: r.rid in names  # noqa: E731
+        count = 0
+        keep_waiting = []
+        for r in self._waiting:
+            if match(r) and r.state == "waiting":
+                r.outputs = [SampleOutput([], [], [], "abort") for _ in range(r.sp.n)]
+                self._answer(r)
+                count += 1
+            else:
+                keep_waiting.append(r)
+        self._waiting = keep_waiting
+        hit = {}
+        for row in self._rows:
+            if match(row.req) and row.req.state == "running":
+                hit[id(row.req)] = row.req
+        for r in hit.values():
+            for row in r.rows:
+                if not row.done:
+                    self._finish_row(row, "abort")
+            count += 1
+        if hit:
+            self._compact([i for i, row in enumerate(self._rows) if not row.done])
+        self._stats["aborted_requests"] += count
+        return count
+
+    # ------------------------------------------------------------------ rows
+    def _finish_row(self, row: _Row, reason: str):
+        row.done = True
+        r = row.req
+        r.outputs[row.j] = SampleOutput(output_ids=row.ids, logprobs=row.lps, versions=row.vers, finish_reason=reason)
+        r.n_done += 1
+        if r.n_done == len(r.outputs):
+            self._answer(r)
+
+    def _record(self, rows: List[_Row], tl: List[int], ll: List[float]) -> List[int]:
+        """Append one sampled token per row; finish the rows that are done; return the positions of the rest."""
+        v = self._version
+        keep = []
+        for i, row in enumerate(rows):
+            t = tl[i]
+            ids = row.ids
+            ids.append(t)
+            row.lps.append(ll[i])
+            row.vers.append(v)
+            n = len(ids)
+            if t in row.stop:
+                self._finish_row(row, "stop")
+            elif n >= row.max_new:
+                self._finish_row(row, "length")
+            else:
+                keep.append(i)
+                if row.gen is not None and n % _CHUNK == 0:  # the next step starts a new chunk of its stream
+                    row.chunk = torch.rand(_CHUNK, generator=row.gen, dtype=torch.float64).tolist()
+        self._stats["generated_tokens"] += len(rows)
+        return keep
+
+    def _regroup(self):
+        groups: Dict[tuple, tuple] = {}
+        for i, row in enumerate(self._rows):
+            key = _sampling_key(row.req.sp)
+            g = groups.setdefault(key, ([], []))
+            g[0].append(row)
+            g[1].append(i)
+        dev = self.model.device
+        self._groups = [_Group(k, rows, idx, len(self._rows), dev) for k, (rows, idx) in groups.items()]
+
+    def _compact(self, keep: List[int]):
+        """Keep only running rows ``keep`` (positions, ascending)."""
+        if len(keep) == len(self._rows):
+            return
+        if not keep:
+            self._rows, self._groups, self._cache, self._tok = [], [], None, None
+        else:
+            kt = torch.tensor(keep, dtype=torch.long, device=self.model.device)
+            self._cache.keep(kt)
+            self._tok = self._tok[kt]
+            self._rows = [self._rows[i] for i in keep]
+            self._regroup()
+        self._update_counts()
+
+    def _update_counts(self):
+        s = self._stats
+        s["batch_size"] = len(self._rows)
+        s["max_batch_size"] = max(s["max_batch_size"], len(self._rows))
+        s["tokens_in_flight"] = sum(len(r.req.ids) + len(r.ids) for r in self._rows)
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, logits: torch.Tensor, groups: List[_Group]):
+        """logits [B, V] (fp32) of rows in ``groups`` -> (tokens [B], log-probs [B])."""
+        from realhf.impl.model.nn.generation import sample_with_mask
+
+        if len(groups) == 1 and groups[0].all:
+            return self._sample_group(sample_with_mask, logits, groups[0])
+        tok = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        lp = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for g in groups:
+            t, l = self._sample_group(sample_with_mask, logits.index_select(0, g.idx), g)
+            tok[g.idx] = t
+            lp[g.idx] = l.float()
+        return tok, lp
+
+    def _sample_group(self, sample_with_mask, logits, g: _Group):
+        greedy, temperature, top_k, top_p, seeded = g.key
+        rows = g.rows
+        ban = None
+        if g.min_new:
+            banned = [k for k, r in enumerate(rows) if len(r.ids) < r.min_new]
+            if banned:
+                ban = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+                for k in banned:
+                    ban[k, list(rows[k].stop)] = True
+        u = None
+        if seeded:
+            u = torch.tensor([r.chunk[len(r.ids) % _CHUNK] for r in rows], dtype=torch.float64)
+        return sample_with_mask(logits, greedy, temperature, top_k, top_p, self._gen, ban, u)
+
+    # ------------------------------------------------------------------ admission (prefill)
+    def _admit(self):
+        from realhf.impl.model.nn.kv_cache import KVCache
+        from realhf.impl.model.nn.real_model import make_packed_input
+
+        room = self.cfg.max_num_seqs - len(self._rows)
+        batch: List[_Req] = []
+        n_tok = 0
+        while self._waiting:
+            r = self._waiting[0]
+            if r.sp.n > room or (batch and n_tok + len(r.ids) > self._max_prefill_tokens):
+                break
+            self._waiting.pop(0)
+            batch.append(r)
+            room -= r.sp.n
+            n_tok += len(r.ids)
+        if not batch:
+            return
+        model, dev = self.model, self.model.device
+        with self._lock:
+            for r in batch:
+                r.state = "running"
+                self._n_waiting -= 1
+                self._n_running += 1
+        try:
+            # each distinct prompt once; every sample of every request copies its row
+            distinct: Dict[tuple, int] = {}
+            prompts: List[List[int]] = []
+            src: List[int] = []  # distinct prompt of each new row
+            new_rows: List[_Row] = []
+            for r in batch:
+                k = distinct.setdefault(tuple(r.ids), len(prompts))
+                if k == len(prompts):
+                    prompts.append(r.ids)
+                r.rows = [_Row(r, j) for j in range(r.sp.n)]
+                new_rows.extend(r.rows)
+                src.extend([k] * r.sp.n)
+            seqlens = [len(p) for p in prompts]
+            max_len = max(len(r.ids) + r.sp.max_new_tokens for r in batch) + 1
+            cfg = model.config
+            cache = KVCache(model.n_local_layers, len(prompts), max_len, model.n_local_kv_heads, cfg.head_dim,
+                            model.dtype, dev)
+            inp = make_packed_input(seqlens, device=dev)
+            inp.cache = cache
+            inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
+            cache.begin_prefill(torch.tensor(seqlens, device=dev))
+            ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
+            out = model(ids, inp)
+            cache.end_prefill()
+            src_t = torch.tensor(src, dtype=torch.long, device=dev)
+            logits = out.float().index_select(0, src_t)
+            groups = self._groups_of(new_rows)
+            tok, lp = self._sample(logits, groups)
+            self._stats["prefills"] += 1
+            self._stats["prefill_tokens"] += int(ids.numel())
+            keep = self._record(new_rows, tok.tolist(), lp.tolist())
+            if keep:
+                kt = torch.tensor(keep, dtype=torch.long, device=dev)
+                rows_t = src_t[kt]
+                if self._cache is None:
+                    cache.keep(rows_t)
+                    self._cache, self._tok = cache, tok[kt]
+                else:
+                    self._cache.append(cache, rows_t)
+                    self._tok = torch.cat([self._tok, tok[kt]])
+                self._rows = self._rows + [new_rows[i] for i in keep]
+                self._regroup()
+            self._update_counts()
+        except Exception as e:
+            logger.error("generation engine: prefill of %d requests failed: %s", len(batch), traceback.format_exc())
+            for r in batch:
+                self._fail(r, e)
+            # rows of these requests that already joined the batch (the failure came after the append)
+            if any(row.done and row.req in batch for row in self._rows):
+                self._drop_failed_rows()
+
+    def _groups_of(self, rows: List[_Row]) -> List[_Group]:
+        groups: Dict[tuple, tuple] = {}
+        for i, row in enumerate(rows):
+            g = groups.setdefault(_sampling_key(row.req.sp), ([], []))
+            g[0].append(row)
+            g[1].append(i)
+        return [_Group(k, rs, idx, len(rows), self.model.device) for k, (rs, idx) in groups.items()]
+
+    def _drop_failed_rows(self):
+        try:
+            self._compact([i for i, row in enumerate(self._rows) if not row.done])
+        except Exception:  # the cache itself is unusable: drop the whole batch
+            for r in {id(row.req): row.req for row in self._rows}.values():
+                self._fail(r, RuntimeError("the generation engine dropped its batch after an internal error"))
+            self._rows, self._groups, self._cache, self._tok = [], [], None, None
+            self._update_counts()
+
+    # ------------------------------------------------------------------ one decode step
+    def _decode_step(self):
+        from realhf.impl.model.nn.real_model import PackedInput
+
+        cache = self._cache
+        try:
+            logits = None
+            if self._decoder is not None:
+                logits = self._decoder(self._tok, cache)
+            if logits is None:
+                B = cache.batch
+                dev = self.model.device
+                inp = PackedInput(cu_seqlens=torch.arange(B + 1, dtype=torch.int32, device=dev), max_seqlen=1,
+                                  position_ids=cache.positions().clone(), cache=cache)
+                logits = self.model(self._tok, inp)
+            cache.advance()
+            tok, lp = self._sample(logits.float(), self._groups)
+            keep = self._record(self._rows, tok.tolist(), lp.tolist())
+            self._stats["steps"] += 1
+            self._tok = tok
+            self._compact(keep)
+            self._update_counts()
+        except Exception as e:  # the batch cannot go on: fail its requests, keep serving the others
+            logger.error("generation engine: decode step failed: %s", traceback.format_exc())
+            for r in {id(row.req): row.req for row in self._rows}.values():
+                self._fail(r, e)
+            self._rows, self._groups, self._cache, self._tok = [], [], None, None
+            self._update_counts()
+
+    # ------------------------------------------------------------------ between steps: weights, log-probs
+    def _load_from_disk(self, path: str, version: int):
+        from realhf.impl.model.conversion.hf_io import config_from_hf_path, load_hf_into
+
+        self._check_config(config_from_hf_path(path), path)
+        load_hf_into(self.model, path)
+        self._version = int(version)
+        self._stats["weight_updates"] += 1
+
+    def _check_config(self, new, path: str):
+        cur = self.model.config
+        diff = [f.name for f in dataclasses.fields(cur)
+                if f.name not in _TOKEN_ID_FIELDS and getattr(cur, f.name) != getattr(new, f.name)]
+        if diff:
+            raise ValueError(f"the model at {path!r} is not the served architecture: its config differs in "
+                             + ", ".join(f"{k} ({getattr(new, k)!r}, served: {getattr(cur, k)!r})" for k in diff))
+
+    def _load_from_group(self, metas: List[TensorMeta], version: int):
+        """Receive every tensor of ``metas`` (always all of them, so the group stays in step with the trainer
+        even when one is unusable), copying each into its parameter; raise after the last one if any was
+        unusable (those are checked from ``metas`` before anything is copied)."""
+        from realhf.api.core.model_api import get_hf_family
+        from realhf.gen_server.weight_group import receive
+        from realhf.impl.model.nn.real_model import tied_source_name
+
+        model, cfg = self.model, self.model.config
+        fam = get_hf_family(cfg.family)
+        local = model.param_spec
+        # what each HF tensor becomes: [(real name, target parameter)], checked against the metas first
+        plans: List[List[tuple]] = []
+        errors: List[str] = []
+        sent_real = set()
+        conv_meta = []
+        for m in metas:
+            try:
+                conv = fam.hf_to_real({m.name: torch.empty(m.shape, device="meta")}, cfg)
+            except Exception as e:
+                conv = {}
+                errors.append(f"{m.name}: cannot convert ({type(e).__name__}: {e})")
+            conv_meta.append(conv)
+            sent_real.update(conv)
+        tied = cfg.tied_embedding and not cfg.is_critic
+        for m, conv in zip(metas, conv_meta):
+            plan = []
+            for real, t in conv.items():
+                if real.startswith("<unknown>"):
+                    errors.append(f"{m.name}: not a tensor of a {cfg.family} model")
+                    continue
+                targets = [n for n in local if tied_source_name(cfg, n) == real]
+                if not targets and tied and real == "head.lm_head.weight":
+                    # a tied model's head is its embedding: take it only when the embedding is not sent too
+                    if "embed.wte.weight" not in sent_real:
+                        targets = ["embed.wte.weight"]
+                    else:
+                        continue
+                if not targets:
+                    errors.append(f"{m.name}: no parameter {real} in the served model")
+                    continue
+                for n in targets:
+                    if tuple(t.shape) != tuple(model.full_shape(n)):
+                        errors.append(f"{m.name}: shape {tuple(m.shape)} does not fit {n} "
+                                      f"{tuple(model.full_shape(n))}")
+                    else:
+                        plan.append((real, n))
+            plans.append(plan)
+        for (name, t), m, plan in zip(receive(self._weight_group, metas), metas, plans):
+            if errors or not plan:
+                continue  # received only to stay in step with the other ranks
+            conv = fam.hf_to_real({name: t}, cfg)
+            for real, n in plan:
+                model.local_param(n).copy_(conv[real])
+        if errors:
+            raise ValueError(f"weight update over the group: {len(errors)} unusable tensors, nothing loaded: "
+                             + "; ".join(errors[:5]) + (" ..." if len(errors) > 5 else ""))
+        self._version = int(version)
+        self._stats["weight_updates"] += 1
+
+    def _logprobs(self, seqs: List[List[int]]) -> List[List[float]]:
+        from realhf.impl.model.nn.real_model import make_packed_input
+        from realhf.impl.model.utils.functional import packed_logprobs
+
+        dev = self.model.device
+        inp = make_packed_input([len(s) for s in seqs], device=dev)
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
+        logits = self.model(ids, inp).float()
+        lp, _ = packed_logprobs(logits, ids, inp.cu_seqlens)
+        lp = lp.tolist()
+        out, off = [], 0
+        for s in seqs:
+            out.append(lp[off:off + len(s) - 1])
+            off += len(s)
+        return out

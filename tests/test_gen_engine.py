@@ -1,0 +1,508 @@
+"""The gen backend's engine (realhf/gen_server/realhf_engine.py): continuous batching over a real tiny model.
+
+Every result is compared with the in-process batched ``generate`` (greedy tokens and log-probs, seeded
+samples), with a fresh model's forward pass (log-probs after weight updates), or with the engine's own
+state (versions, finish reasons, metrics).
+"""
+import asyncio
+import multiprocessing as mp
+import os
+import shutil
+import json
+import time
+
+import pytest
+import torch
+
+from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.gen_server.api import (EngineConfig, GenerateRequest, RequestError, SamplingParams, WeightGroupSpec)
+from realhf.impl.model.tiny import ensure_tiny_model
+
+PROMPT_LENS = [5, 11, 3, 8, 6, 14]
+
+
+@pytest.fixture(scope="module")
+def path():
+    return ensure_tiny_model("qwen2", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def ref_model(path):
+    return _build(path)
+
+
+def _build(folder):
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+
+    return build_from_hf(folder, grid=single_process_grid(), dtype=torch.float32)
+
+
+def _prompts(vocab=1000, lens=PROMPT_LENS, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _engine(path, **kw):
+    from realhf.gen_server.realhf_engine import RealhfEngine
+
+    return RealhfEngine(EngineConfig(backend="gen", model_path=path, **kw))
+
+
+def _req(rid, ids, **sampling):
+    return GenerateRequest(rid=rid, input_ids=list(ids), sampling=SamplingParams(**sampling).validate())
+
+
+def _gen(model, prompts, seeds=None, **g):
+    from realhf.impl.model.nn.generation import generate
+
+    return generate(model, prompts, GenerationHyperparameters(**g), seeds=seeds)
+
+
+async def _until(cond, what, timeout=120.0):
+    """Wait (yielding to the event loop) until ``cond()``; a generous guard against hangs, not a timing check."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.002)
+
+
+def _fresh_logprobs(model, seqs):
+    from realhf.impl.model.nn.real_model import make_packed_input
+    from realhf.impl.model.utils.functional import packed_logprobs
+
+    inp = make_packed_input([len(s) for s in seqs])
+    ids = torch.tensor([t for s in seqs for t in s])
+    with torch.no_grad():
+        lp, _ = packed_logprobs(model(ids, inp).float(), ids, inp.cu_seqlens)
+    out, off = [], 0
+    for s in seqs:
+        out.append(lp[off:off + len(s) - 1])
+        off += len(s)
+    return out
+
+
+def _max_err(a, b):
+    return (torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)).abs().max().item()
+
+
+# --------------------------------------------------------------------------- sampling equals generate()
+
+
+def test_greedy_concurrent_requests_equal_generate(path, ref_model):
+    prompts = _prompts()
+    probe = _gen(ref_model, prompts, greedy=True, max_new_tokens=24)
+    stop = probe.tokens[1][4]  # a token the model emits: some prompts stop early, others run to the limit
+    ref = _gen(ref_model, prompts, greedy=True, max_new_tokens=24, stop_token_ids=[stop])
+    assert any(ref.no_eos) and not all(ref.no_eos)
+
+    async def main():
+        e = _engine(path)
+        await e.start()
+        try:
+            return await asyncio.gather(*[
+                e.generate(_req(f"r{i}", p, greedy=True, max_new_tokens=24, stop_token_ids=[stop]))
+                for i, p in enumerate(prompts)]), e.metrics()
+        finally:
+            await e.close()
+
+    res, m = asyncio.run(main())
+    for i, r in enumerate(res):
+        assert r.rid == f"r{i}" and len(r.outputs) == 1
+        o = r.outputs[0]
+        assert o.output_ids == ref.tokens[i], f"prompt {i}: greedy tokens differ from generate()"
+        assert _max_err(o.logprobs, ref.logprobs[i]) < 1e-5
+        assert o.finish_reason == ("length" if ref.no_eos[i] else "stop")
+        assert o.versions == [0] * len(o.output_ids)
+    assert m["generated_tokens"] == sum(len(t) for t in ref.tokens)
+    assert m["running_requests"] == m["waiting_requests"] == m["tokens_in_flight"] == 0
+
+
+def test_seeded_samples_equal_generate_whatever_runs_beside(path, ref_model):
+    """Seeded requests (n=3; plain temperature sampling, and top-p/top-k) give generate(seeds=...)'s samples
+    while unseeded, greedy and long requests share their batch, and join it mid-flight."""
+    prompts = _prompts(lens=[5, 9, 4, 7])
+    cases = [dict(temperature=0.8), dict(temperature=1.0, top_p=0.8, top_k=30), dict(temperature=1.3, top_k=5)]
+
+    async def main():
+        e = _engine(path)
+        await e.start()
+        try:
+            noise = [asyncio.create_task(e.generate(_req("long", prompts[0], temperature=1.0, max_new_tokens=200))),
+                     asyncio.create_task(e.generate(_req("greedy", prompts[1], greedy=True, max_new_tokens=60)))]
+            await _until(lambda: e.metrics()["generated_tokens"] > 5, "the first requests to run")
+            seeded = [asyncio.create_task(e.generate(_req(f"s{c}-{i}", p, n=3, seed=100 * c + i, max_new_tokens=20,
+                                                          **kw)))
+                      for c, kw in enumerate(cases) for i, p in enumerate(prompts)]
+            out = await asyncio.gather(*seeded)
+            assert not noise[0].done(), "the long request should still be running"
+            await asyncio.gather(*noise)
+            return out
+        finally:
+            await e.close()
+
+    res = asyncio.run(main())
+    k = 0
+    for c, kw in enumerate(cases):
+        for i, p in enumerate(prompts):
+            r = res[k]
+            k += 1
+            ref = _gen(ref_model, [p], seeds=[100 * c + i], n=3, max_new_tokens=20, **kw)
+            got = [o.output_ids for o in r.outputs]
+            assert got == ref.tokens, f"case {kw} prompt {i}: samples differ from generate(seeds=...)"
+            assert len({tuple(t) for t in got}) > 1, "the samples of one request should differ"
+            for o, lps in zip(r.outputs, ref.logprobs):
+                assert _max_err(o.logprobs, lps) < 1e-5
+
+
+# --------------------------------------------------------------------------- continuous batching
+
+
+def test_request_joins_running_batch(path, ref_model):
+    long_p, short_p = _prompts(lens=[6, 9], seed=3)
+    ref_long = _gen(ref_model, [long_p], greedy=True, max_new_tokens=300).tokens[0]
+    ref_short = _gen(ref_model, [short_p], greedy=True, max_new_tokens=40).tokens[0]
+
+    async def main():
+        e = _engine(path)
+        await e.start()
+        try:
+            long_t = asyncio.create_task(e.generate(_req("long", long_p, greedy=True, max_new_tokens=300)))
+            await _until(lambda: e.metrics()["generated_tokens"] > 0, "the long request to start")
+            short_t = asyncio.create_task(e.generate(_req("short", short_p, greedy=True, max_new_tokens=40)))
+            most = 0
+            while not short_t.done():
+                most = max(most, e.metrics()["running_requests"])
+                await asyncio.sleep(0.001)
+            long_running = not long_t.done()
+            return await long_t, await short_t, most, long_running
+        finally:
+            await e.close()
+
+    long_r, short_r, most, long_running = asyncio.run(main())
+    assert long_running, "the short request should finish while the long one still runs"
+    assert most == 2, "both requests should have run in one batch"
+    assert short_r.outputs[0].output_ids == ref_short
+    assert long_r.outputs[0].output_ids == ref_long
+    assert [o.finish_reason for o in (long_r.outputs[0], short_r.outputs[0])] == ["length", "length"]
+
+
+def test_max_num_seqs_bounds_the_batch(path, ref_model):
+    prompts = _prompts()
+
+    async def main():
+        e = _engine(path, max_num_seqs=4)
+        await e.start()
+        try:
+            res = await asyncio.gather(*[e.generate(_req(f"r{i}", p, n=2, greedy=True, max_new_tokens=12))
+                                         for i, p in enumerate(prompts)])
+            return res, e.metrics()
+        finally:
+            await e.close()
+
+    res, m = asyncio.run(main())
+    ref = _gen(ref_model, prompts, greedy=True, max_new_tokens=12)
+    for r, t in zip(res, ref.tokens):
+        assert [o.output_ids for o in r.outputs] == [t, t]
+    assert 2 <= m["max_batch_size"] <= 4
+
+
+# --------------------------------------------------------------------------- finish reasons
+
+
+def test_stop_min_new_tokens_and_length(path, ref_model):
+    # a prompt whose greedy continuation emits a new token at some step k >= 2 (the tiny model likes repeating)
+    for seed in range(100):
+        p = _prompts(lens=[7], seed=seed)[0]
+        free = _gen(ref_model, [p], greedy=True, max_new_tokens=20).tokens[0]
+        k = next((i for i in range(2, 14) if free[i] not in free[:i]), None)
+        if k is not None:
+            break
+    stop = free[k]
+    ref_min = _gen(ref_model, [p], greedy=True, max_new_tokens=20, stop_token_ids=[stop], min_new_tokens=k + 1)
+    sampled = dict(temperature=1.0, stop_token_ids=[stop, free[0]], min_new_tokens=6, max_new_tokens=20)
+    ref_s = _gen(ref_model, [p], seeds=[5], n=4, **sampled)
+
+    async def main():
+        e = _engine(path)
+        await e.start()
+        try:
+            return await asyncio.gather(
+                e.generate(_req("stop", p, greedy=True, max_new_tokens=20, stop_token_ids=[stop])),
+                e.generate(_req("min", p, greedy=True, max_new_tokens=20, stop_token_ids=[stop], min_new_tokens=k + 1)),
+                e.generate(_req("len", p, greedy=True, max_new_tokens=5)),
+                e.generate(_req("one", p, greedy=True, max_new_tokens=1, stop_token_ids=[stop])),
+                e.generate(_req("first", p, greedy=True, max_new_tokens=9, stop_token_ids=[free[0]])),
+                e.generate(_req("sampled", p, n=4, seed=5, **sampled)))
+        finally:
+            await e.close()
+
+    r_stop, r_min, r_len, r_one, r_first, r_s = [r.outputs for r in asyncio.run(main())]
+    assert r_stop[0].output_ids == free[:k + 1] and r_stop[0].finish_reason == "stop"
+    assert r_min[0].output_ids == ref_min.tokens[0] and r_min[0].output_ids[:k] == free[:k]
+    assert r_min[0].output_ids[k] != stop, "the stop token must be banned before min_new_tokens"
+    # the banned step's log-prob is that of the unmodified distribution, as generate reports it
+    assert _max_err(r_min[0].logprobs, ref_min.logprobs[0]) < 1e-5
+    assert r_min[0].finish_reason == ("length" if ref_min.no_eos[0] else "stop")
+    assert r_len[0].output_ids == free[:5] and r_len[0].finish_reason == "length"
+    assert r_one[0].output_ids == free[:1] and r_one[0].finish_reason == "length"
+    assert r_first[0].output_ids == free[:1] and r_first[0].finish_reason == "stop"
+    assert [o.output_ids for o in r_s] == ref_s.tokens
+    for o, ne in zip(r_s, ref_s.no_eos):
+        assert len(o.output_ids) >= 6 and o.finish_reason == ("length" if ne else "stop")
+        assert (o.output_ids[-1] in (stop, free[0])) == (o.finish_reason == "stop")
+
+
+# --------------------------------------------------------------------------- abort, pause, close
+
+
+def test_pause_resume_abort(path, ref_model):
+    pa, pb = _prompts(lens=[6, 8], seed=5)
+    ref_a = _gen(ref_model, [pa], greedy=True, max_new_tokens=400).tokens[0]
+    ref_b = _gen(ref_model, [pb], greedy=True, max_new_tokens=30).tokens[0]
+
+    async def main():
+        e = _engine(path)
+        await e.start()
+        try:
+            ta = asyncio.create_task(e.generate(_req("a", pa, greedy=True, max_new_tokens=400)))
+            await _until(lambda: e.metrics()["generated_tokens"] > 3, "request a to run")
+            await e.pause()
+            m1 = e.metrics()
+            tb = asyncio.create_task(e.generate(_req("b", pb, greedy=True, max_new_tokens=30)))
+            await _until(lambda: e.metrics()["waiting_requests"] == 1, "request b to be queued")
+            await asyncio.sleep(0.3)
+            m2 = e.metrics()
+            assert m1["paused"] and m2["paused"]
+            assert m2["generated_tokens"] == m1["generated_tokens"], "a paused engine made progress"
+            assert (m2["running_requests"], m2["waiting_requests"]) == (1, 1) and m2["tokens_in_flight"] > 0
+            assert not ta.done() and not tb.done()
+            await e.resume()
+            await _until(lambda: e.metrics()["generated_tokens"] > m2["generated_tokens"] + 5, "progress after resume")
+            assert await e.abort(["a", "no-such-request"]) == 1
+            ra = await ta
+            rb = await tb
+            # abort(None) also takes waiting requests
+            await e.pause()
+            tc = asyncio.create_task(e.generate(_req("c", pb, n=2, greedy=True, max_new_tokens=30)))
+            await _until(lambda: e.metrics()["waiting_requests"] == 1, "request c to be queued")
+            assert await e.abort() == 1
+            rc = await tc
+            await e.resume()
+            rd = await e.generate(_req("a", pa, greedy=True, max_new_tokens=4))  # a rid may be reused
+            return ra, rb, rc, rd, e.metrics()
+        finally:
+            await e.close()
+
+    ra, rb, rc, rd, m = asyncio.run(main())
+    a = ra.outputs[0]
+    assert a.finish_reason == "abort" and 0 < len(a.output_ids) < 400
+    assert a.output_ids == ref_a[:len(a.output_ids)], "an aborted request returns the tokens generated so far"
+    assert len(a.logprobs) == len(a.versions) == len(a.output_ids)
+    assert rb.outputs[0].output_ids == ref_b and rb.outputs[0].finish_reason == "length"
+    assert [(o.output_ids, o.finish_reason) for o in rc.outputs] == [([], "abort")] * 2
+    assert rd.outputs[0].output_ids == ref_a[:4]
+    assert m["aborted_requests"] == 2 and m["running_requests"] == m["waiting_requests"] == 0
+
+
+def test_close_fails_pending_requests(path):
+    from realhf.gen_server.realhf_engine import EngineClosed
+
+    async def main():
+        e = _engine(path)
+        await e.start()
+        t = asyncio.create_task(e.generate(_req("a", [5, 6, 7], greedy=True, max_new_tokens=400)))
+        await _until(lambda: e.metrics()["generated_tokens"] > 0, "request a to run")
+        await e.pause()
+        await e.close()
+        with pytest.raises(EngineClosed, match="closed"):
+            await t
+        with pytest.raises(EngineClosed, match="closed"):
+            await e.generate(_req("b", [5], greedy=True, max_new_tokens=2))
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- weight updates
+
+
+@pytest.fixture(scope="module")
+def perturbed(path, tmp_path_factory):
+    """An HF folder of the tiny model with every weight moved (the 'trained' model of the update tests)."""
+    from realhf.impl.model.conversion.hf_io import save_hf
+
+    m = _build(path)
+    g = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        m.flat.add_(torch.randn(m.flat.shape, generator=g) * 0.05)
+    out = str(tmp_path_factory.mktemp("gen_engine") / "v1")
+    save_hf(m, out, tokenizer_src=path)
+    return out
+
+
+def test_update_weights_from_disk(path, ref_model, perturbed, tmp_path):
+    seqs = _prompts(lens=[9, 5, 12], seed=9)
+    new_model = _build(perturbed)
+    want = _fresh_logprobs(new_model, seqs)
+    old = _fresh_logprobs(ref_model, seqs)
+    assert max(_max_err(a, b) for a, b in zip(want, old)) > 1e-2, "the perturbation should change log-probs"
+    p = seqs[0]
+    ref_new = _gen(new_model, [p], greedy=True, max_new_tokens=20).tokens[0]
+    # a folder of another architecture is refused before anything is loaded
+    bad = str(tmp_path / "bad")
+    shutil.copytree(perturbed, bad)
+    with open(os.path.join(bad, "config.json")) as f:
+        c = json.load(f)
+    c["intermediate_size"] = 2 * c["intermediate_size"]
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(c, f)
+
+    async def main():
+        e = _engine(path)
+        await e.start()
+        try:
+            with pytest.raises(ValueError, match="intermediate_dim"):
+                await e.update_weights_from_disk(bad, 7)
+            assert e.version == 0
+            before = await e.logprobs(seqs)
+            t = asyncio.create_task(e.generate(_req("inflight", p, greedy=True, max_new_tokens=400)))
+            await _until(lambda: e.metrics()["generated_tokens"] > 3, "the in-flight request to run")
+            await e.update_weights_from_disk(perturbed, 1)
+            assert e.version == 1 and e.metrics()["version"] == 1
+            after = await e.logprobs(seqs)
+            r_new = await e.generate(_req("new", p, greedy=True, max_new_tokens=20))
+            return before, after, await t, r_new
+        finally:
+            await e.close()
+
+    before, after, r_in, r_new = asyncio.run(main())
+    for a, b in zip(before, old):
+        assert len(a) == len(b) and _max_err(a, b) < 1e-4
+    for a, b in zip(after, want):
+        assert _max_err(a, b) < 1e-4, "log-probs after the update differ from a model built from the folder"
+    v = r_in.outputs[0].versions
+    assert v[0] == 0 and v[-1] == 1 and v == sorted(v), f"in-flight versions should go 0 -> 1, got {set(v)}"
+    assert len(v) == 400 and r_in.outputs[0].finish_reason == "length"
+    assert r_new.outputs[0].versions == [1] * 20
+    assert r_new.outputs[0].output_ids == ref_new
+
+
+def _named_hf(folder):
+    """The HF tensors of ``folder`` as a trainer would send them (the tied head included, as a HF
+    state_dict lists it)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        named = {k: f.get_tensor(k) for k in sorted(f.keys())}
+    named["lm_head.weight"] = named["model.embed_tokens.weight"].clone()
+    return named
+
+
+def _bad_named(named):
+    bad = dict(named)
+    bad["model.layers.0.mlp.extra.weight"] = torch.zeros(3)
+    return bad
+
+
+def _sender(spec_kw, folder, q):
+    """Trainer side of the weight group: one unusable update (the engine must refuse it and stay in step),
+    then the real one."""
+    try:
+        from realhf.gen_server.weight_group import WeightGroup, metas_of, send
+
+        named = _named_hf(folder)
+        bad = _bad_named(named)
+        group = WeightGroup(WeightGroupSpec(**spec_kw), rank=0)
+        send(group, bad, metas_of(bad))
+        send(group, named, metas_of(named))
+        group.barrier()
+        q.put("ok")
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        q.put(f"{type(e).__name__}: {e}")
+
+
+def test_update_weights_from_group(path, perturbed):
+    from realhf.base.testing import free_port
+    from realhf.gen_server.weight_group import metas_of
+
+    seqs = _prompts(lens=[9, 5, 12], seed=9)
+    want = _fresh_logprobs(_build(perturbed), seqs)
+    named = _named_hf(perturbed)
+    spec_kw = dict(master_addr="127.0.0.1", master_port=free_port(), rank_offset=1, world_size=2,
+                   group_name="test-gen-engine", timeout_secs=120.0)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_sender, args=(spec_kw, perturbed, q), daemon=True)
+    proc.start()
+
+    async def main():
+        e = _engine(path)
+        await e.start()
+        try:
+            t = asyncio.create_task(e.generate(_req("inflight", seqs[0], greedy=True, max_new_tokens=60)))
+            await e.init_weight_group(WeightGroupSpec(**spec_kw))
+            with pytest.raises(ValueError, match="mlp.extra"):
+                await e.update_weights_from_group(metas_of(_bad_named(named)), 5)
+            assert e.version == 0
+            await e.update_weights_from_group(metas_of(named), 2)
+            await asyncio.to_thread(e._weight_group.barrier)
+            return await e.logprobs(seqs), e.version, await t
+        finally:
+            await e.close()
+
+    try:
+        got, version, r_in = asyncio.run(main())
+        assert q.get(timeout=60) == "ok"
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    assert version == 2
+    for a, b in zip(got, want):
+        assert _max_err(a, b) < 1e-4, "log-probs after the group update differ from a model built from the folder"
+    assert r_in.outputs[0].finish_reason == "length" and set(r_in.outputs[0].versions) <= {0, 2}
+
+
+# --------------------------------------------------------------------------- refused requests and configs
+
+
+def test_bad_requests_and_configs(path):
+    from realhf.gen_server.realhf_engine import RealhfEngine
+
+    async def main():
+        e = _engine(path, max_model_len=64, max_num_seqs=4)
+        await e.start()
+        try:
+            cases = [
+                (_req("long", [5] * 60, max_new_tokens=10), "70 exceeds max_model_len \\(64\\)"),
+                (_req("oov", [5, 1008, 7], max_new_tokens=4), "token id 1008 at position 1.*vocabulary \\[0, 1008\\)"),
+                (_req("neg", [-1, 5], max_new_tokens=4), "token id -1 at position 0"),
+                (_req("stop", [5, 6], max_new_tokens=4, stop_token_ids=[99999]), "stop_token_ids.*99999"),
+                (_req("n", [5, 6], n=5, max_new_tokens=4), "max_num_seqs"),
+            ]
+            for req, msg in cases:
+                with pytest.raises(RequestError, match=msg):
+                    await e.generate(req)
+            with pytest.raises(RequestError, match="vocabulary"):
+                await e.logprobs([[1, 2, 3], [4, 2000]])
+            with pytest.raises(RequestError, match="at least 2"):
+                await e.logprobs([[1]])
+            # still serving
+            r = await e.generate(_req("ok", [5, 6, 7], greedy=True, max_new_tokens=3))
+            assert len(r.outputs[0].output_ids) == 3
+        finally:
+            await e.close()
+        e2 = _engine(path)  # the model's own 512 positions bound the default max_model_len of 2048
+        await e2.start()
+        try:
+            with pytest.raises(RequestError, match="the model's positions \\(512\\)"):
+                await e2.generate(_req("long", [5] * 500, max_new_tokens=20))
+        finally:
+            await e2.close()
+        with pytest.raises(ValueError, match="tp=1"):
+            await _engine(path, tp_size=2).start()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="unknown options"):
+        RealhfEngine(EngineConfig(backend="gen", model_path=path, extra={"compile": True}))
