@@ -70,3 +70,14 @@ def test_ppo_with_critic_learns_tiny_arithmetic(recipe, start):
         assert k in st[0], f"stat {k} missing"
     assert any(s["kl_reward"] != 0.0 for s in st), "the KL penalty to the reference never acted"
     _check_learned("ppo", res, start)
+
+
+def test_grpo_learns_through_generation_servers(recipe, start):
+    """The same GRPO run with actor_gen served by realhf's generation server on its own device (weights published
+    to it after every step through a weight group): it learns like the colocated run."""
+    res = recipe.learn("grpo", start["out"], start, ["allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2"],
+                       eval_threads=None, exp="grpo-gen-server")
+    st = res["stats"]
+    assert res["steps"] == 40 and all(s["n_seqs"] == 16 * 8 for s in st)
+    assert all(s["actor_gen/weight_sync_time"] > 0 for s in st[1:])
+    _check_learned("grpo (gen server)", res, start)

@@ -71,7 +71,7 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console
             sched.submit(f"model_worker_{r}", python_cmd("realhf.apps.remote", "--role", "model_worker", "--rank", str(r), *common), env)
         console.watch(spec.log_dir)
         sched.wait("master", on_poll=console.poll)
-        sched.wait_others()
+        sched.wait_others(skip=("gen_server_",))  # servers serve until stopped (stop_all)
     finally:
         console.close()
         sched.stop_all()

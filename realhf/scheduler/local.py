@@ -62,11 +62,12 @@ class WaitMixin:
                 raise TimeoutError(f"experiment did not finish within {timeout:.0f} s")
             time.sleep(poll)
 
-    def wait_others(self, grace: float = 30.0):
-        """After the master finished: give the workers ``grace`` seconds to exit on their own."""
+    def wait_others(self, grace: float = 30.0, skip: tuple = ()):
+        """After the master finished: give the workers ``grace`` seconds to exit on their own (jobs whose names
+        start with one of ``skip``, e.g. generation servers, serve until stopped and are not waited for)."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < grace:
-            if all(c is not None for c in self._codes().values()):
+            if all(c is not None for n, c in self._codes().items() if not n.startswith(skip)):
                 return
             time.sleep(0.1)
 
