@@ -44,6 +44,7 @@ import torch
 from realhf.base import logging
 from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerateResult, GenerationEngine, RequestError,
                                    SampleOutput, TensorMeta, WeightGroupSpec, sample_seed)
+from realhf.impl.model.nn.kv_cache import KVCache
 
 logger = logging.getLogger("realhf.gen_server.engine")
 
@@ -119,6 +120,97 @@ def _chunk() -> int:
 
 
 _CHUNK = _chunk()
+
+
+class _SlotCache(KVCache):
+    """The running batch's KV cache: a ``KVCache`` (same decode interface: ``lens``, ``k``/``v`` lists of
+    ``[B, h_kv, positions, d]`` buffers, ``decode_attention``, ``advance``) whose rows live in slots of
+    preallocated storage, so that rows joining and leaving the batch copy only their own keys/values:
+    ``add`` writes new rows into free slots after the running ones, ``remove`` moves the last surviving
+    rows into the holes finished rows leave (the batch order changes; the caller reorders its rows alike).
+    Storage grows (rows and positions, geometrically) only when a new row does not fit. Invariant: every
+    position after a row's ``lens`` and every free slot are zero, so masked positions never hold stale data."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, device, max_rows: int,
+                 max_positions: int):
+        self._n_layers, self._h, self._d, self._dtype, self._device = n_layers, n_kv_heads, head_dim, dtype, device
+        self._max_rows, self._max_positions = max_rows, max_positions
+        self._sk: List[torch.Tensor] = []
+        self._sv: List[torch.Tensor] = []
+        self._rows_cap = 0
+        self.max_len = 0  # positions of the storage (KVCache.advance checks against it)
+        self.lens = torch.zeros(0, dtype=torch.long, device=device)
+        self.decoding = True
+        self._prefill_idx = None
+        self._mask = None
+        self.k: List[torch.Tensor] = []
+        self.v: List[torch.Tensor] = []
+
+    def _views(self):
+        B = self.lens.numel()
+        self.k = [s[:B] for s in self._sk]
+        self.v = [s[:B] for s in self._sv]
+        self._mask = None
+
+    def _used(self) -> int:
+        return int(self.lens.max()) + 1 if self.lens.numel() else 0
+
+    def _reserve(self, rows: int, positions: int):
+        if rows <= self._rows_cap and positions <= self.max_len:
+            return
+        R = min(self._max_rows, max(rows, 2 * self._rows_cap, 8)) if rows > self._rows_cap else self._rows_cap
+        R = max(R, rows)
+        P = max(positions, min(self._max_positions, self.max_len + self.max_len // 2)) \
+            if positions > self.max_len else self.max_len
+        B, u = self.lens.numel(), self._used()
+        sk, sv = [], []
+        for i in range(self._n_layers):
+            nk = torch.zeros((R, self._h, P, self._d), dtype=self._dtype, device=self._device)
+            nv = torch.zeros_like(nk)
+            if B:
+                nk[:B, :, :u] = self._sk[i][:B, :, :u]
+                nv[:B, :, :u] = self._sv[i][:B, :, :u]
+            sk.append(nk)
+            sv.append(nv)
+        self._sk, self._sv, self._rows_cap, self.max_len = sk, sv, R, P
+        self._views()
+
+    def add(self, other, rows: torch.Tensor, positions: int):
+        """Append rows ``rows`` of the decoding cache ``other`` (freshly prefilled) as new last rows; make
+        room for ``positions`` positions."""
+        B, m = self.lens.numel(), rows.numel()
+        o_lens = other.lens[rows]
+        self._reserve(B + m, positions)
+        u = int(o_lens.max()) + 1
+        for i in range(self._n_layers):
+            self._sk[i][B:B + m, :, :u] = other.k[i][rows, :, :u]
+            self._sv[i][B:B + m, :, :u] = other.v[i][rows, :, :u]
+        self.lens = torch.cat([self.lens, o_lens.to(self.lens.device)])
+        self._views()
+
+    def remove(self, keep: List[int]) -> List[int]:
+        """Keep the rows at positions ``keep`` (ascending): the last survivors move into the holes of the
+        others. Returns the new order (old position of each row)."""
+        B, n = self.lens.numel(), len(keep)
+        kept = set(keep)
+        holes = [p for p in range(n) if p not in kept]
+        movers = [p for p in keep if p >= n]
+        order = list(range(n))
+        for h, m in zip(holes, movers):
+            order[h] = m
+        u = self._used()
+        dev = self._device
+        if holes:
+            ht = torch.tensor(holes, dtype=torch.long, device=dev)
+            mt = torch.tensor(movers, dtype=torch.long, device=dev)
+            for s in self._sk + self._sv:
+                s[ht, :, :u] = s[mt, :, :u]
+        if n < B:
+            for s in self._sk + self._sv:
+                s[n:B, :, :u].zero_()
+        self.lens = self.lens[torch.tensor(order, dtype=torch.long, device=self.lens.device)]
+        self._views()
+        return order
 
 
 class RealhfEngine(GenerationEngine):
@@ -538,12 +630,12 @@ class RealhfEngine(GenerationEngine):
         if len(keep) == len(self._rows):
             return
         if not keep:
-            self._rows, self._groups, self._cache, self._tok = [], [], None, None
+            self._rows, self._groups, self._tok = [], [], None
+            self._cache.remove([])  # keeps its storage for the next rows
         else:
-            kt = torch.tensor(keep, dtype=torch.long, device=self.model.device)
-            self._cache.keep(kt)
-            self._tok = self._tok[kt]
-            self._rows = [self._rows[i] for i in keep]
+            order = self._cache.remove(keep)
+            self._tok = self._tok[torch.tensor(order, dtype=torch.long, device=self.model.device)]
+            self._rows = [self._rows[i] for i in order]
             self._regroup()
         self._update_counts()
 
@@ -585,7 +677,6 @@ class RealhfEngine(GenerationEngine):
 
     # ------------------------------------------------------------------ admission (prefill)
     def _admit(self):
-        from realhf.impl.model.nn.kv_cache import KVCache
         from realhf.impl.model.nn.real_model import make_packed_input
 
         room = self.cfg.max_num_seqs - len(self._rows)
@@ -641,13 +732,11 @@ class RealhfEngine(GenerationEngine):
             keep = self._record(new_rows, tok.tolist(), lp.tolist())
             if keep:
                 kt = torch.tensor(keep, dtype=torch.long, device=dev)
-                rows_t = src_t[kt]
                 if self._cache is None:
-                    cache.keep(rows_t)
-                    self._cache, self._tok = cache, tok[kt]
-                else:
-                    self._cache.append(cache, rows_t)
-                    self._tok = torch.cat([self._tok, tok[kt]])
+                    self._cache = _SlotCache(model.n_local_layers, model.n_local_kv_heads, cfg.head_dim, model.dtype,
+                                             dev, self.cfg.max_num_seqs, self._len_limit[1] + 1)
+                self._cache.add(cache, src_t[kt], max_len)
+                self._tok = tok[kt] if self._tok is None else torch.cat([self._tok, tok[kt]])
                 self._rows = self._rows + [new_rows[i] for i in keep]
                 self._regroup()
             self._update_counts()
