@@ -113,3 +113,26 @@ def test_killed_worker_under_ray_fails_fast_and_leaves_nothing(setup):
     assert "model_worker_1" in out and "-9" in out, out[-3000:]
     time.sleep(1)
     assert not jobs(), "job processes left behind"
+
+
+def test_ray_starts_generation_servers_first(tiny_math_run):
+    """ppo-math with gen.d1m1p1+d1m1p1 under mode=ray: the generation server is a Ray job too, started and up
+    before the master and the worker; the run trains as the local one does."""
+    model, d = tiny_math_run
+
+    def args(exp, *extra):
+        return ["ppo-math", f"actor.path={model}", f"dataset.path={d}/math.jsonl", "dataset.train_bs_n_seqs=4",
+                "group_size=2", "ppo.gen.max_new_tokens=4", "ppo.ppo_n_minibatches=1", "use_chat_template=false",
+                "prompt_template={prompt}", "reward_allow_last_number=true", "use_critic=false", "ppo.kl_ctl=0",
+                "exp_ctrl.benchmark_steps=2", f"fileroot={d}", f"experiment_name={exp}", "n_devices_per_node=2",
+                "allocation_mode=gen.d1m1p1+d1m1p1", *extra]
+
+    p = run_quickstart(args("served-ray", "mode=ray"), timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = p.stdout + p.stderr
+    started = [n for n, _, _ in re.findall(r"started (\S+) through Ray on (\S+) \(pid (\d+)\)", out)]
+    assert started == ["gen_server_0", "master", "model_worker_0"], out[-3000:]
+    q = run_quickstart(args("served-local"), timeout=300)
+    assert q.returncode == 0, q.stderr[-4000:]
+    a, b = read_stats(d, "served-ray"), read_stats(d, "served-local")
+    assert [(s["n_tokens"], s["task_reward"]) for s in a] == [(s["n_tokens"], s["task_reward"]) for s in b]

@@ -59,10 +59,11 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console
     launcher = get_launcher(config.mode)
     if launcher.remote:  # jobs on other nodes import the same source tree (a shared file system holds it and fileroot)
         env["PYTHONPATH"] = env_with_source_path()["PYTHONPATH"]
-    sched = launcher.make(spec.log_dir, config, spec.n_workers)
+    served = spec.served()
+    sched = launcher.make(spec.log_dir, config, spec.device_slots())
     common = ["--exp", exp_name, "--config", cfg_path, "--resume", "1" if resume else "0", "--run-id", run_id]
     try:
-        if spec.served() is not None:  # generation servers first: the workers connect to them at start
+        if served is not None:  # generation servers first: the workers connect to them at start
             from realhf.gen_server.launch import start_servers
 
             start_servers(sched, spec, config, env, nr, name_resolve_root(config), own_devices=config.mode == "ray")

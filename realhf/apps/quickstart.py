@@ -27,7 +27,7 @@ def run(name: str, cfg, console=None) -> int:
         launcher = get_launcher(cfg.mode)
         spec = build_spec(name, cfg)  # fail fast, with a clear message, before anything starts
         if launcher.check is not None:  # e.g. the Ray cluster must exist and hold the workers
-            launcher.check(cfg, spec.n_workers)
+            launcher.check(cfg, spec.device_slots())
     except (ValueError, KeyError, FileNotFoundError, DatasetError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         sys.stderr.write(f"error: {msg}\n")

@@ -118,6 +118,11 @@ class ExperimentSpec:
     # the checkpoint evaluator (realhf.api.quickstart.eval_config.EvaluatorConfig); None or disabled = off
     auto_eval: Optional[Any] = None
 
+    def device_slots(self) -> int:
+        """Device slots the launcher provides: one per model worker, ``tp`` per generation server."""
+        m = self.served()
+        return self.n_workers + (m.gen_servers.n_servers * m.gen_servers.tp if m is not None else 0)
+
     def served(self) -> Optional[ModelSpec]:
         """The model replica served by generation servers, if any."""
         return next((m for m in self.models if m.gen_servers is not None), None)
