@@ -3,12 +3,11 @@
 Per local layer, keys and values live in [B, h_kv, max_len, d] buffers. Prefill writes the packed
 prompt tokens of every sequence at their positions; each decode step writes one token per sequence at
 ``lens[b]`` and attends to positions ``<= lens[b]``. ``keep(rows)`` drops finished sequences so they
-stop costing work; ``append(other)`` adds the rows of another (freshly prefilled) cache, so that new
-sequences can join a running batch.
+stop costing work.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -99,39 +98,4 @@ class KVCache:
             nv[:, :, :L] = self.v[i][rows, :, :L]
             self.k[i], self.v[i] = nk, nv
         self.lens = self.lens[rows]
-        self._mask = None
-
-    def append(self, other: "KVCache", rows: Optional[torch.Tensor] = None, max_len: Optional[int] = None):
-        """Append rows ``rows`` (default: all, in order; repeats copy a row) of the decoding cache ``other``
-        after this cache's rows, in one copy of each buffer. The buffers grow to hold ``max(self.max_len,
-        other.max_len, max_len)`` positions. Continuous batching uses it to let newly prefilled sequences join
-        the running batch."""
-        if not (self.decoding and other.decoding):
-            raise ValueError("KVCache.append: both caches must be decoding (call end_prefill first)")
-        if len(self.k) != len(other.k):
-            raise ValueError(f"KVCache.append: {len(other.k)} layers into a cache of {len(self.k)}")
-        o_lens = other.lens if rows is None else other.lens[rows]
-        B1, B2 = self.batch, o_lens.numel()
-        L = max(self.max_len, other.max_len, max_len or 0)
-        # positions in use: each row's stored tokens (its next token is written at lens[b])
-        u1 = int(self.lens.max()) + 1 if B1 else 0
-        u2 = int(o_lens.max()) + 1 if B2 else 0
-        ks, vs = [], []  # built first, so that a failed allocation leaves this cache as it was
-        for i in range(len(self.k)):
-            k, v, ok, ov = self.k[i], self.v[i], other.k[i], other.v[i]
-            nk = torch.zeros((B1 + B2,) + k.shape[1:2] + (L,) + k.shape[3:], dtype=k.dtype, device=k.device)
-            nv = torch.zeros_like(nk)
-            nk[:B1, :, :u1] = k[:, :, :u1]
-            nv[:B1, :, :u1] = v[:, :, :u1]
-            if rows is None:
-                nk[B1:, :, :u2] = ok[:, :, :u2]
-                nv[B1:, :, :u2] = ov[:, :, :u2]
-            else:
-                nk[B1:, :, :u2] = ok[rows, :, :u2]
-                nv[B1:, :, :u2] = ov[rows, :, :u2]
-            ks.append(nk)
-            vs.append(nv)
-        self.k, self.v = ks, vs
-        self.lens = torch.cat([self.lens, o_lens.to(self.lens.device)])
-        self.max_len = L
         self._mask = None
