@@ -292,6 +292,31 @@ def test_running_rows_survive_cache_growth(path, ref_model):
         assert _max_err(o.logprobs, lps) < 1e-5
 
 
+@pytest.mark.slow  # compiling the decode step costs about 30 s on 2 cores
+def test_compiled_decode_equals_generate(path, ref_model):
+    prompts = _prompts()
+
+    async def main():
+        e = _engine(path, extra={"compile_decode": True})
+        await e.start()
+        try:
+            greedy = await asyncio.gather(*[e.generate(_req(f"g{i}", p, greedy=True, max_new_tokens=16))
+                                            for i, p in enumerate(prompts)])
+            seeded = await asyncio.gather(*[e.generate(_req(f"s{i}", p, n=2, seed=i, top_k=30, max_new_tokens=16))
+                                            for i, p in enumerate(prompts)])
+            return greedy, seeded
+        finally:
+            await e.close()
+
+    greedy, seeded = asyncio.run(main())
+    ref = _gen(ref_model, prompts, greedy=True, max_new_tokens=16)
+    for r, t, lps in zip(greedy, ref.tokens, ref.logprobs):
+        assert r.outputs[0].output_ids == t and _max_err(r.outputs[0].logprobs, lps) < 1e-4
+    for i, (p, r) in enumerate(zip(prompts, seeded)):
+        assert [o.output_ids for o in r.outputs] == _gen(ref_model, [p], seeds=[i], n=2, top_k=30,
+                                                         max_new_tokens=16).tokens
+
+
 # --------------------------------------------------------------------------- finish reasons
 
 
@@ -491,7 +516,7 @@ def _bad_named(named):
 
 def _sender(spec_kw, folder, q):
     """Trainer side of the weight group: one unusable update (the engine must refuse it and stay in step),
-    then the real one."""
+    the real one, then a third one that dies after 3 tensors."""
     try:
         from realhf.gen_server.weight_group import WeightGroup, metas_of, send
 
@@ -502,8 +527,10 @@ def _sender(spec_kw, folder, q):
         send(group, named, metas_of(named))
         group.barrier()
         q.put("ok")
+        send(group, named, metas_of(named)[:3])
     except BaseException as e:  # noqa: BLE001 - reported to the test
         q.put(f"{type(e).__name__}: {e}")
+    os._exit(0)  # the trainer dies in the middle of an update
 
 
 def test_update_weights_from_group(path, perturbed):
@@ -531,12 +558,27 @@ def test_update_weights_from_group(path, perturbed):
             assert e.version == 0
             await e.update_weights_from_group(metas_of(named), 2)
             await asyncio.to_thread(e._weight_group.barrier)
-            return await e.logprobs(seqs), e.version, await t
+            got = await e.logprobs(seqs), e.version, await t
+            # the trainer dies after 3 tensors of the next update: the weights are a mix, nothing is served
+            t2 = asyncio.create_task(e.generate(_req("doomed", seqs[0], greedy=True, max_new_tokens=400)))
+            await _until(lambda: e.metrics()["running_requests"] == 1, "request doomed to run")
+            with pytest.raises(Exception):
+                await e.update_weights_from_group(metas_of(named), 3)
+            with pytest.raises(RuntimeError, match="incomplete"):
+                await t2
+            with pytest.raises(RuntimeError, match="incomplete"):
+                await e.generate(_req("refused", seqs[0], greedy=True, max_new_tokens=4))
+            with pytest.raises(RuntimeError, match="incomplete"):
+                await e.logprobs(seqs)
+            assert e.version == 2
+            await e.update_weights_from_disk(perturbed, 4)  # a complete set serves again
+            after = await e.logprobs(seqs)
+            return got, after, e.metrics()
         finally:
             await e.close()
 
     try:
-        got, version, r_in = asyncio.run(main())
+        (got, version, r_in), after, m = asyncio.run(main())
         assert q.get(timeout=60) == "ok"
     finally:
         proc.join(timeout=30)
@@ -546,6 +588,9 @@ def test_update_weights_from_group(path, perturbed):
     for a, b in zip(got, want):
         assert _max_err(a, b) < 1e-4, "log-probs after the group update differ from a model built from the folder"
     assert r_in.outputs[0].finish_reason == "length" and set(r_in.outputs[0].versions) <= {0, 2}
+    for a, b in zip(after, want):
+        assert _max_err(a, b) < 1e-4
+    assert m["version"] == 4 and m["running_requests"] == 0 and m["failed_requests"] == 1
 
 
 # --------------------------------------------------------------------------- refused requests and configs

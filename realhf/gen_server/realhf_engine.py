@@ -44,19 +44,37 @@ import torch
 from realhf.base import logging
 from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerateResult, GenerationEngine, RequestError,
                                    SampleOutput, TensorMeta, WeightGroupSpec, sample_seed)
+from realhf.impl.model.nn.generation import RowStreams, sample_with_mask
 from realhf.impl.model.nn.kv_cache import KVCache
 
 logger = logging.getLogger("realhf.gen_server.engine")
 
-_EXTRA_KEYS = {"compile_decode": bool, "max_prefill_tokens": int}
+# pp_size is accepted only to be refused with the reason (this backend serves pp = tp = 1)
+_EXTRA_KEYS = {"compile_decode": bool, "max_prefill_tokens": int, "pp_size": int}
 
-# Parameters of the ReaLModelConfig that a weight update from disk may not change (everything that fixes the
-# architecture: the served model keeps its config, so a folder that differs there would be run wrongly).
+# The only ReaLModelConfig fields a weight update from disk may change: the served model keeps its config, so
+# a folder whose architecture differs anywhere else would be run wrongly.
 _TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_CHUNK = RowStreams.CHUNK  # a seeded sample's random numbers are drawn this many at a time, as generate does
 
 
 class EngineClosed(RuntimeError):
     pass
+
+
+class _CopyWatch:
+    """``model`` for ``load_hf_into``, noting whether it began copying into the parameters (it reads and checks
+    every tensor first), so that a failed load can tell intact weights from partly replaced ones."""
+
+    def __init__(self, model):
+        self._model, self.copied = model, False
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def local_param(self, name: str) -> torch.Tensor:
+        self.copied = True
+        return self._model.local_param(name)
 
 
 @dataclasses.dataclass(eq=False)
@@ -111,15 +129,6 @@ class _Group:
         self.all = len(idx) == n_total
         self.idx = None if self.all else torch.tensor(idx, dtype=torch.long, device=device)
         self.min_new = any(r.min_new for r in rows)
-
-
-def _chunk() -> int:
-    from realhf.impl.model.nn.generation import RowStreams
-
-    return RowStreams.CHUNK
-
-
-_CHUNK = _chunk()
 
 
 class _SlotCache(KVCache):
@@ -239,6 +248,8 @@ class RealhfEngine(GenerationEngine):
         self._stop_flag = False
         self._gen: Optional[torch.Generator] = None
         self._answers: List[tuple] = []  # (future, result, exception) to hand back at the end of the iteration
+        self._leftover: List[tuple] = []  # commands taken from the queue after "close"
+        self._broken: Optional[str] = None  # why the weights are incomplete (a weight update failed midway)
         self._decoder = None
         self._stats = dict(generated_tokens=0, steps=0, prefills=0, prefill_tokens=0, batch_size=0,
                            max_batch_size=0, tokens_in_flight=0, finished_requests=0, aborted_requests=0,
@@ -258,7 +269,7 @@ class RealhfEngine(GenerationEngine):
     # ================================================================== lifecycle
     async def start(self) -> None:
         cfg = self.cfg
-        pp = (cfg.extra or {}).get("pp_size", 1)
+        pp = (cfg.extra or {}).get("pp_size", 1)  # EngineConfig has no pipeline field; refuse one asked for here
         if cfg.tp_size != 1 or pp != 1:
             raise ValueError(
                 f"the gen backend runs one model replica per server with tp=1 (got tp_size={cfg.tp_size}"
@@ -318,6 +329,12 @@ class RealhfEngine(GenerationEngine):
         if self._thread is None:
             raise RuntimeError("the generation engine is not started (call start() first)")
 
+    def _check_weights(self):
+        if self._broken is not None:
+            raise RuntimeError(f"the served weights are incomplete after a weight update failed midway "
+                               f"({self._broken}); load a complete set (update_weights_from_disk or _from_group) "
+                               "before generating")
+
     def _check_ids(self, ids: Sequence[int], what: str):
         V = self.vocab_size
         for i, t in enumerate(ids):
@@ -327,6 +344,7 @@ class RealhfEngine(GenerationEngine):
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         self._check_usable()
+        self._check_weights()
         sp = req.sampling.validate()
         ids = list(req.input_ids)
         if not ids:
@@ -347,18 +365,23 @@ class RealhfEngine(GenerationEngine):
                 raise RequestError(f"a request with rid {req.rid!r} is already running on this server")
             self._live[req.rid] = r
             self._n_waiting += 1
-        self._q.put(("gen", r))
+        self._submit(("gen", r))
         try:
             return await fut
         except asyncio.CancelledError:  # the caller went away: free its rows
-            self._q.put(("abort", [r], None))
+            self._submit(("abort", [r], None))
             raise
 
     async def _call(self, kind: str, *args):
         self._check_usable()
         fut = asyncio.get_running_loop().create_future()
-        self._q.put((kind, *args, fut))
+        self._submit((kind, *args, fut))
         return await fut
+
+    def _submit(self, cmd: tuple):
+        self._q.put(cmd)
+        if not self._thread.is_alive():  # the loop ended after our check: nobody else will answer it
+            self._shutdown(self._dead or EngineClosed("the generation engine was closed"))
 
     async def _between_steps(self, fn: Callable[[], Any]):
         """Run ``fn()`` on the engine thread between two decode steps; its result or exception is ours."""
@@ -403,6 +426,7 @@ class RealhfEngine(GenerationEngine):
             if len(s) > limit:
                 raise RequestError(f"sequence {i} has {len(s)} tokens, more than {name} ({limit})")
             self._check_ids(s, f"sequence {i}")
+        self._check_weights()
         seqs = [list(map(int, s)) for s in sequences]
         return await self._between_steps(lambda: self._logprobs(seqs))
 
@@ -486,11 +510,13 @@ class RealhfEngine(GenerationEngine):
         for r in list(self._waiting) + list({id(row.req): row.req for row in self._rows}.values()):
             self._fail(r, exc)
         self._waiting, self._rows, self._groups, self._cache, self._tok = [], [], [], None, None
+        cmds, self._leftover = self._leftover, []
         while True:  # commands that will never run
             try:
-                cmd = self._q.get_nowait()
+                cmds.append(self._q.get_nowait())
             except queue.Empty:
                 break
+        for cmd in cmds:
             if cmd[0] == "gen":
                 self._fail(cmd[1], exc)
             elif cmd[0] != "close":
@@ -507,9 +533,10 @@ class RealhfEngine(GenerationEngine):
                 cmds.append(self._q.get_nowait())
             except queue.Empty:
                 break
-        for cmd in cmds:
+        for i, cmd in enumerate(cmds):
             self._command(cmd)
             if self._stop_flag:
+                self._leftover = cmds[i + 1:]  # answered by _shutdown
                 return
         if self._paused:
             return
@@ -616,14 +643,7 @@ class RealhfEngine(GenerationEngine):
         return keep
 
     def _regroup(self):
-        groups: Dict[tuple, tuple] = {}
-        for i, row in enumerate(self._rows):
-            key = _sampling_key(row.req.sp)
-            g = groups.setdefault(key, ([], []))
-            g[0].append(row)
-            g[1].append(i)
-        dev = self.model.device
-        self._groups = [_Group(k, rows, idx, len(self._rows), dev) for k, (rows, idx) in groups.items()]
+        self._groups = self._groups_of(self._rows)
 
     def _compact(self, keep: List[int]):
         """Keep only running rows ``keep`` (positions, ascending)."""
@@ -648,19 +668,17 @@ class RealhfEngine(GenerationEngine):
     # ------------------------------------------------------------------ sampling
     def _sample(self, logits: torch.Tensor, groups: List[_Group]):
         """logits [B, V] (fp32) of rows in ``groups`` -> (tokens [B], log-probs [B])."""
-        from realhf.impl.model.nn.generation import sample_with_mask
-
         if len(groups) == 1 and groups[0].all:
-            return self._sample_group(sample_with_mask, logits, groups[0])
+            return self._sample_group(logits, groups[0])
         tok = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         lp = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         for g in groups:
-            t, l = self._sample_group(sample_with_mask, logits.index_select(0, g.idx), g)
+            t, l = self._sample_group(logits.index_select(0, g.idx), g)
             tok[g.idx] = t
             lp[g.idx] = l.float()
         return tok, lp
 
-    def _sample_group(self, sample_with_mask, logits, g: _Group):
+    def _sample_group(self, logits, g: _Group):
         greedy, temperature, top_k, top_p, seeded = g.key
         rows = g.rows
         ban = None
@@ -678,6 +696,12 @@ class RealhfEngine(GenerationEngine):
     # ------------------------------------------------------------------ admission (prefill)
     def _admit(self):
         from realhf.impl.model.nn.real_model import make_packed_input
+
+        if self._broken is not None:  # requests queued before the weights broke
+            waiting, self._waiting = self._waiting, []
+            for r in waiting:
+                self._fail(r, RuntimeError(f"the served weights are incomplete ({self._broken})"))
+            return
 
         room = self.cfg.max_num_seqs - len(self._rows)
         batch: List[_Req] = []
@@ -799,9 +823,32 @@ class RealhfEngine(GenerationEngine):
         from realhf.impl.model.conversion.hf_io import config_from_hf_path, load_hf_into
 
         self._check_config(config_from_hf_path(path), path)
-        load_hf_into(self.model, path)
+        watch = _CopyWatch(self.model)
+        try:
+            load_hf_into(watch, path)
+        except Exception as e:
+            if watch.copied:
+                self._mark_broken(e)
+            raise
+        self._updated(version)
+
+    def _updated(self, version: int):
         self._version = int(version)
+        self._broken = None
         self._stats["weight_updates"] += 1
+
+    def _mark_broken(self, e: BaseException):
+        """A weight update failed after replacing some parameters: the weights are a mix. Fail every request
+        (their tokens would come from no real model) and refuse new ones until a complete update."""
+        self._broken = f"{type(e).__name__}: {e}"
+        logger.error("generation engine: weights incomplete after a failed update: %s", self._broken)
+        exc = RuntimeError(f"the weight update failed midway ({self._broken}); the served weights are incomplete")
+        for r in self._waiting + list({id(row.req): row.req for row in self._rows}.values()):
+            self._fail(r, exc)
+        self._waiting, self._rows, self._groups, self._tok = [], [], [], None
+        if self._cache is not None:
+            self._cache.remove([])
+        self._update_counts()
 
     def _check_config(self, new, path: str):
         cur = self.model.config
@@ -859,22 +906,29 @@ class RealhfEngine(GenerationEngine):
                     else:
                         plan.append((real, n))
             plans.append(plan)
-        for (name, t), m, plan in zip(receive(self._weight_group, metas), metas, plans):
-            if errors or not plan:
-                continue  # received only to stay in step with the other ranks
-            conv = fam.hf_to_real({name: t}, cfg)
-            for real, n in plan:
-                model.local_param(n).copy_(conv[real])
+        copied = False
+        try:
+            for (name, t), m, plan in zip(receive(self._weight_group, metas), metas, plans):
+                if errors or not plan:
+                    continue  # received only to stay in step with the other ranks
+                conv = fam.hf_to_real({name: t}, cfg)
+                for real, n in plan:
+                    copied = True
+                    model.local_param(n).copy_(conv[real])
+        except Exception as e:
+            if copied:
+                self._mark_broken(e)
+            raise
         if errors:
             raise ValueError(f"weight update over the group: {len(errors)} unusable tensors, nothing loaded: "
                              + "; ".join(errors[:5]) + (" ..." if len(errors) > 5 else ""))
-        self._version = int(version)
-        self._stats["weight_updates"] += 1
+        self._updated(version)
 
     def _logprobs(self, seqs: List[List[int]]) -> List[List[float]]:
         from realhf.impl.model.nn.real_model import make_packed_input
         from realhf.impl.model.utils.functional import packed_logprobs
 
+        self._check_weights()
         dev = self.model.device
         inp = make_packed_input([len(s) for s in seqs], device=dev)
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
