@@ -10,11 +10,12 @@ the loop:
 2. unless paused, *admits* waiting requests (first come, first served) while the running samples stay
    within ``max_num_seqs``: their prompts are prefilled in one packed forward (each distinct prompt once;
    its samples copy its cache row), the first token of every sample is drawn, and the new rows are
-   appended to the running KV cache (``KVCache.append``);
+   written into free slots of the running batch's KV cache (``_SlotCache``: preallocated row slots, so a
+   row joining or leaving copies only its own keys/values);
 3. runs ONE decode step for every running row in one forward pass, samples a token per row (rows grouped
    by identical sampling parameters, ``generation.sample_with_mask``), records it with the current weight
    version, finishes rows that produced a stop token (``"stop"``, the token included) or reached
-   ``max_new_tokens`` (``"length"``), and drops them from the cache (``KVCache.keep``);
+   ``max_new_tokens`` (``"length"``), and drops them from the batch (the last rows move into their slots);
 4. answers the requests whose samples have all finished.
 
 A request submitted while others run joins the batch at the next iteration. Sampling follows
@@ -24,10 +25,17 @@ inverse CDF from its own stream seeded by ``sample_seed(seed, j)`` in chunks of 
 numbers, so it gets the samples ``generate(..., seeds=[seed])`` gives, whatever else shares the batch.
 Requests without a seed draw from the engine's generator (seeded by ``EngineConfig.seed``).
 
+Errors: a failed prefill fails the requests it admitted, a failed decode step the running ones; the engine
+keeps serving. A weight update that fails before touching a parameter (bad folder, unknown tensor, wrong
+shape: all checked first) changes nothing; one that fails after replacing some parameters (the trainer dies
+mid-broadcast) leaves a mix of weights, so every request fails and new ones are refused until a complete
+update succeeds. ``close`` fails whatever is still pending with ``EngineClosed``.
+
 Backend options (``EngineConfig.extra``): ``compile_decode`` (bool, default False: run the decode forward
 as one compiled graph, ``realhf.impl.model.nn.compiled_decode``; a one-off compile cost of seconds),
 ``max_prefill_tokens`` (int, default 16384: prompt tokens prefilled in one iteration at most; one request
-is always admitted even if longer).
+is always admitted even if longer). ``pp_size`` other than 1 is refused, as is ``tp_size`` other than 1:
+this backend runs one model replica per server.
 """
 from __future__ import annotations
 
@@ -35,7 +43,6 @@ import asyncio
 import dataclasses
 import queue
 import threading
-import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -436,7 +443,7 @@ class RealhfEngine(GenerationEngine):
         s = dict(self._stats)
         m.update(tokens_in_flight=s.pop("tokens_in_flight"), version=self._version,
                  generated_tokens=s.pop("generated_tokens"), paused=self._paused,
-                 running_samples=s["batch_size"], max_num_seqs=self.cfg.max_num_seqs, **s)
+                 max_num_seqs=self.cfg.max_num_seqs, weights_incomplete=self._broken is not None, **s)
         return m
 
     @property
