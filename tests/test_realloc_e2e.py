@@ -68,6 +68,15 @@ def test_decoupled_generation_devices(tiny_math_run, single):
     _same(single, st, "decoupled gen.d1m1p1+d1m2p1")
 
 
+@pytest.mark.parametrize("sync", ["memory", "disk"])
+def test_generation_server_fed_by_pipeline_stages(tiny_math_run, single, sync):
+    """gen.d1m1p1+d1m1p2: the trainer's two pipeline stages each publish their own layers to the generation
+    server (memory: both stage writers broadcast in one weight group; disk: one checkpoint of two shards)."""
+    model, d = tiny_math_run
+    st = run(model, d, f"decoupled-pp-{sync}", 3, "allocation_mode=gen.d1m1p1+d1m1p2", f"param_realloc={sync}")
+    _same(single, st, f"decoupled gen.d1m1p1+d1m1p2 ({sync})")
+
+
 def test_manual_meshes_and_disk_reallocation(tiny_math_run, single):
     model, d = tiny_math_run
     st = run(model, d, "manual", 2, "allocation_mode=manual", "param_realloc=disk",
