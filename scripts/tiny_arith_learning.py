@@ -75,13 +75,14 @@ def log(msg: str) -> None:
     print(f"[tiny_arith] {msg}", flush=True)
 
 
-def build_model(out: str) -> str:
-    """The tiny random-weight model (cached in ``<out>/model-init``; deterministic)."""
+def build_model(out: str, model: Optional[dict] = None) -> str:
+    """The tiny random-weight model (cached in ``<out>/model-init``; deterministic); ``model`` overrides entries of
+    ``MODEL`` (e.g. ``num_attention_heads=2`` for head size 32, which vLLM's CPU attention needs)."""
     from realhf.impl.model.tiny import build_tiny_hf_model
 
     path = os.path.join(out, "model-init")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        kw = dict(MODEL)
+        kw = {**MODEL, **(model or {})}
         build_tiny_hf_model(kw.pop("family"), path, seed=kw.pop("seed"), **kw)
     return path
 
@@ -154,16 +155,17 @@ def run_rl(algo: str, out: str, sft_ckpt: str, data: dict, overrides: Sequence[s
 
 
 def prepare(out: str, sft_overrides: Sequence[str] = (), eval_threads: Optional[int] = 2, reuse_sft: bool = False,
-            slip: float = SLIP, careful_below: int = CAREFUL_BELOW) -> dict:
+            slip: float = SLIP, careful_below: int = CAREFUL_BELOW, model: Optional[dict] = None) -> dict:
     """Steps 1-4: model, data, SFT, held-out accuracy of the SFT checkpoint. Returns the start of the RL
     runs: ``{sft_ckpt, data, heldout_acc_before, sft_steps, seconds}``.
 
     ``reuse_sft``: keep an SFT checkpoint already in ``out`` (to try RL settings without redoing SFT).
+    ``model``: overrides of ``MODEL`` (see :func:`build_model`).
     """
     os.makedirs(out, exist_ok=True)
     secs: Dict[str, float] = {}
     t = time.time()
-    model = build_model(out)
+    model = build_model(out, model)
     data = make_data(out, slip, careful_below)
     secs["setup"] = round(time.time() - t, 1)
     t = time.time()
