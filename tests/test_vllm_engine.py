@@ -26,6 +26,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from realhf.base.testing import perturbed_model, sequence_logprobs  # noqa: E402
 from realhf.gen_server.api import EngineConfig, GenerateRequest, SamplingParams, WeightGroupSpec  # noqa: E402
 
 TINY_KW = dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=1)  # head_dim 32
@@ -127,31 +128,9 @@ def _real_logits(model, seqs):
     return out
 
 
-def _real_logprobs(model, seqs):
-    out = []
-    for s, lg in zip(seqs, _real_logits(model, seqs)):
-        lp = torch.log_softmax(lg, -1)
-        out.append([float(lp[i, s[i + 1]]) for i in range(len(s) - 1)])
-    return out
-
-
 def _maxdiff(a, b):
     assert [len(x) for x in a] == [len(y) for y in b]
     return max((abs(p - q) for x, y in zip(a, b) for p, q in zip(x, y)), default=0.0)
-
-
-def _perturbed(base, tmp, seed, scale=0.05):
-    """The base model with its weights perturbed (a "trainer" after some steps), and its HF folder."""
-    from realhf.impl.model.conversion.hf_io import save_hf
-
-    m = _real_model(base)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    path = os.path.join(str(tmp), f"perturbed{seed}")
-    save_hf(m, path)
-    return m, path
 
 
 def gen(loop, eng, rid, prompt, **sampling):
@@ -219,11 +198,11 @@ def test_greedy_equals_transformers(engine, loop, tiny):
 def test_logprobs_equal_realhf_forward(engine, loop, ref_model):
     got = loop.run(engine.logprobs(SEQS + [[7]]))
     assert got[-1] == []
-    assert _maxdiff(got[:-1], _real_logprobs(ref_model, SEQS)) < 1e-4
+    assert _maxdiff(got[:-1], sequence_logprobs(ref_model, SEQS)) < 1e-4
     # the log-probs that come with greedy tokens are the model's too (temperature 1)
     r = gen(loop, engine, "glp", PROMPTS[2], greedy=True, max_new_tokens=10)
     o = r.outputs[0]
-    want = _real_logprobs(ref_model, [PROMPTS[2] + o.output_ids])[0][len(PROMPTS[2]) - 1:]
+    want = sequence_logprobs(ref_model, [PROMPTS[2] + o.output_ids])[0][len(PROMPTS[2]) - 1:]
     assert _maxdiff([o.logprobs], [want]) < 1e-4
 
 
@@ -359,8 +338,8 @@ def test_request_errors(engine, loop):
 
 
 def test_weight_update_from_disk(engine, loop, tiny, ref_model, tmp_path):
-    m, path = _perturbed(tiny, tmp_path, seed=1)
-    want = _real_logprobs(m, SEQS)
+    m, path = perturbed_model(tiny, tmp_path, seed=1)
+    want = sequence_logprobs(m, SEQS)
     before = loop.run(engine.logprobs(SEQS))
     assert _maxdiff(before, want) > 1e-3
     v0 = engine.version
@@ -369,10 +348,10 @@ def test_weight_update_from_disk(engine, loop, tiny, ref_model, tmp_path):
     assert _maxdiff(loop.run(engine.logprobs(SEQS)), want) < 1e-4
     o = gen(loop, engine, "new", PROMPTS[0], greedy=True, max_new_tokens=6).outputs[0]
     assert o.versions == [v0 + 5] * 6
-    assert _maxdiff([o.logprobs], [_real_logprobs(m, [PROMPTS[0] + o.output_ids])[0][len(PROMPTS[0]) - 1:]]) < 1e-4
+    assert _maxdiff([o.logprobs], [sequence_logprobs(m, [PROMPTS[0] + o.output_ids])[0][len(PROMPTS[0]) - 1:]]) < 1e-4
     # back to the original weights
     loop.run(engine.update_weights_from_disk(tiny, v0 + 6))
-    assert _maxdiff(loop.run(engine.logprobs(SEQS)), _real_logprobs(ref_model, SEQS)) < 1e-4
+    assert _maxdiff(loop.run(engine.logprobs(SEQS)), sequence_logprobs(ref_model, SEQS)) < 1e-4
     with pytest.raises(FileNotFoundError):
         loop.run(engine.update_weights_from_disk(os.path.join(str(tmp_path), "missing"), v0 + 7))
     # another model shape is refused (vLLM's loaders would narrow the wider tensors without an error)
@@ -382,13 +361,13 @@ def test_weight_update_from_disk(engine, loop, tiny, ref_model, tmp_path):
     with pytest.raises(ValueError, match="intermediate_size 128 -> 256"):
         loop.run(engine.update_weights_from_disk(wider, v0 + 7))
     assert engine.version == v0 + 6
-    assert _maxdiff(loop.run(engine.logprobs(SEQS)), _real_logprobs(ref_model, SEQS)) < 1e-4
+    assert _maxdiff(loop.run(engine.logprobs(SEQS)), sequence_logprobs(ref_model, SEQS)) < 1e-4
 
 
 def test_weight_update_while_a_request_runs(engine, loop, tiny, ref_model, tmp_path):
     """A request frozen mid-way (pause), weights updated, resumed: earlier tokens keep the old version, later
     ones carry the new one and are the new model's greedy continuation (its KV was recomputed)."""
-    m, path = _perturbed(tiny, tmp_path, seed=3)
+    m, path = perturbed_model(tiny, tmp_path, seed=3)
     p = PROMPTS[4]
     v0 = engine.version
     fut = _paused_while_running(engine, loop, GenerateRequest("mid", p, SamplingParams(greedy=True,
@@ -400,8 +379,8 @@ def test_weight_update_while_a_request_runs(engine, loop, tiny, ref_model, tmp_p
     assert o.finish_reason == "length" and len(o.output_ids) == 200
     k = o.versions.index(v0 + 1)
     assert 0 < k < 200 and o.versions == [v0] * k + [v0 + 1] * (200 - k)
-    old = _real_logprobs(ref_model, [p + o.output_ids[:k]])[0][len(p) - 1:]
-    new = _real_logprobs(m, [p + o.output_ids])[0][len(p) - 1 + k:]
+    old = sequence_logprobs(ref_model, [p + o.output_ids[:k]])[0][len(p) - 1:]
+    new = sequence_logprobs(m, [p + o.output_ids])[0][len(p) - 1 + k:]
     assert _maxdiff([o.logprobs[:k]], [old]) < 1e-4
     assert _maxdiff([o.logprobs[k:]], [new]) < 1e-4
     old_logits = _real_logits(ref_model, [p + o.output_ids[:k]])[0][len(p) - 1:-1]
@@ -445,7 +424,7 @@ def _updates_over_group(engine, loop, tiny, tmp_path, seeds, check, n_server_ran
 
     models, rounds = [], []
     for seed in seeds:
-        m, _ = _perturbed(tiny, tmp_path, seed=seed)
+        m, _ = perturbed_model(tiny, tmp_path, seed=seed)
         hf = {k: v.contiguous() for k, v in stage_hf_state(m).items()}
         models.append(m)
         rounds.append((hf, metas_of(hf, src=0)))
@@ -472,15 +451,15 @@ def _updates_over_group(engine, loop, tiny, tmp_path, seeds, check, n_server_ran
 
 def test_weight_update_over_a_weight_group(engine, loop, tiny, ref_model, tmp_path):
     def check(m, v):
-        assert _maxdiff(loop.run(engine.logprobs(SEQS)), _real_logprobs(m, SEQS)) < 1e-4
+        assert _maxdiff(loop.run(engine.logprobs(SEQS)), sequence_logprobs(m, SEQS)) < 1e-4
         o = gen(loop, engine, f"grp{v}", PROMPTS[0], greedy=True, max_new_tokens=4).outputs[0]
         assert o.versions == [v] * 4
-        want = _real_logprobs(m, [PROMPTS[0] + o.output_ids])[0][len(PROMPTS[0]) - 1:]
+        want = sequence_logprobs(m, [PROMPTS[0] + o.output_ids])[0][len(PROMPTS[0]) - 1:]
         assert _maxdiff([o.logprobs], [want]) < 1e-4
 
     _updates_over_group(engine, loop, tiny, tmp_path, [2, 4], check)  # two updates over one group
     loop.run(engine.update_weights_from_disk(tiny, engine.version + 1))
-    assert _maxdiff(loop.run(engine.logprobs(SEQS)), _real_logprobs(ref_model, SEQS)) < 1e-4
+    assert _maxdiff(loop.run(engine.logprobs(SEQS)), sequence_logprobs(ref_model, SEQS)) < 1e-4
 
 
 def test_bad_model_path_and_unsupported_head_size_fail_start(tmp_path):
@@ -585,15 +564,32 @@ def test_tensor_parallel_2(tiny, ref_model, tmp_path):
     eng = VLLMEngine(EngineConfig(backend="vllm", model_path=tiny, max_model_len=256, max_num_seqs=8, tp_size=2))
     try:
         lp.run(eng.start())
-        assert _maxdiff(lp.run(eng.logprobs(SEQS)), _real_logprobs(ref_model, SEQS)) < 1e-4
+        assert _maxdiff(lp.run(eng.logprobs(SEQS)), sequence_logprobs(ref_model, SEQS)) < 1e-4
         _updates_over_group(eng, lp, tiny, tmp_path, [5], n_server_ranks=2, check=lambda m, v: _maxdiff(
-            lp.run(eng.logprobs(SEQS)), _real_logprobs(m, SEQS)) < 1e-4 or pytest.fail("logprobs differ"))
-        m2, path = _perturbed(tiny, tmp_path, seed=6)
+            lp.run(eng.logprobs(SEQS)), sequence_logprobs(m, SEQS)) < 1e-4 or pytest.fail("logprobs differ"))
+        m2, path = perturbed_model(tiny, tmp_path, seed=6)
         lp.run(eng.update_weights_from_disk(path, 20))
-        assert _maxdiff(lp.run(eng.logprobs(SEQS)), _real_logprobs(m2, SEQS)) < 1e-4
+        assert _maxdiff(lp.run(eng.logprobs(SEQS)), sequence_logprobs(m2, SEQS)) < 1e-4
         o = gen(lp, eng, "tp", PROMPTS[0], greedy=True, max_new_tokens=5).outputs[0]
         assert o.versions == [20] * 5
     finally:
         lp.run(eng.close())
         lp.stop()
     assert wait_gone(before) == []
+
+
+def test_seeded_requests_beyond_one_steps_token_budget(engine, loop):
+    """More prompt tokens at once than vLLM schedules in one step (16 x 250): vLLM would prefill a seeded request
+    in chunks and rewind its random generator for the discarded token, which CPU generators cannot do (the
+    engine died with "CPU Generator does not use offset"). Prompts are scheduled whole instead."""
+    prompts = [[(7 * i + j) % 900 + 5 for j in range(250)] for i in range(16)]
+
+    async def all_of():
+        return await asyncio.gather(*(engine.generate(GenerateRequest(f"budget{i}", p, SamplingParams(
+            temperature=1.0, max_new_tokens=3, seed=i))) for i, p in enumerate(prompts)))
+
+    res = loop.run(all_of())
+    assert [len(r.outputs[0].output_ids) for r in res] == [3] * 16
+    again = loop.run(engine.generate(GenerateRequest("budget-again", prompts[5], SamplingParams(
+        temperature=1.0, max_new_tokens=3, seed=5))))
+    assert again.outputs[0].output_ids == res[5].outputs[0].output_ids

@@ -148,6 +148,11 @@ class VLLMEngine(GenerationEngine):
         )
         if on_cpu:
             kw["enforce_eager"] = True
+            # Prompts are scheduled whole: vLLM prefills a prompt that does not fit a step's token budget in chunks
+            # and, for a seeded request, rewinds its generator over the discarded token, which a CPU generator
+            # cannot do ("CPU Generator does not use offset" kills the engine). The budget covers a whole prompt.
+            kw["enable_chunked_prefill"] = False
+            kw["max_num_batched_tokens"] = max(int(cfg.max_model_len), 4096, int(cfg.max_num_seqs))
         kw.update(extra)
         return kw
 
