@@ -267,3 +267,37 @@ def test_a_server_that_cannot_start_says_why(tmp_path):
     s.close()
     log = open(tmp_path / "server3.log").read()
     assert proc.returncode != 0 and f"127.0.0.1:{port}" in log and "is the port taken" in log
+
+
+def test_served_generation_keeps_every_tokens_weight_version(server, tiny, tmp_path):
+    """actor_gen through servers (the ServedEngine a model worker holds): the samples equal those of the colocated
+    engine, and ``packed_versions`` holds the server's weight version for each generated token (-1 on prompts)."""
+    from realhf.api.core.data_api import SequenceSample
+    from realhf.api.core.dfg import MicroBatchSpec
+    from realhf.api.core.model_api import GenerationHyperparameters, Model
+    from realhf.gen_server.client import SyncGenClient
+    from realhf.gen_server.served import ServedEngine
+    from realhf.impl.model.backend.engine import InferenceEngine
+    from realhf.impl.model.interface.gen_interface import GenerationInterface
+
+    _, addr = server
+    m, path = perturbed_model(tiny, tmp_path, seed=4)
+    run(lambda c: c.update_weights_from_disk(path, 9), [addr])
+    prompts = [[5, 9, 14], [7, 3], [11, 12, 13, 4]]
+    data = torch.cat([torch.tensor(p) for p in prompts])
+    sample = SequenceSample(keys={"packed_prompts"}, ids=[f"q{i}" for i in range(3)],
+                            seqlens={"packed_prompts": [[len(p)] for p in prompts]},
+                            trailing_shapes={"packed_prompts": ()}, dtypes={"packed_prompts": torch.long},
+                            data={"packed_prompts": data})
+    iface = GenerationInterface(GenerationHyperparameters(n=2, max_new_tokens=5, temperature=1.0), seed=3)
+    client = SyncGenClient([addr], SECRET)
+    try:
+        served = iface.generate(Model("actor@1", ServedEngine(client), None, None, tiny, version=9), sample,
+                                MicroBatchSpec())
+    finally:
+        client.close()
+    local = iface.generate(Model("actor", InferenceEngine(m), None, None, tiny, version=9), sample, MicroBatchSpec())
+    assert torch.equal(served.data["packed_input_ids"], local.data["packed_input_ids"])
+    assert "packed_versions" in served.keys and "packed_versions" not in local.keys
+    v, pm = served.data["packed_versions"], served.data["prompt_mask"]
+    assert v.shape == pm.shape and bool((v[pm] == -1).all()) and bool((v[~pm] == 9).all())
