@@ -41,7 +41,9 @@ GPU_EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "gpu",
 @pytest.mark.parametrize("path", GPU_EXAMPLES, ids=[os.path.basename(p) for p in GPU_EXAMPLES])
 def test_gpu_example_config_builds(path, tmp_path):
     """The GPU configs (1.5B/7B/32B on 1-16 nodes) build their experiment: the device counts add up and
-    generation gets its own devices. A tiny stand-in with 8 key/value heads takes every tensor size used."""
+    generation gets its own devices (vLLM servers). A tiny stand-in with 8 key/value heads takes every tensor
+    size used."""
+    pytest.importorskip("vllm")  # the vllm. backend is checked at build time
     from realhf.api.quickstart.entry import load_config
     from realhf.experiments import build_spec, config_class
     from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
@@ -54,10 +56,12 @@ def test_gpu_example_config_builds(path, tmp_path):
                                                          f"fileroot={tmp_path}"])
     spec = build_spec("ppo-math", cfg)
     assert cfg.dataset.train_bs_n_seqs == 512 and cfg.group_size in (16, 32)
-    assert spec.n_workers == cfg.n_nodes * 8
-    train, gen = spec.model("actor"), spec.model("actor@1")
-    assert gen.realloc_from == "actor" and not set(train.ranks) & set(gen.ranks)
-    assert len(set(train.ranks) | set(gen.ranks)) == spec.n_workers
+    # generation servers on their own GPUs (after the trainer's), the model workers on the rest
+    fleet = spec.served().gen_servers
+    assert spec.served().realloc_from == "actor" and fleet.backend == "vllm"
+    assert spec.device_slots() == cfg.n_nodes * 8 and fleet.first_slot == spec.n_workers
+    assert fleet.n_servers * fleet.tp == cfg.allocation().gen.world_size
+    assert len(spec.model("actor").ranks) == spec.n_workers
 
 
 def test_compile_options_reach_the_workers(tmp_path):

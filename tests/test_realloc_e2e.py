@@ -68,7 +68,7 @@ def test_decoupled_generation_devices(tiny_math_run, single):
     _same(single, st, "decoupled gen.d1m1p1+d1m2p1")
 
 
-@pytest.mark.parametrize("sync", ["memory", "disk"])
+@pytest.mark.parametrize("sync", ["memory", pytest.param("disk", marks=pytest.mark.slow)])
 def test_generation_server_fed_by_pipeline_stages(tiny_math_run, single, sync):
     """gen.d1m1p1+d1m1p2: the trainer's two pipeline stages each publish their own layers to the generation
     server (memory: both stage writers broadcast in one weight group; disk: one checkpoint of two shards)."""

@@ -230,11 +230,11 @@ def perturbed_model(hf_path: str, out_dir: str, seed: int, scale: float = 0.05):
     from realhf.base.topology import single_process_grid
     from realhf.impl.model.conversion.hf_io import build_from_hf, save_hf
 
-    m = build_from_hf(hf_path, grid=single_process_grid(), dtype=torch.float32, device="cpu")
+    m = build_from_hf(hf_path, grid=single_process_grid(), dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * scale)
     path = os.path.join(str(out_dir), f"perturbed{seed}")
     save_hf(m, path)
     return m, path
