@@ -12,24 +12,16 @@ figures below repeat exactly on one machine; the thresholds leave room for other
 Measured here (2 CPU cores, shared): held-out greedy accuracy 27.5% after SFT, 83.5% after 40 GRPO steps,
 85.5% after 40 PPO steps; about 1.5 min for SFT + GRPO, under 1 min more for PPO.
 """
-import importlib.util
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from realhf.base.testing import tiny_arith_recipe
 
-
-def _recipe():
-    spec = importlib.util.spec_from_file_location("tiny_arith_learning", os.path.join(ROOT, "scripts", "tiny_arith_learning.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    return _recipe()
+    return tiny_arith_recipe()
 
 
 @pytest.fixture(scope="module")

@@ -7,23 +7,20 @@ launcher, serving actor_gen of ppo-math and updated after every training step.
 
 The tiny model here has head size 32 (2 heads of a 64-wide model): vLLM's CPU attention has no head size 16.
 """
-import importlib.util
 import os
 
 import pytest
 
+from realhf.base.testing import tiny_arith_recipe
+
 pytest.importorskip("vllm")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAD32 = {"num_attention_heads": 2, "num_key_value_heads": 2}
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("tiny_arith_learning", os.path.join(ROOT, "scripts", "tiny_arith_learning.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return tiny_arith_recipe()
 
 
 @pytest.fixture(scope="module")

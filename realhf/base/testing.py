@@ -256,3 +256,16 @@ def sequence_logprobs(model, seqs: List[List[int]]) -> List[List[float]]:
         out.append([float(lp[off + i, s[i + 1]]) for i in range(len(s) - 1)])
         off += len(s)
     return out
+
+
+def tiny_arith_recipe():
+    """``scripts/tiny_arith_learning.py`` as a module: the tiny-model arithmetic recipe the learning tests run."""
+    import importlib.util
+
+    from realhf.base.process import source_root
+
+    spec = importlib.util.spec_from_file_location("tiny_arith_learning",
+                                                  os.path.join(source_root(), "scripts", "tiny_arith_learning.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
