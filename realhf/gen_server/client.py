@@ -278,6 +278,16 @@ class GenClient:
             await asyncio.sleep(0.2)
 
 
+def dialect_options(backend: str, secret: bytes) -> dict:
+    """The ``dialect``/``api_key`` arguments of a client of ``backend``'s servers (SGLang: its own endpoints and an
+    API key derived from the run secret)."""
+    if backend != "sglang":
+        return {"dialect": "realhf"}
+    from realhf.gen_server.sglang import api_key_of
+
+    return {"dialect": "sglang", "api_key": api_key_of(secret)}
+
+
 class SyncGenClient:
     """A :class:`GenClient` for synchronous code: its coroutines run on an event loop in a daemon thread.
     ``call(client.method(...))`` would need the client inside the loop, so use ``run(lambda c: c.method(...))``."""

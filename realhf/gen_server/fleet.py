@@ -4,17 +4,15 @@
 Experiments start their servers through their launcher instead (``realhf.gen_server.launch``)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from typing import List, Optional
 
 from realhf.base.process import tail
-from realhf.gen_server.client import GenServerError, SyncGenClient
+from realhf.gen_server.client import GenServerError, SyncGenClient, dialect_options
 
 
 class LocalFleet:
@@ -31,7 +29,8 @@ class LocalFleet:
         self.procs: List[subprocess.Popen] = []
         self.addresses: List[str] = []
         self._client: Optional[SyncGenClient] = None
-        module = "realhf.gen_server.sglang" if backend == "sglang" else "realhf.gen_server.server"
+        from realhf.gen_server.launch import server_cmd
+
         try:
             for i in range(n_servers):
                 env = dict(os.environ, REALHF_RUN_SECRET=self.secret.hex())
@@ -42,10 +41,8 @@ class LocalFleet:
                 addr_file = os.path.join(self.log_dir, f"gen_server_{i}.addr")
                 if os.path.exists(addr_file):
                     os.remove(addr_file)
-                cmd = [sys.executable, "-m", module, "--backend", backend, "--model", model_path, "--dtype", dtype,
-                       "--device", device, "--tp", str(tp), "--max-model-len", str(max_model_len),
-                       "--max-num-seqs", str(max_num_seqs), "--threads", str(threads),
-                       "--extra", json.dumps(extra or {}), "--index", str(i), "--address-file", addr_file]
+                cmd = server_cmd(backend, model_path, i, dtype, device, tp, max_model_len, max_num_seqs, threads, extra,
+                                 "--address-file", addr_file)
                 log = open(self.log_path(i), "w")
                 self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                    start_new_session=True))
@@ -71,12 +68,7 @@ class LocalFleet:
 
     def client(self, **kw) -> SyncGenClient:
         if self._client is None:
-            dialect, api_key = "realhf", None
-            if self.backend == "sglang":
-                from realhf.gen_server.sglang import api_key_of
-
-                dialect, api_key = "sglang", api_key_of(self.secret)
-            self._client = SyncGenClient(self.addresses, self.secret, dialect=dialect, api_key=api_key, **kw)
+            self._client = SyncGenClient(self.addresses, self.secret, **dialect_options(self.backend, self.secret), **kw)
         return self._client
 
     def stop(self, grace: float = 15.0):

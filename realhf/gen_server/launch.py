@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from realhf.base import logging
 from realhf.base.name_resolve import names
@@ -24,16 +24,16 @@ def server_name(i: int) -> str:
     return f"gen_server_{i}"
 
 
-def server_cmd(fleet, model_path: str, i: int, exp: str, trial: str, nr_root: str) -> List[str]:
-    if fleet.backend == "sglang":
-        module = "realhf.gen_server.sglang"
-    else:
-        module = "realhf.gen_server.server"
-    return [sys.executable, "-m", module, "--backend", fleet.backend, "--model", model_path, "--dtype", fleet.dtype,
-            "--device", "auto", "--tp", str(fleet.tp), "--max-model-len", str(fleet.max_model_len),
-            "--max-num-seqs", str(fleet.max_num_seqs), "--threads", str(fleet.threads),
-            "--extra", json.dumps(fleet.extra), "--index", str(i), "--exp", exp, "--trial", trial,
-            "--name-resolve-root", nr_root]
+def server_cmd(backend: str, model_path: str, index: int, dtype: str = "auto", device: str = "auto", tp: int = 1,
+               max_model_len: int = 2048, max_num_seqs: int = 64, threads: int = 0, extra: Optional[dict] = None,
+               *where: str) -> List[str]:
+    """The command of generation server ``index`` (SGLang's wrapper for ``sglang``); ``where``: the flags saying
+    where it registers (``--exp/--trial/--name-resolve-root`` or ``--address-file``)."""
+    module = "realhf.gen_server.sglang" if backend == "sglang" else "realhf.gen_server.server"
+    return [sys.executable, "-m", module, "--backend", backend, "--model", model_path, "--dtype", dtype,
+            "--device", device, "--tp", str(tp), "--max-model-len", str(max_model_len),
+            "--max-num-seqs", str(max_num_seqs), "--threads", str(threads), "--extra", json.dumps(extra or {}),
+            "--index", str(index), *where]
 
 
 def device_env(fleet, i: int, n_devices_per_node: int) -> Dict[str, str]:
@@ -61,7 +61,9 @@ def start_servers(sched, spec, config, env: Dict[str, str], nr, nr_root: str, ow
         e = dict(env)
         if not own_devices:
             e.update(device_env(fleet, i, config.n_devices_per_node))
-        sched.submit(server_name(i), server_cmd(fleet, m.path, i, exp, trial, nr_root), e, worker=True, slots=fleet.tp)
+        cmd = server_cmd(fleet.backend, m.path, i, fleet.dtype, "auto", fleet.tp, fleet.max_model_len, fleet.max_num_seqs,
+                         fleet.threads, fleet.extra, "--exp", exp, "--trial", trial, "--name-resolve-root", nr_root)
+        sched.submit(server_name(i), cmd, e, worker=True, slots=fleet.tp)
     t0 = time.monotonic()
     addrs: Dict[int, str] = {}
     logger.info("waiting for %d %s generation server(s) to load %s (at most %.0f s)", fleet.n_servers, fleet.backend,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from realhf.base import logging, network
 from realhf.base.name_resolve import names
 from realhf.gen_server.api import GenerateRequest, SamplingParams, WeightGroupSpec
-from realhf.gen_server.client import SyncGenClient
+from realhf.gen_server.client import SyncGenClient, dialect_options
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +34,8 @@ def server_addresses(nr, experiment: str, trial: str, n: int, timeout: float = 6
 
 def make_client(spec, fleet, secret: bytes, nr) -> SyncGenClient:
     addrs = server_addresses(nr, spec.experiment_name, spec.trial_name, fleet.n_servers)
-    dialect = "sglang" if fleet.backend == "sglang" else "realhf"
-    api_key = None
-    if dialect == "sglang":
-        from realhf.gen_server.sglang import api_key_of
-
-        api_key = api_key_of(secret)
     return SyncGenClient(addrs, secret, routing=fleet.routing, request_timeout=fleet.request_timeout_secs,
-                         dialect=dialect, api_key=api_key)
+                         **dialect_options(fleet.backend, secret))
 
 
 class ServedModule:
