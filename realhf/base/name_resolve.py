@@ -274,3 +274,13 @@ class names:
     def gen_server(experiment_name: str, trial_name: str, index: int) -> str:
         """``host:port`` of generation server ``index`` (registered once it serves)."""
         return f"{names.trial_root(experiment_name, trial_name)}/gen_server/{int(index)}"
+
+    @staticmethod
+    def rollout_manager(experiment_name: str, trial_name: str) -> str:
+        """``host:port`` of the rollout manager of an asynchronous run (registered once it serves)."""
+        return f"{names.trial_root(experiment_name, trial_name)}/rollout_manager"
+
+    @staticmethod
+    def trajectory_head(experiment_name: str, trial_name: str, dp_rank: int) -> str:
+        """ZMQ address where trainer data-parallel head ``dp_rank`` pulls finished trajectories."""
+        return f"{names.trial_root(experiment_name, trial_name)}/trajectory_head/{int(dp_rank)}"

@@ -84,6 +84,35 @@ class DatasetSpec:
 
 
 @dataclasses.dataclass
+class RolloutSpec:
+    """The rollout side of an asynchronous run (``async-ppo-math``): a rollout manager and ``n_workers`` rollout
+    workers feed the trainer a stream of finished trajectories instead of a generation MFC.
+
+    Staleness: the ``batch_size`` prompts trained at global step ``s`` (1-based) form *batch* ``s - 1``; a
+    rollout for batch ``b`` may start only while ``b <= version + max_head_offpolicyness`` (``version``: the
+    weight version the servers hold, = trained steps), and at most ``max_concurrent_rollouts`` run at once.
+    Prompts follow the order a synchronous run would draw them in (``EpochIterator`` over ``n_prompts``
+    samples with ``seed``/``shuffle``, dropping each epoch's last partial batch)."""
+
+    n_workers: int
+    batch_size: int  # prompts (episodes) per training step
+    dp_size: int  # the trainer's data-parallel heads that pull trajectories
+    total_batches: int  # training steps of the run
+    n_prompts: int  # samples of the prompt dataset
+    max_head_offpolicyness: int = 0
+    max_concurrent_rollouts: int = 64
+    dataset: Optional[DatasetSpec] = None  # the prompt dataset every rollout worker loads
+    workflow: str = "rlvr"  # a registered workflow name or an import path "pkg.module:Class"
+    workflow_args: Dict[str, Any] = dataclasses.field(default_factory=dict)  # plain JSON
+    gconfig: Dict[str, Any] = dataclasses.field(default_factory=dict)  # SamplingConfig fields, plus n (group size)
+    tokenizer_path: str = ""
+    dynamic_filtering: bool = False  # drop (and replace) groups whose rewards are all equal
+    shuffle: bool = True
+    seed: int = 1
+    episode_timeout_secs: float = 3600.0
+
+
+@dataclasses.dataclass
 class ExperimentSpec:
     experiment_name: str
     trial_name: str
@@ -117,6 +146,8 @@ class ExperimentSpec:
     final_hook: Optional[str] = None
     # the checkpoint evaluator (realhf.api.quickstart.eval_config.EvaluatorConfig); None or disabled = off
     auto_eval: Optional[Any] = None
+    # asynchronous RL: the rollout manager and workers that feed the trainer (None: a synchronous run)
+    rollout: Optional[RolloutSpec] = None
 
     def device_slots(self) -> int:
         """Device slots the launcher provides: one per model worker, ``tp`` per generation server."""
