@@ -185,13 +185,28 @@ class GenClient:
         ties = [s for s in cands if key(s) == best]
         return ties[next(self._rr) % len(ties)]
 
-    async def generate(self, req: GenerateRequest, server: Optional[int] = None) -> GenerateResult:
-        """Serve ``req`` on one server (``server`` pins it); retried elsewhere when a server is unreachable."""
+    async def generate(self, req: GenerateRequest, server: Optional[int] = None,
+                       prefer: Optional[int] = None) -> GenerateResult:
+        """Serve ``req`` on one server (``server`` pins it: no retry); retried elsewhere when a server is
+        unreachable. ``prefer``: try that server first (unless it is marked down after a recent failure), then
+        route as usual, with the usual retries, when it cannot be reached."""
+        for name, idx in (("server", server), ("prefer", prefer)):
+            if idx is not None and not 0 <= idx < len(self.servers):
+                raise ValueError(f"{name}={idx} is not a server index; this client has {len(self.servers)} servers")
+        if server is not None:
+            prefer = None
+        elif prefer is not None and self.servers[prefer].down_until > time.monotonic():
+            prefer = None
         cost = len(req.input_ids) + req.sampling.n * req.sampling.max_new_tokens
         tried: set = set()
         errors = []
-        for attempt in range(1 + (0 if server is not None else self.retries)):
-            s = self.servers[server] if server is not None else self._pick(cost, tried)
+        for attempt in range(1 + (0 if server is not None else self.retries) + (prefer is not None)):
+            if server is not None:
+                s = self.servers[server]
+            elif prefer is not None and attempt == 0:
+                s = self.servers[prefer]
+            else:
+                s = self._pick(cost, tried)
             tried.add(s.index)
             s.in_flight += 1
             s.tokens_in_flight += cost

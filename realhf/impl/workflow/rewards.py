@@ -1,0 +1,148 @@
+"""Rewards of rollout workflows: ``await reward_fn(completion_text, data) -> float``.
+
+:class:`MathReward` (the default, :data:`DEFAULT_REWARD_FN`) grades a math answer as a synchronous run's
+``rw-math`` does (``realhf.reward``: extraction, then a comparison with the row's ``solutions`` that is bounded
+by ``timeout_secs`` and runs symbolic work in isolated worker processes); the grading runs in a thread of its
+own executor, so the rollout worker's event loop never waits on it.
+
+A user's reward is named by import path (:func:`load_reward_fn`): a class, built with the experiment's reward
+options, whose instances are called ``(completion_text, data)``, or a function taking ``(completion_text, data)``.
+Either may be ``async``; a synchronous one is run in a thread (:func:`call_reward`), as it may block.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Optional, Union
+
+from realhf.api.core.workflow_api import import_object
+from realhf.base import logging
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REWARD_FN = "realhf.impl.workflow.rewards:MathReward"
+
+
+class MathReward:
+    """``correct_reward`` when the answer of the completion (its last ``\\boxed{}``, ``#### N``, "the answer
+    is ..."; with ``allow_last_number`` also its last number) equals one of ``data["solutions"]``, else
+    ``wrong_reward`` (also when no answer is stated, and when grading timed out or failed: those are counted in
+    :attr:`stats`)."""
+
+    def __init__(self, correct_reward: float = 5.0, wrong_reward: float = -5.0, timeout_secs: float = 5.0,
+                 allow_last_number: bool = False, max_workers: int = 2, max_threads: int = 8):
+        for name, v in (("correct_reward", correct_reward), ("wrong_reward", wrong_reward)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"MathReward {name} must be a finite number, got {v!r}")
+        if not (isinstance(timeout_secs, (int, float)) and timeout_secs > 0):
+            raise ValueError(f"MathReward timeout_secs must be > 0, got {timeout_secs!r}")
+        self.correct_reward, self.wrong_reward = float(correct_reward), float(wrong_reward)
+        self.timeout_secs = float(timeout_secs)
+        self.allow_last_number = bool(allow_last_number)
+        self.max_workers, self.max_threads = int(max_workers), int(max_threads)
+        self._verifier = None
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+
+    def _start(self):
+        """The verifier (its grading processes start when a comparison first needs one) and the grading threads."""
+        with self._lock:
+            if self._verifier is None:
+                from realhf.reward import MathVerifier
+
+                self._verifier = MathVerifier(timeout=self.timeout_secs, max_workers=self.max_workers)
+                self._executor = ThreadPoolExecutor(self.max_threads, thread_name_prefix="math-reward")
+            return self._verifier, self._executor
+
+    @property
+    def verifier(self):
+        return self._start()[0]
+
+    @property
+    def stats(self) -> Dict[str, int]:
+        """Counts of graded answers: total, ok, timeout, error, correct."""
+        return self.verifier.stats
+
+    def grade(self, completion_text: str, data: Dict[str, Any]) -> float:
+        """The reward, computed in the calling thread (blocking: at most about ``timeout_secs``)."""
+        from realhf.reward import extract_answer
+
+        sols = data.get("solutions")
+        if not sols:
+            raise KeyError(f"MathReward needs data['solutions'] (the reference answers) for query "
+                           f"{data.get('query_id')!r}; a math prompt dataset provides them")
+        text = completion_text or ""
+        if self.allow_last_number and extract_answer(text) is None:  # lenient: the last number is the answer
+            a = extract_answer(text, allow_last_number=True)
+            if a:
+                text = f"\\boxed{{{a}}}"
+        ok, status = self.verifier.verify(text, [str(s) for s in sols], timeout=self.timeout_secs)
+        if status != "ok":
+            logger.info("math reward of query %r: verification %s, scored as wrong", data.get("query_id"), status)
+        return self.correct_reward if ok else self.wrong_reward
+
+    async def __call__(self, completion_text: str, data: Dict[str, Any]) -> float:
+        _, executor = self._start()
+        return await asyncio.get_running_loop().run_in_executor(executor, self.grade, completion_text, data)
+
+    def close(self):
+        with self._lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+            if self._verifier is not None:
+                self._verifier.close()
+            self._verifier = self._executor = None
+
+
+def _is_async(fn) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+async def call_reward(fn: Callable, completion_text: str, data: Dict[str, Any]) -> float:
+    """``fn(completion_text, data)`` as a float without blocking the event loop: awaited when ``fn`` is async,
+    else run in a thread of the loop's default executor."""
+    if _is_async(fn):
+        r = await fn(completion_text, data)
+    else:
+        r = await asyncio.get_running_loop().run_in_executor(None, fn, completion_text, data)
+        if inspect.isawaitable(r):
+            r = await r
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+        name = getattr(fn, "__qualname__", type(fn).__qualname__)
+        raise ValueError(f"reward function {name} returned {r!r}; a reward is a finite number")
+    return float(r)
+
+
+def load_reward_fn(spec: Union[str, Callable, None] = None, **reward_args) -> Callable:
+    """The reward callable of ``spec``: None (the default :class:`MathReward`), an import path
+    ``"package.module:Name"`` or an object. A class is built with those of ``reward_args`` its constructor takes
+    (the others are named in a warning); a function or any other callable is used as it is (``reward_args`` then
+    unused, with a warning)."""
+    if spec is None:
+        spec = DEFAULT_REWARD_FN
+    where = spec if isinstance(spec, str) else repr(spec)
+    obj = import_object(spec, "reward_fn") if isinstance(spec, str) else spec
+    if isinstance(obj, type):
+        try:
+            params = inspect.signature(obj).parameters
+        except (TypeError, ValueError):  # no signature to read: give it every option
+            params = {}
+            takes_all = True
+        else:
+            takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        use = {k: v for k, v in reward_args.items() if takes_all or k in params}
+        unused = sorted(set(reward_args) - set(use))
+        if unused:
+            logger.warning("reward_fn %s does not take %s; those reward options are not used", where, unused)
+        try:
+            obj = obj(**use)
+        except TypeError as e:
+            raise TypeError(f"reward_fn {where}: cannot build it with {sorted(use)}: {e}") from e
+    elif reward_args:
+        logger.warning("reward_fn %s is not a class; the reward options %s are not used", where, sorted(reward_args))
+    if not callable(obj):
+        raise TypeError(f"reward_fn {where} is {obj!r}, not callable as (completion_text, data)")
+    return obj
