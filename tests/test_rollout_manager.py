@@ -1,0 +1,538 @@
+"""The rollout manager of asynchronous RL (realhf.system.rollout_manager).
+
+TicketBook: prompts in the synchronous order (EpochIterator's, heads per rank_share), staleness and concurrency
+refusals, rejected/failed episodes re-issued, restore from the log after a crash, and a randomized property test
+that checks the log: the staleness bound at every issue, every slot accepted exactly once, no prompt lost.
+The server, over real HTTP on loopback: signed requests only, malformed ones named, routing to the least loaded
+live server, weight updates on a real fleet of two ``gen`` servers (an in-flight request is aborted with its
+partial output; the rest runs on the new weights), a dead server skipped, and the process entry ``serve``.
+"""
+import asyncio
+import json
+import os
+import random
+import signal
+import threading
+import types
+import urllib.error
+import urllib.request
+
+import pytest
+
+from realhf.gen_server.api import GenerateRequest, SamplingParams
+from realhf.gen_server.auth import sign
+from realhf.impl.dataset.jsonl import EpochIterator
+from realhf.system.request_reply_stream import new_run_secret
+from realhf.system.rollout_manager import ManagerClient, ManagerError, RolloutManager, TicketBook
+
+
+def book_of(B=4, dp=1, total=6, n=10, ofp=100, conc=1000, seed=1, shuffle=True, log=None):
+    return TicketBook(B, dp, total, n, ofp, conc, seed, shuffle, log_path=log)
+
+
+def take_all(book):
+    out = []
+    while True:
+        t, reason = book.allocate("w")
+        if t is None:
+            return out, reason
+        out.append(t)
+
+
+def read_log(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+# ====================================================================== TicketBook
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("n", [10, 12])
+def test_order_is_the_synchronous_one(shuffle, dp, n):
+    B, total = 4, 7  # 2 or 3 steps an epoch: several epochs
+    book = book_of(B=B, dp=dp, total=total, n=n, shuffle=shuffle)
+    tickets, reason = take_all(book)
+    assert reason == "done" and len(tickets) == total * B
+    assert [(t.batch, t.slot, t.cursor) for t in tickets] == [(b, j, b * B + j) for b in range(total) for j in range(B)]
+    # what each data-parallel rank of a synchronous run trains, step by step
+    refs = [EpochIterator(range(n), B, seed=1, dp_rank=r, dp_size=dp, shuffle=shuffle,
+                          drop_last=True if n % B else None) for r in range(dp)]
+    for b in range(total):
+        for r in range(dp):
+            mine = [t.prompt for t in tickets if t.batch == b and t.head == r]
+            assert mine == refs[r].next_indices(), (b, r)
+
+
+@pytest.mark.parametrize("ofp", [0, 2])
+def test_staleness_refusals(ofp):
+    B = 2
+    book = book_of(B=B, total=10, ofp=ofp)
+    tickets, reason = take_all(book)
+    assert reason == "staleness" and len(tickets) == (ofp + 1) * B
+    assert max(t.batch for t in tickets) == ofp
+    for t in tickets:
+        book.finish(t.id, "accepted")
+    assert book.allocate("w") == (None, "staleness")  # accepted trajectories do not move the bound, versions do
+    book.set_version(1)
+    more, reason = take_all(book)
+    assert reason == "staleness" and [t.batch for t in more] == [ofp + 1] * B
+    assert all(t.version == 1 for t in more)
+    assert book.stats()["refused_staleness"] == 3
+
+
+def test_concurrency_refusals():
+    book = book_of(conc=3)
+    ts, reason = take_all(book)
+    assert len(ts) == 3 and reason == "concurrency" and book.stats()["refused_concurrency"] == 1
+    book.finish(ts[1].id, "accepted")
+    t, reason = book.allocate("w")
+    assert reason == "ok" and (t.batch, t.slot) == (0, 3)
+
+
+def test_rejected_reissues_the_slot_with_the_next_prompt():
+    book = book_of(B=2)
+    a, b, c = (book.allocate("w")[0] for _ in range(3))
+    assert [(t.batch, t.slot, t.cursor) for t in (a, b, c)] == [(0, 0, 0), (0, 1, 1), (1, 0, 2)]
+    book.finish(a.id, "rejected")
+    t = book.allocate("w")[0]
+    assert (t.batch, t.slot, t.cursor, t.prompt) == (0, 0, 3, book.prompt_at(3)) and t.id not in (a.id, b.id, c.id)
+    t2 = book.allocate("w")[0]
+    assert (t2.batch, t2.slot, t2.cursor) == (1, 1, 4)
+    assert book.stats()["rejected"] == 1
+
+
+def test_failed_reissues_the_slot_with_the_same_prompt():
+    book = book_of(B=2)
+    a, b, c = (book.allocate("w")[0] for _ in range(3))
+    book.finish(b.id, "failed")
+    assert book.stats()["queued"] == 1
+    t = book.allocate("w")[0]
+    assert (t.batch, t.slot, t.cursor, t.prompt) == (0, 1, 1, b.prompt) and t.id != b.id
+    assert (book.allocate("w")[0].cursor) == 3
+
+
+def test_done_complete_and_errors():
+    book = book_of(B=2, total=1)
+    a, b = book.allocate("w")[0], book.allocate("w")[0]
+    assert book.allocate("w") == (None, "done") and not book.complete
+    book.finish(a.id, "failed")
+    assert book.allocate("w")[0].prompt == a.prompt
+    with pytest.raises(ValueError, match="ticket 99"):
+        book.finish(99, "accepted")
+    book.finish(b.id, "accepted")
+    with pytest.raises(ValueError, match=f"ticket {b.id}"):
+        book.finish(b.id, "accepted")
+    with pytest.raises(ValueError, match="status"):
+        book.finish(a.id + 2, "maybe")
+    with pytest.raises(ValueError, match="reserved"):
+        book.finish(a.id + 2, "accepted", {"status": 1})
+    book.set_version(3)
+    with pytest.raises(ValueError, match="lower"):
+        book.set_version(2)
+    book.finish(a.id + 2, "accepted", {"reward": 1.0})
+    assert book.complete and book.allocate("w") == (None, "done")
+
+
+def test_log_lines(tmp_path):
+    log = str(tmp_path / "r.jsonl")
+    book = book_of(B=2, dp=2, log=log)
+    t = book.allocate("worker-3")[0]
+    book.finish(t.id, "accepted", {"reward": 0.5, "n_tokens": 7})
+    book.set_version(1)
+    book.close()
+    issue, fin, ver = read_log(log)
+    assert issue == {"event": "issue", "ticket": 0, "batch": 0, "slot": 0, "head": 0, "prompt": t.prompt, "cursor": 0,
+                     "version": 0, "worker": "worker-3", "t": issue["t"]}
+    assert fin["event"] == "finish" and fin["ticket"] == 0 and fin["status"] == "accepted" and fin["reward"] == 0.5
+    assert ver["event"] == "version" and ver["version"] == 1 and "t" in ver
+    book2 = book_of(B=2, dp=2, log=log)
+    book2.restore(0)
+    book2.close()
+    assert read_log(log)[-1]["event"] == "restore" and read_log(log)[-1]["trained_batches"] == 0
+
+
+def test_restore_without_a_log():
+    book = book_of(B=3, ofp=0)
+    book.restore(2)
+    t = book.allocate("w")[0]
+    assert (t.batch, t.slot, t.cursor, t.version) == (2, 0, 6, 2) and book.version == 2
+
+
+def test_restore_keeps_the_staleness_bound_and_drops_a_torn_line(tmp_path):
+    """Before the crash the servers were at version 4 and batches up to 5 (ofp 1) were out; the trainer resumes
+    from step 2. The re-queued slots of batches 4 and 5 must wait for versions 3 and 4 again."""
+    log = str(tmp_path / "r.jsonl")
+    B, ofp = 2, 1
+    book = book_of(B=B, total=8, ofp=ofp, log=log)
+    for v in range(5):
+        if v:
+            book.set_version(v)
+        for t in take_all(book)[0]:
+            if t.batch != 5:  # batch 5 is still running at the crash
+                book.finish(t.id, "accepted")
+    book.close()
+    with open(log, "a") as f:
+        f.write('{"event": "finish", "tick')  # the crash cut the last line
+    book = book_of(B=B, total=8, ofp=ofp, log=log)
+    book.restore(2)
+    ts, reason = take_all(book)
+    assert reason == "staleness" and [(t.batch, t.slot) for t in ts] == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    assert [t.cursor for t in ts] == [4, 5, 6, 7] and all(t.version == 2 for t in ts)
+    book.set_version(3)
+    ts, reason = take_all(book)
+    assert reason == "staleness" and [(t.batch, t.cursor) for t in ts] == [(4, 8), (4, 9)]
+    book.set_version(4)
+    ts = take_all(book)[0]
+    assert [(t.batch, t.cursor) for t in ts][:2] == [(5, 10), (5, 11)]
+    book.close()
+    lines = read_log(log)  # every line parses: the torn one is gone
+    assert lines[-1]["event"] == "issue" and any(r["event"] == "restore" for r in lines)
+
+
+def _check_log(log, B, total, ofp, n, seed, shuffle, no_rejections):
+    """The properties of a whole run, from its log alone."""
+    it = EpochIterator(range(n), B, seed=seed, shuffle=shuffle, drop_last=True)
+    per_epoch = it.steps_per_epoch * B
+    version, issued = 0, {}
+    final = {}  # (batch, slot) -> cursor of the accepted (and not undone by a restore) trajectory
+    rejected = set()
+    for rec in read_log(log):
+        ev = rec["event"]
+        if ev == "issue":
+            assert rec["batch"] <= version + ofp and rec["version"] == version, rec
+            e, k = divmod(rec["cursor"], per_epoch)
+            assert rec["prompt"] == it.global_batch_indices(e, k // B)[k % B], rec
+            issued[rec["ticket"]] = rec
+        elif ev == "finish":
+            i = issued[rec["ticket"]]
+            key = (i["batch"], i["slot"])
+            if rec["status"] == "accepted":
+                assert key not in final, f"slot {key} accepted twice"
+                final[key] = i["cursor"]
+            elif rec["status"] == "rejected":
+                rejected.add(i["cursor"])
+        elif ev == "version":
+            assert rec["version"] > version
+            version = rec["version"]
+        elif ev == "restore":
+            version = rec["trained_batches"]
+            final = {k: c for k, c in final.items() if k[0] < version}
+    assert set(final) == {(b, j) for b in range(total) for j in range(B)}
+    used = max(r["cursor"] for r in issued.values())
+    acc = list(final.values())
+    assert len(set(acc)) == len(acc), "a prompt was trained twice"
+    assert not set(acc) & rejected
+    assert set(acc) | rejected == set(range(used + 1)), "a prompt of the stream was lost"
+    if no_rejections:
+        assert all(c == b * B + j for (b, j), c in final.items())
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_random_interleavings_keep_the_invariants(case, tmp_path):
+    rng = random.Random(case)
+    B = rng.randint(1, 4)
+    dp, total, ofp = rng.randint(1, B), rng.randint(2, 7), rng.randint(0, 2)
+    n, conc, shuffle, seed = rng.randint(B, 3 * B + 1), rng.randint(1, 6), rng.random() < 0.5, rng.randint(0, 9)
+    p_rej = 0.0 if case % 2 else 0.2
+    log = str(tmp_path / "r.jsonl")
+    make = lambda: TicketBook(B, dp, total, n, ofp, conc, seed, shuffle, log_path=log)  # noqa: E731
+    book, running, acc, trained, crashes = make(), [], set(), 0, rng.randint(0, 3)
+    for _ in range(20000):
+        if book.complete:
+            break
+        op = rng.random()
+        if op < 0.35:
+            t, reason = book.allocate("w")
+            if t is not None:
+                assert t.batch <= book.version + ofp and t.head == book.head_of(t.slot)
+                running.append(t)
+        elif op < 0.75 and running:
+            t = running.pop(rng.randrange(len(running)))
+            status = rng.choices(["accepted", "rejected", "failed"], [1 - p_rej - 0.15, p_rej, 0.15])[0]
+            book.finish(t.id, status, {"worker_stat": rng.random()})
+            if status == "accepted":
+                acc.add((t.batch, t.slot))
+        elif op < 0.97:
+            while trained < total and all((trained, j) in acc for j in range(B)):
+                trained += 1
+            if book.version < trained:
+                book.set_version(rng.randint(book.version + 1, trained))
+        elif crashes:
+            crashes -= 1
+            G = rng.randint(0, trained)
+            book.close()
+            book = make()
+            book.restore(G)
+            running, trained = [], G
+            acc = {k for k in acc if k[0] < G}
+    assert book.complete, (book.stats(), trained, sorted(acc))
+    book.close()
+    _check_log(log, B, total, ofp, n, seed, shuffle, no_rejections=p_rej == 0)
+
+
+# ====================================================================== the server
+class Loop:
+    """An event loop in a thread: the manager, the clients and the fleet's client run on it."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = Loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    return ensure_tiny_model("qwen2", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny, tmp_path_factory):
+    from realhf.gen_server.fleet import LocalFleet
+
+    f = LocalFleet("gen", tiny, 2, threads=1, log_dir=str(tmp_path_factory.mktemp("fleet")))
+    yield f
+    f.stop()
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny, tmp_path_factory):
+    from realhf.base.testing import perturbed_model
+
+    return perturbed_model(tiny, str(tmp_path_factory.mktemp("ckpt")), seed=3)[1]
+
+
+class Running:
+    def __init__(self, loop, book, addresses, secret):
+        self.loop, self.secret = loop, secret
+
+        async def make():
+            return RolloutManager(book, addresses, secret)
+
+        self.mgr = loop.run(make())
+        self.addr = f"127.0.0.1:{loop.run(self.mgr.start('127.0.0.1', 0))}"
+        self.client = loop.run(_make_client(self.addr, secret))
+
+    def __call__(self, method, *a):
+        return self.loop.run(getattr(self.client, method)(*a))
+
+    def stop(self):
+        self.loop.run(self.client.close())
+        self.loop.run(self.mgr.stop())
+
+
+async def _make_client(addr, secret):
+    return ManagerClient(addr, secret)
+
+
+def raw(addr, path, body=None, headers=None):
+    req = urllib.request.Request(f"http://{addr}{path}", data=body, headers=headers or {},
+                                 method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def signed(secret, addr, path, body: bytes):
+    return raw(addr, path, body, {"Content-Type": "application/json", **sign(secret, "POST", path, body)})
+
+
+DUMMY = ["127.0.0.1:9", "127.0.0.1:9"]  # never contacted by these tests
+
+
+def test_signed_requests_only_and_malformed_input_named(loop):
+    secret = new_run_secret()
+    m = Running(loop, book_of(B=2), DUMMY, secret)
+    try:
+        a = m.addr
+        body = b'{"worker": "w0"}'
+        code, out = signed(secret, a, "/allocate", body)
+        assert code == 200 and out["reason"] == "ok" and out["ticket"]["id"] == 0 and out["server"] == 0
+        assert raw(a, "/allocate", body, {"Content-Type": "application/json"})[0] == 401  # unsigned
+        assert signed(new_run_secret(), a, "/allocate", body)[0] == 401  # another run's secret
+        h = {"Content-Type": "application/json", **sign(secret, "POST", "/allocate", body)}
+        assert raw(a, "/allocate", body, h)[0] == 200
+        assert raw(a, "/allocate", body, h)[0] == 401  # replayed
+        assert raw(a, "/allocate", b'{"worker": "w9"}', {**h, **sign(secret, "POST", "/allocate", body)})[0] == 401
+        assert raw(a, "/finish", b'{"ticket": 0, "status": "accepted"}', h)[0] == 401  # signed for another path
+        for path, bad, words in [("/allocate", b"not json", "not JSON"), ("/allocate", b'{"wrker": "w"}', "worker"),
+                                 ("/allocate", b'{"worker": 3}', "worker"), ("/finish", b'{"ticket": "x", "status": '
+                                                                                        b'"accepted"}', "ticket"),
+                                 ("/finish", b'{"ticket": 99, "status": "accepted"}', "ticket 99"),
+                                 ("/finish", b'{"ticket": 0, "status": "great"}', "status"),
+                                 ("/finish", b'{"ticket": 0, "status": "accepted", "stats": [1]}', "stats"),
+                                 ("/server_down", b'{"index": 7}', "index"),
+                                 ("/update_weights", b'{"path": "/x", "version": -1}', "version"),
+                                 ("/update_weights", b'{"path": 5, "version": 1}', "path")]:
+            code, out = signed(secret, a, path, bad)
+            assert code == 400 and words in out["error"], (path, bad, out)
+        assert m("finish", 0, "accepted", {"reward": 1.0}) == {}
+        code, st = raw(a, "/status")
+        assert code == 200 and st["issued"] == 2 and st["accepted"] == 1 and st["running"] == 1
+        assert raw(a, "/health") == (200, {"status": "ok", "version": 0, "pid": os.getpid()})
+    finally:
+        m.stop()
+
+
+def test_routing_and_servers_down(loop):
+    m = Running(loop, book_of(B=4), DUMMY, new_run_secret())
+    try:
+        got = [m("allocate", "w") for _ in range(3)]
+        assert [g["server"] for g in got] == [0, 1, 0]
+        m("finish", got[0]["ticket"]["id"], "failed")
+        assert m("allocate", "w")["server"] == 0  # 1 and 1 running: the lower index
+        m("server_down", 0, "connection refused")
+        assert [m("allocate", "w")["server"] for _ in range(2)] == [1, 1]
+        st = m("status")
+        assert [(s["live"], s["running_episodes"]) for s in st["servers"]] == [(False, 2), (True, 3)]
+        assert 0.0 <= st["idle_fraction"] <= 1.0
+        m("server_down", 1, "gone")
+        for call in (lambda: m("allocate", "w"), lambda: m("update_weights", "/x", 1)):
+            with pytest.raises(ManagerError, match="every generation server is down") as e:
+                call()
+            assert e.value.status == 503
+    finally:
+        m.stop()
+
+
+def _metrics(gc, i):
+    return gc.dialect.metrics(gc.servers[i])
+
+
+def test_weight_update_aborts_in_flight_requests_and_the_rest_runs_on_new_weights(loop, fleet, perturbed):
+    """The gen engine's true behaviour under the manager's pause + abort + load + continue: a running request comes
+    back with its partial output (finish_reason "abort", every token of the old version), a request waiting on the
+    paused server with an empty one; the resubmitted rest runs on the new weights."""
+    gc = loop.run(_gen_client(fleet))
+    m = Running(loop, book_of(B=2), fleet.addresses, fleet.secret)
+    prompt, max_new = [5, 6, 7], 400
+    sp = dict(max_new_tokens=max_new, min_new_tokens=max_new, seed=11)
+    try:
+        for attempt in range(20):  # hold a request mid-generation: pause server 0 once it has produced tokens
+            base = loop.run(_metrics(gc, 0))["generated_tokens"]
+            fut = loop.submit(gc.generate(GenerateRequest(f"long{attempt}", prompt, SamplingParams(**sp)), server=0))
+            while loop.run(_metrics(gc, 0))["generated_tokens"] == base and not fut.done():
+                pass
+            loop.run(gc.dialect.pause(gc.servers[0]))
+            if loop.run(_metrics(gc, 0))["running_requests"] == 1:
+                break
+            loop.run(gc.dialect.resume(gc.servers[0]))
+            fut.result(60)  # it finished before the pause landed: try again
+        else:
+            pytest.fail("could not catch a request in flight")
+        waiting = loop.submit(gc.generate(GenerateRequest("waiting", prompt, SamplingParams(**sp)), server=0))
+        while loop.run(_metrics(gc, 0))["waiting_requests"] == 0:  # it reached the paused server
+            pass
+        out = m("update_weights", perturbed, 1)
+        assert out["servers"] == [0, 1] and out["version"] == 1 and out["seconds"] > 0
+        r = fut.result(60).outputs[0]
+        assert r.finish_reason == "abort" and 0 < len(r.output_ids) < max_new and set(r.versions) == {0}
+        w = waiting.result(60).outputs[0]
+        assert w.finish_reason == "abort" and w.output_ids == []  # it never started: nothing generated
+        assert [h["version"] for h in loop.run(gc.health())] == [1, 1]
+        rest = max_new - len(r.output_ids)
+        cont = loop.run(gc.generate(GenerateRequest("rest", prompt + r.output_ids, SamplingParams(
+            max_new_tokens=rest, min_new_tokens=rest, seed=12)), server=0)).outputs[0]
+        assert cont.finish_reason == "length" and len(cont.output_ids) == rest and set(cont.versions) == {1}
+        st = m("status")
+        assert st["version"] == 1 and st["weight_updates"] == 1 and [s["version"] for s in st["servers"]] == [1, 1]
+        # a server that answers with an error fails the update, names itself, and is left running
+        with pytest.raises(ManagerError, match=r"failed on server 0 .*server 1 ") as e:
+            m("update_weights", perturbed + "-missing", 2)
+        assert e.value.status == 500
+        assert [x["paused"] for x in loop.run(gc.metrics())] == [False, False] and m("status")["version"] == 1
+        with pytest.raises(ManagerError, match="lower"):
+            m("update_weights", perturbed, 0)
+    finally:
+        m.stop()
+        loop.run(gc.close())
+
+
+async def _gen_client(fleet):
+    from realhf.gen_server.client import GenClient
+
+    return GenClient(fleet.addresses, fleet.secret)
+
+
+def test_dead_server_is_skipped_by_updates_and_routing(loop, fleet, perturbed):
+    """Last of the fleet's tests: it kills server 1."""
+    m = Running(loop, book_of(B=2), fleet.addresses, fleet.secret)
+    try:
+        m.mgr.book.set_version(1)
+        p = fleet.procs[1]
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(30)
+        out = m("update_weights", perturbed, 2)
+        assert out["servers"] == [0]
+        st = m("status")
+        assert [s["live"] for s in st["servers"]] == [True, False] and st["version"] == 2
+        assert raw(fleet.addresses[0], "/health")[1]["version"] == 2
+        assert [m("allocate", "w")["server"] for _ in range(3)] == [0, 0, 0]
+    finally:
+        m.stop()
+
+
+def test_serve_registers_and_restores(loop, tmp_path):
+    from realhf.api.core.system_api import GenServersSpec, RolloutSpec
+    from realhf.base import name_resolve
+    from realhf.base.name_resolve import names
+    from realhf.base.recover import RecoverStore
+    from realhf.system import rollout_manager
+
+    nr = name_resolve.make_repository("file", root=str(tmp_path / "nr"))
+    for i in range(2):
+        nr.add(names.gen_server("e", "t", i), DUMMY[i])
+    served = types.SimpleNamespace(gen_servers=GenServersSpec(backend="gen", n_servers=2))
+    spec = types.SimpleNamespace(experiment_name="e", trial_name="t", log_dir=str(tmp_path / "logs"),
+                                 recover_dir=str(tmp_path / "recover"), served=lambda: served,
+                                 rollout=RolloutSpec(n_workers=1, batch_size=2, dp_size=1, total_batches=5,
+                                                     n_prompts=8, max_head_offpolicyness=1))
+    secret = new_run_secret()
+
+    def run_once(resume):
+        stop = asyncio.Event()
+
+        async def go():
+            return await rollout_manager.serve(spec, secret, nr, resume, host="127.0.0.1", stop=stop)
+
+        fut = loop.submit(go())
+        nr_key = names.rollout_manager("e", "t")
+        addr = nr.wait(nr_key, timeout=60)
+        c = loop.run(_make_client(addr, secret))
+        try:
+            return [loop.run(c.allocate("w")) for _ in range(4)]
+        finally:
+            loop.run(c.close())
+            loop.loop.call_soon_threadsafe(stop.set)
+            assert fut.result(30) == 0
+            nr.delete(nr_key)
+
+    first = run_once(False)
+    assert [a["ticket"]["cursor"] if a["ticket"] else a["reason"] for a in first] == [0, 1, 2, 3]
+    store = RecoverStore(spec.recover_dir)
+    store.commit(store.begin(1), {"global_step": 1})
+    again = run_once(True)  # batch 1's running tickets come back with their prompts, then batch 2
+    assert [a["ticket"]["cursor"] if a["ticket"] else a["reason"] for a in again] == [2, 3, 4, 5]
+    assert again[0]["version"] == 1
+    events = [r["event"] for r in read_log(os.path.join(spec.log_dir, "rollouts.jsonl"))]
+    assert events == ["issue"] * 4 + ["restore"] + ["issue"] * 4
