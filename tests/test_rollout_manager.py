@@ -23,7 +23,7 @@ from realhf.gen_server.api import GenerateRequest, SamplingParams
 from realhf.gen_server.auth import sign
 from realhf.impl.dataset.jsonl import EpochIterator
 from realhf.system.request_reply_stream import new_run_secret
-from realhf.system.rollout_manager import ManagerClient, ManagerError, RolloutManager, TicketBook
+from realhf.system.rollout_manager import RolloutManager, TicketBook
 
 
 def book_of(B=4, dp=1, total=6, n=10, ofp=100, conc=1000, seed=1, shuffle=True, log=None):
@@ -320,7 +320,37 @@ def perturbed(tiny, tmp_path_factory):
     return perturbed_model(tiny, str(tmp_path_factory.mktemp("ckpt")), seed=3)[1]
 
 
+class Refused(Exception):
+    def __init__(self, status, error):
+        self.status = status
+        super().__init__(f"{status}: {error}")
+
+
+def raw(addr, path, body=None, headers=None):
+    req = urllib.request.Request(f"http://{addr}{path}", data=body, headers=headers or {},
+                                 method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def signed(secret, addr, path, body: bytes):
+    return raw(addr, path, body, {"Content-Type": "application/json", **sign(secret, "POST", path, body)})
+
+
+def post(secret, addr, endpoint, /, **body):
+    """A signed POST of ``body``; its answer, or Refused(status, error)."""
+    code, out = signed(secret, addr, endpoint, json.dumps(body).encode())
+    if code != 200:
+        raise Refused(code, out.get("error"))
+    return out
+
+
 class Running:
+    """A RolloutManager served on the test loop, and signed calls to it from the test's thread."""
+
     def __init__(self, loop, book, addresses, secret):
         self.loop, self.secret = loop, secret
 
@@ -329,32 +359,15 @@ class Running:
 
         self.mgr = loop.run(make())
         self.addr = f"127.0.0.1:{loop.run(self.mgr.start('127.0.0.1', 0))}"
-        self.client = loop.run(_make_client(self.addr, secret))
 
-    def __call__(self, method, *a):
-        return self.loop.run(getattr(self.client, method)(*a))
+    def post(self, endpoint, /, **body):
+        return post(self.secret, self.addr, endpoint, **body)
+
+    def status(self):
+        return raw(self.addr, "/status")[1]
 
     def stop(self):
-        self.loop.run(self.client.close())
         self.loop.run(self.mgr.stop())
-
-
-async def _make_client(addr, secret):
-    return ManagerClient(addr, secret)
-
-
-def raw(addr, path, body=None, headers=None):
-    req = urllib.request.Request(f"http://{addr}{path}", data=body, headers=headers or {},
-                                 method="GET" if body is None else "POST")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def signed(secret, addr, path, body: bytes):
-    return raw(addr, path, body, {"Content-Type": "application/json", **sign(secret, "POST", path, body)})
 
 
 DUMMY = ["127.0.0.1:9", "127.0.0.1:9"]  # never contacted by these tests
@@ -386,7 +399,7 @@ def test_signed_requests_only_and_malformed_input_named(loop):
                                  ("/update_weights", b'{"path": 5, "version": 1}', "path")]:
             code, out = signed(secret, a, path, bad)
             assert code == 400 and words in out["error"], (path, bad, out)
-        assert m("finish", 0, "accepted", {"reward": 1.0}) == {}
+        assert m.post("/finish", ticket=0, status="accepted", stats={"reward": 1.0}) == {}
         code, st = raw(a, "/status")
         assert code == 200 and st["issued"] == 2 and st["accepted"] == 1 and st["running"] == 1
         assert raw(a, "/health") == (200, {"status": "ok", "version": 0, "pid": os.getpid()})
@@ -397,18 +410,18 @@ def test_signed_requests_only_and_malformed_input_named(loop):
 def test_routing_and_servers_down(loop):
     m = Running(loop, book_of(B=4), DUMMY, new_run_secret())
     try:
-        got = [m("allocate", "w") for _ in range(3)]
+        got = [m.post("/allocate", worker="w") for _ in range(3)]
         assert [g["server"] for g in got] == [0, 1, 0]
-        m("finish", got[0]["ticket"]["id"], "failed")
-        assert m("allocate", "w")["server"] == 0  # 1 and 1 running: the lower index
-        m("server_down", 0, "connection refused")
-        assert [m("allocate", "w")["server"] for _ in range(2)] == [1, 1]
-        st = m("status")
+        m.post("/finish", ticket=got[0]["ticket"]["id"], status="failed")
+        assert m.post("/allocate", worker="w")["server"] == 0  # 1 and 1 running: the lower index
+        m.post("/server_down", index=0, reason="connection refused")
+        assert [m.post("/allocate", worker="w")["server"] for _ in range(2)] == [1, 1]
+        st = m.status()
         assert [(s["live"], s["running_episodes"]) for s in st["servers"]] == [(False, 2), (True, 3)]
         assert 0.0 <= st["idle_fraction"] <= 1.0
-        m("server_down", 1, "gone")
-        for call in (lambda: m("allocate", "w"), lambda: m("update_weights", "/x", 1)):
-            with pytest.raises(ManagerError, match="every generation server is down") as e:
+        m.post("/server_down", index=1, reason="gone")
+        for call in (lambda: m.post("/allocate", worker="w"), lambda: m.post("/update_weights", path="/x", version=1)):
+            with pytest.raises(Refused, match="every generation server is down") as e:
                 call()
             assert e.value.status == 503
     finally:
@@ -443,7 +456,7 @@ def test_weight_update_aborts_in_flight_requests_and_the_rest_runs_on_new_weight
         waiting = loop.submit(gc.generate(GenerateRequest("waiting", prompt, SamplingParams(**sp)), server=0))
         while loop.run(_metrics(gc, 0))["waiting_requests"] == 0:  # it reached the paused server
             pass
-        out = m("update_weights", perturbed, 1)
+        out = m.post("/update_weights", path=perturbed, version=1)
         assert out["servers"] == [0, 1] and out["version"] == 1 and out["seconds"] > 0
         r = fut.result(60).outputs[0]
         assert r.finish_reason == "abort" and 0 < len(r.output_ids) < max_new and set(r.versions) == {0}
@@ -454,15 +467,15 @@ def test_weight_update_aborts_in_flight_requests_and_the_rest_runs_on_new_weight
         cont = loop.run(gc.generate(GenerateRequest("rest", prompt + r.output_ids, SamplingParams(
             max_new_tokens=rest, min_new_tokens=rest, seed=12)), server=0)).outputs[0]
         assert cont.finish_reason == "length" and len(cont.output_ids) == rest and set(cont.versions) == {1}
-        st = m("status")
+        st = m.status()
         assert st["version"] == 1 and st["weight_updates"] == 1 and [s["version"] for s in st["servers"]] == [1, 1]
         # a server that answers with an error fails the update, names itself, and is left running
-        with pytest.raises(ManagerError, match=r"failed on server 0 .*server 1 ") as e:
-            m("update_weights", perturbed + "-missing", 2)
+        with pytest.raises(Refused, match=r"failed on server 0 .*server 1 ") as e:
+            m.post("/update_weights", path=perturbed + "-missing", version=2)
         assert e.value.status == 500
-        assert [x["paused"] for x in loop.run(gc.metrics())] == [False, False] and m("status")["version"] == 1
-        with pytest.raises(ManagerError, match="lower"):
-            m("update_weights", perturbed, 0)
+        assert [x["paused"] for x in loop.run(gc.metrics())] == [False, False] and m.status()["version"] == 1
+        with pytest.raises(Refused, match="lower"):
+            m.post("/update_weights", path=perturbed, version=0)
     finally:
         m.stop()
         loop.run(gc.close())
@@ -482,12 +495,12 @@ def test_dead_server_is_skipped_by_updates_and_routing(loop, fleet, perturbed):
         p = fleet.procs[1]
         os.kill(p.pid, signal.SIGKILL)
         p.wait(30)
-        out = m("update_weights", perturbed, 2)
+        out = m.post("/update_weights", path=perturbed, version=2)
         assert out["servers"] == [0]
-        st = m("status")
+        st = m.status()
         assert [s["live"] for s in st["servers"]] == [True, False] and st["version"] == 2
         assert raw(fleet.addresses[0], "/health")[1]["version"] == 2
-        assert [m("allocate", "w")["server"] for _ in range(3)] == [0, 0, 0]
+        assert [m.post("/allocate", worker="w")["server"] for _ in range(3)] == [0, 0, 0]
     finally:
         m.stop()
 
@@ -518,11 +531,9 @@ def test_serve_registers_and_restores(loop, tmp_path):
         fut = loop.submit(go())
         nr_key = names.rollout_manager("e", "t")
         addr = nr.wait(nr_key, timeout=60)
-        c = loop.run(_make_client(addr, secret))
         try:
-            return [loop.run(c.allocate("w")) for _ in range(4)]
+            return [post(secret, addr, "/allocate", worker="w") for _ in range(4)]
         finally:
-            loop.run(c.close())
             loop.loop.call_soon_threadsafe(stop.set)
             assert fut.result(30) == 0
             nr.delete(nr_key)

@@ -21,8 +21,8 @@ sits between the rollout workers, the generation servers and the trainer:
 :class:`TicketBook` is that bookkeeping, pure and testable, with an append-only JSON-lines log
 (``<log_dir>/rollouts.jsonl``) from which a restarted manager restores its state (:meth:`TicketBook.restore`) and
 which property tests of the whole system read. :class:`RolloutManager` is the signed HTTP server around it
-(requests are signed like the generation servers', ``realhf.gen_server.auth``); :class:`ManagerClient` is the
-rollout workers' and the trainer's client.
+(requests are signed like the generation servers', ``realhf.gen_server.auth``); its clients are in
+``realhf.system.manager_client``.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from realhf.base import logging
 logger = logging.getLogger("realhf.rollout_manager")
 
 STATUSES = ("accepted", "rejected", "failed")
-_FINISH_KEYS = {"event", "ticket", "status", "t", "batch", "slot"}  # a worker's stats may not use these names
+_FINISH_KEYS = {"event", "ticket", "status", "t"}  # a worker's stats may not use these names
 
 
 @dataclasses.dataclass
@@ -172,7 +172,7 @@ class TicketBook:
         if t is None:
             raise ValueError(f"ticket {ticket_id!r} is not running: unknown, or already finished")
         self._apply_finish(t, status)
-        self._write({"event": "finish", "ticket": t.id, "status": status, "batch": t.batch, "slot": t.slot, **stats})
+        self._write({"event": "finish", "ticket": t.id, "status": status, **stats})
         return t
 
     def _apply_finish(self, t: Ticket, status: str) -> None:
@@ -596,68 +596,6 @@ class RolloutManager:
         from aiohttp import web
 
         return web.json_response(self.status())
-
-
-# ====================================================================== the client
-class ManagerError(RuntimeError):
-    """The rollout manager answered with an error (``status``: its HTTP status) or cannot be reached (None)."""
-
-    def __init__(self, msg: str, status: Optional[int] = None):
-        self.status = status
-        super().__init__(f"rollout manager: {msg}")
-
-
-class ManagerClient:
-    """The rollout workers' and the trainer's client of the manager at ``address`` (``host:port``); asyncio."""
-
-    def __init__(self, address: str, secret: bytes, timeout: float = 3600.0):
-        self.address, self.secret, self.timeout = address, secret, timeout
-        self._session = None
-
-    async def _call(self, method: str, path: str, data: Any = None) -> Any:
-        import aiohttp
-
-        from realhf.gen_server.auth import sign
-
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-        kw: Dict[str, Any] = {}
-        if method == "POST":
-            body = json.dumps(data).encode()
-            kw = dict(data=body, headers={"Content-Type": "application/json", **sign(self.secret, "POST", path, body)})
-        try:
-            async with self._session.request(method, f"http://{self.address}{path}",
-                                             timeout=aiohttp.ClientTimeout(total=self.timeout), **kw) as r:
-                text = await r.text()
-                if r.status != 200:
-                    try:
-                        msg = json.loads(text).get("error", text)
-                    except ValueError:
-                        msg = text[:500]
-                    raise ManagerError(f"{path} answered {r.status}: {msg}", status=r.status)
-                return json.loads(text) if text else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise ManagerError(f"{path} failed: cannot reach {self.address} ({type(e).__name__}: {e})") from None
-
-    async def allocate(self, worker: str) -> dict:
-        return await self._call("POST", "/allocate", {"worker": worker})
-
-    async def finish(self, ticket: int, status: str, stats: Optional[dict] = None) -> dict:
-        return await self._call("POST", "/finish", {"ticket": ticket, "status": status, "stats": stats or {}})
-
-    async def server_down(self, index: int, reason: str) -> dict:
-        return await self._call("POST", "/server_down", {"index": index, "reason": reason})
-
-    async def update_weights(self, path: str, version: int) -> dict:
-        return await self._call("POST", "/update_weights", {"path": path, "version": version})
-
-    async def status(self) -> dict:
-        return await self._call("GET", "/status")
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
 
 # ====================================================================== the process
