@@ -144,13 +144,13 @@ def run_sft(out: str, model: str, data: dict, overrides: Sequence[str] = ()) -> 
 
 
 def run_rl(algo: str, out: str, sft_ckpt: str, data: dict, overrides: Sequence[str] = (),
-           exp: Optional[str] = None) -> str:
+           exp: Optional[str] = None, experiment: str = "ppo-math") -> str:
     exp = exp or f"{algo}-tiny-arith"
     ov = [f"actor.path={sft_ckpt}", f"dataset.path={data['paths']['rl']}", f"fileroot={out}/runs",
           f"experiment_name={exp}", "trial_name=run"]
     if algo == "ppo":
         ov += [f"critic.path={sft_ckpt}", f"ref.path={sft_ckpt}"]
-    quickstart("ppo-math", RL_CONFIGS[algo], ov + list(overrides), os.path.join(out, "logs", f"{exp}.log"))
+    quickstart(experiment, RL_CONFIGS[algo], ov + list(overrides), os.path.join(out, "logs", f"{exp}.log"))
     return os.path.join(out, "runs", exp, "run")
 
 
@@ -185,13 +185,13 @@ def prepare(out: str, sft_overrides: Sequence[str] = (), eval_threads: Optional[
 
 
 def learn(algo: str, out: str, start: dict, overrides: Sequence[str] = (), eval_threads: Optional[int] = 2,
-          exp: Optional[str] = None) -> dict:
+          exp: Optional[str] = None, experiment: str = "ppo-math") -> dict:
     """Steps 5-6 for ``algo`` ("grpo" or "ppo") from :func:`prepare`'s ``start`` (``exp``: the run's experiment
-    name, default ``<algo>-tiny-arith``). Returns
+    name, default ``<algo>-tiny-arith``; ``experiment``: ppo-math or async-ppo-math). Returns
     ``{steps, heldout_acc_after, batch_acc_first_quarter, batch_acc_last_quarter, checkpoint, stats,
     seconds: {run, eval}}``."""
     t = time.time()
-    rl_dir = run_rl(algo, out, start["sft_ckpt"], start["data"], overrides, exp)
+    rl_dir = run_rl(algo, out, start["sft_ckpt"], start["data"], overrides, exp, experiment)
     ckpt = last_checkpoint(rl_dir, "actor")
     run_secs = round(time.time() - t, 1)
     st = read_stats(rl_dir)

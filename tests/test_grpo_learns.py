@@ -64,12 +64,50 @@ def test_ppo_with_critic_learns_tiny_arithmetic(recipe, start):
     _check_learned("ppo", res, start)
 
 
-def test_grpo_learns_through_generation_servers(recipe, start):
-    """The same GRPO run with actor_gen served by realhf's generation server on its own device (weights published
-    to it after every step through a weight group): it learns like the colocated run."""
-    res = recipe.learn("grpo", start["out"], start, ["allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2"],
-                       eval_threads=None, exp="grpo-gen-server")
+@pytest.fixture(scope="module")
+def served(recipe, start):
+    """The GRPO run with actor_gen served by realhf's generation server on its own device (weights published to it
+    after every step through a weight group)."""
+    return recipe.learn("grpo", start["out"], start, ["allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2"],
+                        eval_threads=None, exp="grpo-gen-server")
+
+
+def test_grpo_learns_through_generation_servers(served, start):
+    """Served generation learns like the colocated run."""
+    st = served["stats"]
+    assert served["steps"] == 40 and all(s["n_seqs"] == 16 * 8 for s in st)
+    assert all(s["actor_gen/weight_sync_time"] > 0 for s in st[1:])
+    _check_learned("grpo (gen server)", served, start)
+
+
+ASYNC = ["allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2", "param_realloc=disk"]
+
+
+def test_async_with_offpolicyness_zero_is_the_synchronous_run(recipe, start, served):
+    """async-ppo-math with max_head_offpolicyness=0 generates each batch with the weights that train on it (version
+    lag 0 everywhere); its rollout workers seed each prompt's samples as the synchronous run does, so with the
+    behaviour log-probs as the PPO base (recompute_logprob=false) the run is the synchronous served run, step for
+    step, to the same held-out accuracy."""
+    res = recipe.learn("grpo", start["out"], start, ASYNC + ["async_rl.max_head_offpolicyness=0",
+                                                             "async_rl.recompute_logprob=false"],
+                       eval_threads=None, exp="grpo-async-ofp0", experiment="async-ppo-math")
+    assert res["steps"] == 40
+    for i, (s, a) in enumerate(zip(served["stats"], res["stats"])):
+        assert a["version_lag_max"] == 0, (i, a)
+        for k in ("task_reward", "avg_seq_len", "no_eos_ratio"):
+            assert a[k] == pytest.approx(s[k], abs=1e-6), (i, k, s[k], a[k])
+        assert a["actor_loss"] == pytest.approx(s["actor_loss"], abs=1e-4), (i, s["actor_loss"], a["actor_loss"])
+    assert res["heldout_acc_after"] == served["heldout_acc_after"]
+
+
+def test_async_grpo_learns(recipe, start):
+    """Asynchronous GRPO (max_head_offpolicyness=1: the next batch is generated while the trainer trains; decoupled
+    PPO loss with recomputed proximal log-probs) learns as the synchronous run does."""
+    res = recipe.learn("grpo", start["out"], start, ASYNC + ["async_rl.max_head_offpolicyness=1"], eval_threads=None,
+                       exp="grpo-async", experiment="async-ppo-math")
     st = res["stats"]
     assert res["steps"] == 40 and all(s["n_seqs"] == 16 * 8 for s in st)
-    assert all(s["actor_gen/weight_sync_time"] > 0 for s in st[1:])
-    _check_learned("grpo (gen server)", res, start)
+    assert all(s["version_lag_max"] <= 1 for s in st)
+    assert sum(s["version_lag_max"] == 1 for s in st) >= 10, [s["version_lag_max"] for s in st]
+    assert all("behave_imp_weight" in s for s in st)
+    _check_learned("grpo (async, off-policyness 1)", res, start)

@@ -302,12 +302,97 @@ PPO: Dict[str, Any] = {
     **{k: v for m in PPO_MFCS if m != "rew_inf" for k, v in _mb_spec(f"{m}.mb_spec", m).items()},
 }
 
-TABLES = {"sft": SFT, "gen": GEN, "ppo-math": PPO}
+PPO["ppo.behav_imp_weight_cap"] = Refused("2.0")  # ppo-math trains on samples of the trained weights
+
+
+# ------------------------------------------------------------------------------------------ async-ppo-math
+def _rollout(field):
+    return lambda b: getattr(b.spec.rollout, field)
+
+
+def _rollout_ds(arg):
+    return lambda b: b.spec.rollout.dataset.args[arg]
+
+
+def _gconf(k):
+    return lambda b: b.spec.rollout.gconfig[k]
+
+
+def _fleet(field):
+    return lambda b: getattr(b.spec.served().gen_servers, field)
+
+
+ASYNC_ALLOC = "gen.d2m1p1+d1m1p1"  # a base with three device slots, so the trainer's layout can change
+ASYNC: Dict[str, Any] = {
+    **{k: v for k, v in PPO.items() if not k.startswith(("actor_gen.", "rew_inf.", "ppo.gen.", "gen_server.", "dataset.",
+                                                            "critic_inf.", "critic_train.", "actor_train.", "ref_inf."))
+       and k not in ("param_realloc", "actor.offload", "critic.offload", "use_chat_template", "prompt_template",
+                     "group_size", "reward_allow_last_number", "correct_reward", "wrong_reward", "reward_timeout_secs",
+                     "ppo.reward_output_scaling", "ppo.reward_output_bias", "ppo.behav_imp_weight_cap")},
+    # the trainer: the same spec fields and interfaces as ppo-math
+    "allocation_mode": Reach("gen.d1m1p1+d2m1p1", lambda b: b.model("actor").layout.dp, expect=2,
+                             needs=("n_devices_per_node=3", f"allocation_mode={ASYNC_ALLOC}")),
+    "n_nodes": Reach("2", lambda b: b.spec.device_slots(), expect=4, with_=("allocation_mode=gen.d2m1p1+d2m1p1",)),
+    "n_devices_per_node": Reach("4", lambda b: b.spec.device_slots(), expect=4,
+                                with_=("allocation_mode=gen.d2m1p1+d2m1p1",)),
+    "param_realloc": Refused("memory"),  # weights reach the servers through the rollout manager, from disk
+    "actor.offload": Refused("true"),
+    "critic.offload": Reach("true", lambda b: b.model_of("critic_inf").offload,
+                            needs=("n_devices_per_node=3", "allocation_mode=gen.d1m1p1+critic_inf:d2m1p1,*:d1m1p1",
+                                   *TWO_CRITIC_LAYOUTS)),
+    **{f"{m}.{f}": Refused(v) for m in PPO_MFCS + ("actor_inf",) for f, v in (("device_mesh", "localhost:1"),
+                                                                              ("parallel", "d1m1p1"))},
+    **{f"actor_gen.mb_spec.{k}": Refused(v) for k, v in (("n_mbs", "2"), ("max_tokens_per_mb", "4096"))},
+    **{k: v for m in ("actor_train", "ref_inf", "critic_inf", "critic_train", "actor_inf")
+       for k, v in _mb_spec(f"{m}.mb_spec", m).items()},
+    # the generation servers
+    **{f"gen_server.{k}": Reach(v, _fleet(k)) for k, v in (("max_num_seqs", "8"), ("routing", "round_robin"),
+                                                         ("startup_timeout_secs", "30.0"),
+                                                         ("request_timeout_secs", "60.0"))},
+    "gen_server.extra": Reach('{"compile_decode": true}', _fleet("extra"), expect=lambda x: json.loads(x)),
+    # the rollout workers: prompts, sampling, rewards, workflow
+    "dataset.path": Reach(lambda env: env.math2, _rollout_ds("path")),
+    "dataset.max_prompt_len": Reach("128", _rollout_ds("max_prompt_len")),
+    "dataset.train_bs_n_seqs": Reach("8", lambda b: (b.spec.dataset.batch_size, b.spec.rollout.batch_size),
+                                     expect=lambda x: _n(x, 2)),
+    "use_chat_template": Reach("false", _rollout_ds("use_chat_template")),
+    "prompt_template": Reach("Q: {prompt}", _rollout_ds("prompt_template")),
+    "group_size": Reach("2", lambda b: (b.spec.rollout.gconfig["n"], b.iface("actor_train").group_size),
+                        expect=lambda x: _n(x, 2)),
+    **{k: Reach(v, lambda b, a=a: b.spec.rollout.reward_args[a]) for k, v, a in (
+        ("reward_allow_last_number", "true", "allow_last_number"), ("correct_reward", "3.0", "correct_reward"),
+        ("wrong_reward", "-1.0", "wrong_reward"), ("reward_timeout_secs", "2.0", "timeout_secs"))},
+    "ppo.reward_output_scaling": Reach("2.0", _rollout("reward_output_scaling")),
+    "ppo.reward_output_bias": Reach("1.0", _rollout("reward_output_bias")),
+    **{f"ppo.gen.{k}": Reach(v, _gconf(k)) for k, v in (("max_new_tokens", "64"), ("min_new_tokens", "2"),
+                                                        ("greedy", "true"), ("top_p", "0.9"), ("top_k", "5"),
+                                                        ("seed", "11"))},
+    "ppo.gen.stop_token_ids": Reach("[5,6]", _gconf("stop_token_ids")),
+    "ppo.gen.compile_decode": Refused("true"),
+    "ppo.gen.temperature": Reach("0.7", lambda b: (b.spec.rollout.gconfig["temperature"], b.iface("actor_train").temperature,
+                                                   b.iface("ref_inf").temperature), expect=lambda x: _n(x, 3)),
+    "ppo.behav_imp_weight_cap": Reach("2.0", _attrs("actor_train.cfg.behav_imp_weight_cap")),
+    "async_rl.max_head_offpolicyness": Reach("2", _rollout("max_head_offpolicyness")),
+    "async_rl.max_concurrent_rollouts": Reach("5", _rollout("max_concurrent_rollouts")),
+    "async_rl.n_rollout_workers": Reach("2", _rollout("n_workers")),
+    "async_rl.workflow": Reach("multi_turn", _rollout("workflow"), needs=("use_critic=false",)),
+    "async_rl.workflow_args": Reach('{"max_turns": 3}', _rollout("workflow_args"), expect=lambda x: json.loads(x)),
+    "async_rl.reward_fn": Reach("realhf.reward:MathVerifier", _rollout("reward_fn")),  # any importable callable
+    "async_rl.dynamic_filtering": Reach("true", _rollout("dynamic_filtering")),
+    "async_rl.recompute_logprob": Reach("false", lambda b: "actor_inf" in b.ifaces),
+    "async_rl.episode_timeout_secs": Reach("60.0", _rollout("episode_timeout_secs")),
+}
+# the critic's options of ppo-math, which read the critic's interfaces as they are
+ASYNC.update({k: v for k, v in PPO.items() if k.startswith("ppo.") and k not in ASYNC and "gen." not in k})
+
+TABLES = {"sft": SFT, "gen": GEN, "ppo-math": PPO, "async-ppo-math": ASYNC}
 # the options each experiment needs to build at all (required paths; the tiny model has 512 positions)
 BASE_ARGS = {
     "sft": lambda env: [f"model.path={env.model}", f"dataset.train_path={env.sft}", "dataset.max_seqlen=512"],
     "gen": lambda env: [f"model.path={env.model}", f"dataset.path={env.prompts}"],
     "ppo-math": lambda env: [f"actor.path={env.model}", f"dataset.path={env.math}"],
+    "async-ppo-math": lambda env: [f"actor.path={env.model}", f"dataset.path={env.math}", "n_devices_per_node=2",
+                                   "allocation_mode=gen.d1m1p1+d1m1p1"],
 }
 NEEDS = {"VALID": lambda env: f"dataset.valid_path={env.sft}"}  # placeholders of ``needs`` filled from the files
 

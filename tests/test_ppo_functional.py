@@ -85,6 +85,23 @@ def test_actor_loss_proximal_policy():
     close(st["importance_weight"], 1.1, 1e-6)
 
 
+def test_actor_loss_behaviour_weight_cap_drops_far_off_policy_tokens():
+    # two tokens: behaviour weights exp(0 - log 0.5) = 2 and exp(0 - 0) = 1; A = 1, ratio vs proximal 1.1
+    logp, old, prox = torch.log(t(1.1, 1.1)), torch.log(t(0.5, 1.0)), t(0.0, 0.0)
+    adv, mask = t(1.0, 1.0), b(True, True)
+    loss, st = F.actor_loss(logp, old, adv, 0.2, mask, proximal_logprobs=prox)
+    close(loss, -(2 * 1.1 + 1 * 1.1) / 2)
+    close(st["behave_capped_ratio"], 0.0)
+    # a cap of 1.5 drops the first token: the mean is over the second alone
+    loss, st = F.actor_loss(logp, old, adv, 0.2, mask, proximal_logprobs=prox, behav_imp_weight_cap=1.5)
+    close(loss, -1.1)
+    close(st["behave_capped_ratio"], 0.5)
+    # the gradient reaches only the kept token
+    lp = torch.log(t(1.1, 1.1)).requires_grad_()
+    F.actor_loss(lp, old, adv, 0.2, mask, proximal_logprobs=prox, behav_imp_weight_cap=1.5)[0].backward()
+    assert lp.grad[0] == 0 and lp.grad[1] != 0
+
+
 def test_actor_loss_empty_mask_is_zero_not_nan():
     loss, st = F.actor_loss(t(0.3, 0.1), t(0.0, 0.0), t(1.0, 1.0), 0.2, b(False, False))
     close(loss, 0.0)

@@ -67,12 +67,19 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console
             from realhf.gen_server.launch import start_servers
 
             start_servers(sched, spec, config, env, nr, name_resolve_root(config), own_devices=config.mode == "ray")
+        if spec.rollout is not None:  # asynchronous RL: the rollout manager next (it restores its accounting)
+            from realhf.system.rollout_launch import start_manager, start_rollout_workers
+
+            start_manager(sched, spec, env, nr, common)
         sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env, worker=False)
         for r in range(spec.n_workers):
             sched.submit(f"model_worker_{r}", python_cmd("realhf.apps.remote", "--role", "model_worker", "--rank", str(r), *common), env)
+        if spec.rollout is not None:
+            start_rollout_workers(sched, spec, env, common)
         console.watch(spec.log_dir)
-        sched.wait("master", on_poll=console.poll)
-        sched.wait_others(skip=("gen_server_",))  # servers serve until stopped (stop_all)
+        # an asynchronous run goes on while one generation server is left: the others' requests move to it
+        sched.wait("master", on_poll=console.poll, survivable=("gen_server_",) if spec.rollout is not None else ())
+        sched.wait_others(skip=("gen_server_", "rollout_"))  # servers and the rollout side serve until stopped
     finally:
         console.close()
         sched.stop_all()

@@ -1,4 +1,5 @@
-"""Entry point of one experiment process: ``--role master`` or ``--role model_worker --rank i``.
+"""Entry point of one experiment process: ``--role master``, ``--role model_worker --rank i``, and in asynchronous
+runs ``--role rollout_manager`` and ``--role rollout_worker --rank i``.
 
 Every process rebuilds the same experiment spec from the config file the launcher wrote. Each one ends
 itself within about a second when its parent (the launcher, or the Ray actor that started it) is gone,
@@ -24,7 +25,7 @@ def load_config(exp_name: str, path: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--role", choices=["master", "model_worker"], required=True)
+    ap.add_argument("--role", choices=["master", "model_worker", "rollout_manager", "rollout_worker"], required=True)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--exp", required=True)
     ap.add_argument("--config", required=True)
@@ -58,6 +59,20 @@ def main(argv=None) -> int:
             return w.run()
         finally:
             w.close()
+    if a.role == "rollout_manager":
+        import asyncio
+
+        from realhf.system.rollout_manager import serve
+
+        return asyncio.run(serve(spec, secret, nr, bool(a.resume)))
+    if a.role == "rollout_worker":
+        import asyncio
+
+        from realhf.system.rollout_worker import RolloutWorker
+
+        rw = RolloutWorker(spec, a.rank, secret, nr)
+        rw.setup()
+        return asyncio.run(rw.run())
     identity = {"run_id": a.run_id, "fingerprint": config.fingerprint(), "options": config.resume_options()}
     return run_master(spec, secret, nr, bool(a.resume), identity)
 
@@ -81,7 +96,7 @@ def run_master(spec, secret, nr, resume: bool, identity: dict) -> int:
     beats.start()
     client = MasterClient(secret, addrs, heartbeat=monitor, lost_after=spec.worker_timeout_secs)
     try:
-        code = MasterWorker(spec, client, resume, identity).run()
+        code = MasterWorker(spec, client, resume, identity, name_resolve=nr, secret=secret).run()
         if code == 0 and spec.final_hook:
             final_hook(spec.final_hook)(spec)
         return code

@@ -12,14 +12,23 @@ servers on the generation devices (``realhf.gen_server``): its replica ``actor@1
 trained weights reach the servers before each generation (``param_realloc=disk|memory``), and actor_gen also
 outputs ``packed_versions`` (the weight version behind every generated token; -1 on prompt tokens).
   critic_train(critic, train_step) all of the above                                           [critic on]
+
+`async-ppo-math` (asynchronous, AReaL's design) builds the same trainer but feeds it a stream of finished
+trajectories instead of actor_gen + rew_inf: a rollout manager and rollout workers run episodes (a workflow:
+generation on the servers, then the reward) and push them to the trainer's data-parallel heads
+(``realhf.system.trajectory_stream``); the trained weights reach the servers through the manager after every
+step. Its DFG:
+  actor_inf   (actor,  inference)  packed_input_ids, prompt_mask -> proximal_logprobs   [async_rl.recompute_logprob]
+  ref_inf, critic_inf, critic_train as above
+  actor_train (actor,  train_step) the stream's keys (incl. packed_versions, rewards) + the above: decoupled PPO
 """
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
 from realhf.api.core.dfg import MFCDef
-from realhf.api.core.system_api import DatasetSpec, ExperimentSpec
-from realhf.api.quickstart.config import PPOMathConfig
+from realhf.api.core.system_api import DatasetSpec, ExperimentSpec, RolloutSpec
+from realhf.api.quickstart.config import AsyncPPOMathConfig, PPOMathConfig
 from realhf.experiments import register_experiment
 from realhf.base.topology import ParallelDims
 from realhf.experiments.common import (check_model_fits, experiment_spec, gen_servers_spec, model_replicas,
@@ -34,6 +43,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     from realhf.impl.dataset.math import MATH_OPTIONAL, MATH_REQUIRED
 
     mode = cfg.allocation()
+    is_async = isinstance(cfg, AsyncPPOMathConfig)
     served = None
     if mode.kind == "decoupled":  # actor_gen is served by generation servers on the generation devices
         served = gen_servers_spec(cfg, cfg.dataset.max_prompt_len + cfg.ppo.gen.max_new_tokens, cfg.actor.dtype)
@@ -41,6 +51,10 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     use_critic = cfg.use_critic
     roles: Dict[str, List[Tuple[str, bool]]] = {"actor": [("actor_gen", False), ("actor_train", True)],
                                                 "reward": [("rew_inf", False)]}
+    if is_async:  # the workflows reward the answers; the trainer may recompute the proximal log-probs
+        del roles["reward"]
+        if cfg.async_rl.recompute_logprob:
+            roles["actor"].append(("actor_inf", False))
     if use_ref:
         roles["ref"] = [("ref_inf", False)]
     if use_critic:
@@ -85,12 +99,13 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     models += replica_specs("critic", replicas.get("critic", {}), cfg.critic_path(), cfg.critic,
                             optimizer=cfg.critic.optimizer, total_train_steps=train_steps, is_critic=True,
                             tokenizer_path=tok)
-    models += replica_specs("reward", replicas["reward"], "", tokenizer_path=tok)
+    if not is_async:
+        models += replica_specs("reward", replicas["reward"], "", tokenizer_path=tok)
 
     # the interfaces take the validated config sections as they are (see realhf/impl/model/interface/ppo_interface.py)
     actor_args = dict(ppo=p, group_size=cfg.group_size, use_critic=use_critic, seed=cfg.seed)
     train_inputs = list(GEN_KEYS) + ["rewards"]
-    mfcs = [
+    mfcs = [] if is_async else [
         MFCDef("actor_gen", model_of["actor_gen"], "generate", "ppo_actor", actor_args, input_keys=("packed_prompts",),
                output_keys=GEN_KEYS + (("packed_versions",) if served is not None else ()), mb_spec=cfg.actor_gen.mb_spec.to_spec()),
         MFCDef("rew_inf", model_of["rew_inf"], "inference", "rw-math",
@@ -99,6 +114,13 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
                     timeout_secs=cfg.reward_timeout_secs, allow_last_number=cfg.reward_allow_last_number),
                input_keys=("packed_input_ids", "prompt_mask"), output_keys=("rewards",)),
     ]
+    if is_async:
+        train_inputs.append("packed_versions")
+        if cfg.async_rl.recompute_logprob:
+            mfcs.append(MFCDef("actor_inf", model_of["actor_inf"], "inference", "ppo_actor", actor_args,
+                               input_keys=("packed_input_ids", "prompt_mask"), output_keys=("logprobs",),
+                               output_key_remap={"logprobs": "proximal_logprobs"}, mb_spec=cfg.actor_inf.mb_spec.to_spec()))
+            train_inputs.append("proximal_logprobs")
     if use_ref:
         mfcs.append(MFCDef("ref_inf", model_of["ref_inf"], "inference", "ppo_actor", actor_args,
                            input_keys=("packed_input_ids", "prompt_mask"),
@@ -117,8 +139,43 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     ds = DatasetSpec(kind="math_prompt", args=dict(path=cfg.dataset.path, max_prompt_len=cfg.dataset.max_prompt_len,
                                                    use_chat_template=cfg.use_chat_template, prompt_template=cfg.prompt_template),
                      batch_size=bs, holder_model="actor")
+    rollout = None
+    if is_async:  # the prompts go to the rollout workers; the trainer's heads pull finished trajectories
+        rollout = async_rollout_spec(cfg, ds, n_samples, steps, dp=replicas["actor"]["actor"][0].dp)
+        ds = DatasetSpec(kind="trajectory_stream", batch_size=bs, holder_model="actor",
+                         args=dict(steps_per_epoch=max(1, epoch_steps(n_samples, bs, drop_last=True)),
+                                   n_prompts=n_samples))
     return experiment_spec(cfg, n_workers=n_workers, models=models, mfcs=mfcs, dataset=ds, auto_eval=cfg.auto_eval,
-                           param_realloc=cfg.param_realloc)
+                           param_realloc=cfg.param_realloc, rollout=rollout)
+
+
+def async_rollout_spec(cfg: AsyncPPOMathConfig, prompts: DatasetSpec, n_samples: int, steps: int, dp: int) -> RolloutSpec:
+    import dataclasses
+
+    import realhf.impl.workflow  # noqa: F401  (registers the built-in workflows)
+    from realhf.api.core.workflow_api import import_object, workflow_class
+
+    a = cfg.async_rl
+    try:  # a workflow or reward that cannot be found fails here, before any process starts
+        workflow_class(a.workflow)
+        reward = import_object(a.reward_fn, "async_rl.reward_fn")
+    except (ImportError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"async_rl: {e}") from None
+    if not callable(reward):
+        raise ValueError(f"async_rl.reward_fn={a.reward_fn!r} is not a class or a function")
+    reward_args = dict(correct_reward=cfg.correct_reward, wrong_reward=cfg.wrong_reward,
+                       timeout_secs=cfg.reward_timeout_secs, allow_last_number=cfg.reward_allow_last_number)
+    return RolloutSpec(
+        n_workers=a.n_rollout_workers, batch_size=cfg.dataset.train_bs_n_seqs, dp_size=dp, total_batches=steps,
+        n_prompts=n_samples, max_head_offpolicyness=a.max_head_offpolicyness,
+        max_concurrent_rollouts=a.max_concurrent_rollouts or cfg.dataset.train_bs_n_seqs, dataset=prompts,
+        workflow=a.workflow, workflow_args=a.workflow_args_dict(),
+        gconfig={**dataclasses.asdict(cfg.ppo.gen), "n": cfg.group_size, "seed": cfg.seed if cfg.ppo.gen.seed is None
+                 else cfg.ppo.gen.seed},
+        reward_fn=a.reward_fn, reward_args=reward_args, reward_output_scaling=cfg.ppo.reward_output_scaling,
+        reward_output_bias=cfg.ppo.reward_output_bias, tokenizer_path=cfg.actor.path,
+        dynamic_filtering=a.dynamic_filtering, shuffle=True, seed=cfg.seed, episode_timeout_secs=a.episode_timeout_secs)
 
 
 register_experiment("ppo-math", PPOMathConfig, build_ppo_math)
+register_experiment("async-ppo-math", AsyncPPOMathConfig, build_ppo_math)

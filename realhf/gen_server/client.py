@@ -147,27 +147,14 @@ class GenClient:
         return await self._call(s, "GET", path, timeout, headers=headers)
 
     async def _call(self, s: ServerState, method: str, path: str, timeout: float, **kw) -> Any:
-        import aiohttp
+        from realhf.base.http import request_json
 
-        sess = await self.session()
-        try:
-            async with sess.request(method, f"http://{s.address}{path}",
-                                    timeout=aiohttp.ClientTimeout(total=timeout), **kw) as r:
-                text = await r.text()
-                if r.status != 200:
-                    try:
-                        msg = json.loads(text).get("error", text)
-                    except ValueError:
-                        msg = text[:500]
-                    raise GenServerError(s.label, f"{path} answered {r.status}: {msg}", status=r.status)
-                return json.loads(text) if text else {}
-        except GenServerError:
-            raise
-        except asyncio.TimeoutError:
-            raise GenServerError(s.label, f"{path} timed out after {timeout:.0f} s") from None
-        except aiohttp.ClientError as e:
-            raise GenServerError(s.label, f"{path} failed: cannot reach the server ({type(e).__name__}: {e}); "
-                                          "did it exit? see its log") from None
+        def fail(msg: str, status: Optional[int]) -> GenServerError:
+            if status is None and "cannot reach" in msg:
+                msg += "; did the server exit? see its log"
+            return GenServerError(s.label, msg, status=status)
+
+        return await request_json(await self.session(), method, f"http://{s.address}{path}", path, timeout, fail, **kw)
 
     # ------------------------------------------------------------------ routing
     def _pick(self, cost: int, exclude: set) -> ServerState:

@@ -8,7 +8,8 @@
   (the master's ``ParamReallocHook`` asks for it before the next generation): ``disk`` — the replica writes a HF
   checkpoint (``save_hf``, atomic) and every server loads it; ``memory`` — the replica's stage writers and
   every server rank join one torch.distributed group (gloo on CPU, NCCL on GPU) and the writers broadcast the
-  HF-named tensors, which the servers load as they arrive.
+  HF-named tensors, which the servers load as they arrive. In an asynchronous run (``spec.rollout``) the
+  checkpoint goes to the rollout manager instead, which pauses the servers, has them load it and resumes them.
 """
 from __future__ import annotations
 
@@ -118,7 +119,15 @@ class WeightPublisher:
         from realhf.impl.model.conversion.hf_io import save_hf
 
         save_hf(model.module, self.path)  # collective over the replica; the folder is complete when it returns
-        if self._is_head(model.grid):
+        if not self._is_head(model.grid):
+            return
+        if self.spec.rollout is not None:  # asynchronous run: the rollout manager pauses, updates, resumes the servers
+            from realhf.system.manager_client import manager_call
+
+            addr = self.nr.wait(names.rollout_manager(self.spec.experiment_name, self.spec.trial_name), timeout=600)
+            manager_call(addr, self.secret, "/update_weights", {"path": self.path, "version": version},
+                         timeout=self.fleet.startup_timeout_secs)
+        else:
             self._client().update_weights_from_disk(self.path, version)
 
     def _publish_memory(self, model, version: int):

@@ -34,7 +34,7 @@ import time
 import traceback
 from typing import Any, Awaitable, Callable, Dict, Optional
 
-from realhf.base import logging
+from realhf.base import failpoint, logging
 from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerationEngine, RequestError, TensorMeta,
                                    WeightGroupSpec)
 from realhf.gen_server.auth import RequestVerifier
@@ -124,7 +124,11 @@ class GenServer:
         return web.json_response(m)
 
     async def _generate(self, d):
-        return (await self.engine.generate(GenerateRequest.from_dict(d))).to_dict()
+        req = GenerateRequest.from_dict(d)
+        lag = failpoint.delay_secs("gen_server.generate")  # tests: a random delay ($REALHF_DELAYS)
+        if lag:
+            await asyncio.sleep(lag)
+        return (await self.engine.generate(req)).to_dict()
 
     async def _logprobs(self, d):
         seqs = d.get("sequences") if isinstance(d, dict) else None

@@ -41,20 +41,30 @@ class WaitMixin:
     ``self.jobs[name].log_path``: shared by the launchers."""
 
     def wait(self, main: str, poll: float = 0.2, timeout: Optional[float] = None,
-             on_poll: Optional[Callable[[], None]] = None) -> None:
+             on_poll: Optional[Callable[[], None]] = None, survivable: tuple = ()) -> None:
         """Return when ``main`` exits 0; raise JobFailure when any job exits non-zero (or is lost),
-        TimeoutError after ``timeout`` seconds. ``on_poll()`` is called at every poll (e.g. to show progress)."""
+        TimeoutError after ``timeout`` seconds. ``on_poll()`` is called at every poll (e.g. to show progress).
+        Jobs whose names start with one of ``survivable`` (e.g. generation servers of an asynchronous run) may
+        fail while at least one of them still runs: each failure is logged once as a warning."""
         t0 = time.monotonic()
+        tolerated: set = set()
         while True:
             if on_poll is not None:
                 on_poll()
             codes = self._codes()
+            group = [n for n in codes if survivable and n.startswith(survivable)]
+            alive = [n for n in group if codes[n] is None]
             for name, code in codes.items():
                 if code == MASTER_LOST_EXIT and name != main:
                     raise JobFailure(main, code, tail(self.jobs[name].log_path),
                                      reason=f"{main} stopped responding: {name} heard no heartbeat from it and ended "
                                             f"(exit code {code}); the {main} was stopped")
                 if code is not None and code != 0:
+                    if name in group and alive:
+                        if name not in tolerated:
+                            tolerated.add(name)
+                            logger.warning(f"{name} exited with code {code}; the run goes on with {', '.join(alive)}")
+                        continue
                     raise JobFailure(name, code, tail(self.jobs[name].log_path))
             if codes[main] == 0:
                 return

@@ -6,6 +6,8 @@ cases inside the call path:
 * :class:`ParamReallocHook` brings a mirror replica (e.g. the actor's generation layout) the trained parameters
   of its source before it runs, when they changed since it last got them: point-to-point between the workers
   of both layouts, or through a checkpoint on disk (``param_realloc=disk``).
+* :class:`PublishAfterTrainHook` (asynchronous runs) publishes the trained weights to the generation servers right
+  after each training MFC, as no generation MFC comes to ask for them.
 * :class:`OffloadHook` moves an offloaded inference replica's parameters to host memory after each of its MFCs
   (the workers bring them back when a request uses them).
 
@@ -69,7 +71,11 @@ class ParamReallocHook(MFCHook):
         self._locks_lock = threading.Lock()
 
     def before(self, mfc: MFCDef) -> dict:
-        m = self.spec.model(str(mfc.model_name))
+        return self.sync(str(mfc.model_name))
+
+    def sync(self, name: str) -> dict:
+        """Bring mirror replica ``name`` the current parameters of its source (nothing when it has them)."""
+        m = self.spec.model(name)
         if m.realloc_from is None:
             return {}
         src = self.spec.model(m.realloc_from)
@@ -99,6 +105,22 @@ class ParamReallocHook(MFCHook):
             self.versions.set(m.name, version)
             logger.debug(f"reallocated {src.name} ({src.layout}) -> {m.name} ({m.layout}) in {dt:.3f}s")
             return {"realloc_time": dt}
+
+
+class PublishAfterTrainHook(MFCHook):
+    """Asynchronous runs: right after a training MFC, publish the new weights to the generation servers that serve a
+    mirror of the trained replica (the rollout workers generate with them while the trainer goes on); the time it
+    takes is the training MFC's ``weight_sync_time``. Runs after :class:`ParamVersionHook` has counted the step."""
+
+    def __init__(self, spec: ExperimentSpec, realloc: ParamReallocHook):
+        self.spec, self.realloc = spec, realloc
+
+    def after(self, mfc: MFCDef, stats: dict) -> None:
+        if not mfc.is_train:
+            return
+        for m in self.spec.models:
+            if m.gen_servers is not None and m.realloc_from == str(mfc.model_name):
+                stats.update(self.realloc.sync(m.name))
 
 
 class OffloadHook(MFCHook):

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.system_api import ExperimentSpec
-from realhf.base import logging
+from realhf.base import failpoint, logging
 from realhf.base.progress import key_stats, write_progress
 from realhf.base.recover import RecoverStore
 from realhf.base.stats import StatsLogger
@@ -32,7 +32,7 @@ from realhf.system.cadence import Cadence
 from realhf.system.data_manager import plan_transfers
 from realhf.system.evaluator import make_evaluator
 from realhf.system.executor import DFGExecutor
-from realhf.system.hooks import OffloadHook, ParamReallocHook, ParamVersionHook
+from realhf.system.hooks import OffloadHook, ParamReallocHook, ParamVersionHook, PublishAfterTrainHook
 from realhf.system.model_worker import load_recover_info, worker_name
 from realhf.system.notices import Notices
 from realhf.system.request_reply_stream import MasterClient, Payload
@@ -58,10 +58,13 @@ def _rank(worker: str) -> int:
 
 
 class MasterWorker:
-    def __init__(self, spec: ExperimentSpec, client: MasterClient, resume: bool, identity: Optional[dict] = None):
-        """``identity``: ``{"run_id", "fingerprint", "options"}`` of the run, recorded in its recover checkpoints."""
+    def __init__(self, spec: ExperimentSpec, client: MasterClient, resume: bool, identity: Optional[dict] = None,
+                 name_resolve=None, secret: Optional[bytes] = None):
+        """``identity``: ``{"run_id", "fingerprint", "options"}`` of the run, recorded in its recover checkpoints;
+        ``name_resolve`` and ``secret`` reach the rollout manager of an asynchronous run."""
         self.spec = spec
         self.client = client
+        self.nr, self.secret = name_resolve, secret
         self.identity = dict(identity or {})
         self.recover_store = RecoverStore(spec.recover_dir)
         self.workers = [worker_name(r) for r in range(spec.n_workers)]
@@ -73,9 +76,16 @@ class MasterWorker:
                                  resume_step=self.resume_info["global_step"] if self.resume_info is not None else None)
         self.evaluator = make_evaluator(spec, self.stats)  # None unless auto_eval.enabled
         self.versions = ParamVersionHook(spec, resumed=self.resume_info is not None)
+        if self.resume_info is not None and spec.rollout is not None:
+            # asynchronous runs label generated tokens with versions: a resumed trainer's version is its step count
+            for m in spec.models:
+                if m.optimizer is not None:
+                    self.versions.set(m.name, int(self.resume_info["global_step"]))
+        self.realloc = ParamReallocHook(spec, self._call_ranks, self.versions)
         # before-hooks run in this order, after-hooks too
-        self.hooks = [ParamReallocHook(spec, self._call_ranks, self.versions), self.versions,
-                      OffloadHook(spec, self._call_ranks)]
+        self.hooks = [self.realloc, self.versions, OffloadHook(spec, self._call_ranks)]
+        if spec.rollout is not None:
+            self.hooks.append(PublishAfterTrainHook(spec, self.realloc))
         self.holders: List[int] = []
         self.step = 0  # the global step being run (1-based) once the loop starts
         self.notices = Notices()
@@ -95,10 +105,14 @@ class MasterWorker:
         """The next batch from the dataset holders: (sample ids, epoch info, the dataset's keys)."""
         replies = self._call_ranks("fetch", {r: {} for r in self.holders})
         ids, info, keys = [], None, None
+        stats: Dict[str, float] = {}
         for w, rep in replies.items():
             ids += self.buffer.add(rep.data["sample"], _rank(w), step=self.step)
             keys = set(rep.data["sample"]["keys"])
-            info = {k: v for k, v in rep.data.items() if k != "sample"}
+            info = {k: v for k, v in rep.data.items() if k not in ("sample", "stats")}
+            for k, v in rep.data.get("stats", {}).items():  # over the heads: the longest wait, the total queue
+                stats[k] = max(stats.get(k, v), v) if k.endswith("_time") else stats.get(k, 0.0) + v
+        info["stats"] = stats
         return ids, info, keys
 
     # ------------------------------------------------------------------ one MFC
@@ -140,6 +154,19 @@ class MasterWorker:
         for h in self.hooks:
             h.after(mfc, out_stats)
         return out_stats
+
+    def _rollout_stats(self) -> Dict[str, float]:
+        """The rollout manager's counters (asynchronous runs), logged as ``async/<name>`` with each step."""
+        from realhf.base.name_resolve import names
+        from realhf.system.manager_client import ManagerError, manager_call
+
+        try:
+            addr = self.nr.get(names.rollout_manager(self.spec.experiment_name, self.spec.trial_name))
+            st = manager_call(addr, self.secret, "/status", timeout=10)
+        except (KeyError, ManagerError) as e:
+            logger.warning(f"no rollout statistics this step: {e}")
+            return {}
+        return {f"async/{k}": float(v) for k, v in st.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     # ------------------------------------------------------------------ saving and evaluating
     def _save(self, tag: str, global_step: Optional[int] = None):
@@ -195,10 +222,16 @@ class MasterWorker:
         write_progress(spec.log_dir, progress)
         executor = None
         cadence = Cadence(spec)
+        if spec.rollout is not None and self.resume_info is not None:
+            # the servers started with the initial weights: give them the resumed ones before rollouts begin
+            for m in spec.models:
+                if m.gen_servers is not None:
+                    self.realloc.sync(m.name)
         t_start = time.perf_counter()
         while global_step < total_steps:
             t0 = time.perf_counter()
             self.step = global_step + 1
+            failpoint.delay("trainer.step")  # tests: a random delay ($REALHF_DELAYS)
             ids, info, dataset_keys = self._fetch()
             if executor is None:
                 graph = build_graph([m for m in spec.mfcs if not m.is_evaluate], dataset_keys)
@@ -207,7 +240,9 @@ class MasterWorker:
             mfc_stats = executor.run(ids)
             global_step += 1
             epoch, epoch_step = info["epoch"], info["epoch_step"]
-            stats = {}
+            stats = dict(info["stats"])
+            if spec.rollout is not None:
+                stats.update(self._rollout_stats())
             for name, st in mfc_stats.items():
                 for k, v in st.items():
                     stats[f"{name}/{k}" if k in PER_MFC_STATS else k] = v

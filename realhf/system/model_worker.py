@@ -229,7 +229,15 @@ class ModelWorker:
 
         ds = self.spec.dataset
         g = self._is_data_holder(ds.holder_model)
-        if g is not None:
+        if g is not None and ds.kind == "trajectory_stream":  # asynchronous RL: finished trajectories, pulled
+            from realhf.system.trajectory_stream import TrajectoryStreamSource
+
+            self.dataset = range(ds.args["n_prompts"])
+            self.data_iter = TrajectoryStreamSource(
+                self.secret, self.nr, self.spec.experiment_name, self.spec.trial_name, g.dp_rank, g.dp_size,
+                ds.batch_size, ds.args["steps_per_epoch"], ds.args["n_prompts"], host=network.worker_host(),
+                device=self.env.device)
+        elif g is not None:
             tok = self.models[ds.holder_model].tokenizer
             self.dataset = make_dataset(ds.kind, tokenizer=tok, **ds.args)
             self.data_iter = EpochIterator(self.dataset, ds.batch_size, seed=self.spec.seed, dp_rank=g.dp_rank,
@@ -293,7 +301,7 @@ class ModelWorker:
         batch = it.next_batch()
         self.data.put(batch)
         header, _ = batch.meta().to_wire()
-        return {"sample": header, **info}, []
+        return {"sample": header, **info, "stats": dict(getattr(it, "last_stats", {}))}, []
 
     def _h_mfc(self, data):
         mfc = next(m for m in self.spec.mfcs if m.name == data["mfc"])
@@ -478,5 +486,7 @@ class ModelWorker:
         for m in self.models.values():
             if hasattr(m.engine, "close"):
                 m.engine.close()
+        if hasattr(self.data_iter, "close"):
+            self.data_iter.close()
         if dist.is_initialized():
             dist.destroy_process_group()

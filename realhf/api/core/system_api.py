@@ -104,6 +104,10 @@ class RolloutSpec:
     dataset: Optional[DatasetSpec] = None  # the prompt dataset every rollout worker loads
     workflow: str = "rlvr"  # a registered workflow name or an import path "pkg.module:Class"
     workflow_args: Dict[str, Any] = dataclasses.field(default_factory=dict)  # plain JSON
+    reward_fn: str = "realhf.impl.workflow.rewards:MathReward"  # import path of the reward class or async callable
+    reward_args: Dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword arguments of a reward class
+    reward_output_scaling: float = 1.0  # every reward becomes (reward + bias) * scaling, as rw-math's
+    reward_output_bias: float = 0.0
     gconfig: Dict[str, Any] = dataclasses.field(default_factory=dict)  # SamplingConfig fields, plus n (group size)
     tokenizer_path: str = ""
     dynamic_filtering: bool = False  # drop (and replace) groups whose rewards are all equal

@@ -73,6 +73,9 @@ class PPOHyperparameters:
     mask_too_long: bool = option(False, "drop answers cut at max_new_tokens from the loss")
     adv_norm: bool = option(True, "normalise advantages over the batch")
     group_adv_norm: bool = option(False, "normalise advantages within each prompt's group (GRPO)")
+    behav_imp_weight_cap: Optional[float] = option(
+        None, "decoupled PPO (async-ppo-math): tokens whose behaviour importance weight exp(proximal - behaviour "
+        "log-prob) exceeds this cap leave the loss (null = no cap; > 1)")
 
     def __post_init__(self):
         check_int("ppo_n_minibatches", self.ppo_n_minibatches, 1)
@@ -88,3 +91,5 @@ class PPOHyperparameters:
         check_number("reward_output_scaling", self.reward_output_scaling)
         check_number("reward_output_bias", self.reward_output_bias)
         check_number("entropy_coef", self.entropy_coef, lo=0)
+        if self.behav_imp_weight_cap is not None:
+            check_number("behav_imp_weight_cap", self.behav_imp_weight_cap, lo=1, lo_open=True)

@@ -49,7 +49,7 @@ class GenerationInterface(ModelInterface):
             prompts.append(prompts_flat[off : off + n].tolist())
             off += n
         # one random stream per sample, from (seed, model version, sample id): the same outputs in any layout
-        seeds = [(self.seed * 1000003 + model.version * 7919 + hash_id(i)) % (2**62) for i in data.ids]
+        seeds = [prompt_seed(self.seed, model.version, i) for i in data.ids]
         tok = model.tokenizer
         eos = tok.eos_token_id if tok is not None else None
         parts = data.mb_partition(mb_spec.max_tokens_per_mb, mb_spec.n_mbs, key="packed_prompts")
@@ -119,6 +119,12 @@ class GenerationInterface(ModelInterface):
                                         "output_ids": out.tokens[k], "output_text": text,
                                         "logprobs": [round(x, 6) for x in out.logprobs[k]],
                                         "no_eos": out.no_eos[k]}) + "\n")
+
+
+def prompt_seed(seed: int, version: int, sample_id) -> int:
+    """The seed of one prompt's samples: from the sampling seed, the weight version generating and the sample id
+    (asynchronous rollouts seed their episodes the same way, see ``realhf.system.rollout_worker``)."""
+    return (int(seed) * 1000003 + int(version) * 7919 + hash_id(sample_id)) % (2**62)
 
 
 def hash_id(i) -> int:

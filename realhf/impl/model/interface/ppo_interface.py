@@ -130,6 +130,30 @@ def compute_advantages(sample: SequenceSample, cfg: PPOHyperparameters, grid, us
     return mask, adv * mask, ret, stats
 
 
+def version_lag_stats(data: SequenceSample, version: int, grid, device) -> Dict[str, float]:
+    """How stale the trained answers are: per answer, ``version`` (the parameters being trained) minus the oldest
+    weight version behind any of its generated tokens; ``version_lag_max`` / ``version_lag_mean`` over the batch
+    (every data-parallel rank), and ``version_spread_mean``: newest minus oldest version within an answer (> 0
+    when a weight update landed while it was generated)."""
+    vers = data.data["packed_versions"].long()
+    gen = ~data.data["prompt_mask"].bool()
+    lags, spreads = [], []
+    off = 0
+    for n in data.flat_seqlens("packed_versions"):
+        v = vers[off : off + n][gen[off : off + n]]
+        off += n
+        if v.numel():
+            lags.append(version - int(v.min()))
+            spreads.append(int(v.max()) - int(v.min()))
+    t = torch.tensor([float(sum(lags)), float(sum(spreads)), float(len(lags))], dtype=torch.float64, device=device)
+    mx = torch.tensor([float(max(lags, default=0))], dtype=torch.float64, device=device)
+    if grid is not None and grid.dp_group is not None:
+        dist.all_reduce(t, group=grid.dp_group)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=grid.dp_group)
+    n = max(float(t[2]), 1.0)
+    return {"version_lag_max": float(mx[0]), "version_lag_mean": float(t[0]) / n, "version_spread_mean": float(t[1]) / n}
+
+
 class PPOActorInterface(GenerationInterface):
     """generate (from GenerationInterface: ``group_size`` answers per prompt sampled as ``ppo.gen`` says),
     inference (log-probs, e.g. as the reference) and train_step."""
@@ -191,9 +215,12 @@ class PPOActorInterface(GenerationInterface):
             rows = rows_fn(mb)
             lp = logprobs_at(out, mb.data["packed_input_ids"], rows, tp, temp)
             m = torch.ones_like(lp, dtype=torch.bool)
-            at = {k: mb.data[k][rows].float().to(lp.device) for k in ("packed_logprobs", "advantages", "packed_ref_logprobs")
-                  if k in mb.data}
-            loss, st = F.actor_loss(lp, at["packed_logprobs"], at["advantages"], cfg.eps_clip, m, cfg.c_clip)
+            at = {k: mb.data[k][rows].float().to(lp.device)
+                  for k in ("packed_logprobs", "advantages", "packed_ref_logprobs", "proximal_logprobs") if k in mb.data}
+            # decoupled PPO when actor_inf recomputed the proximal log-probs (asynchronous runs)
+            loss, st = F.actor_loss(lp, at["packed_logprobs"], at["advantages"], cfg.eps_clip, m, cfg.c_clip,
+                                    proximal_logprobs=at.get("proximal_logprobs"),
+                                    behav_imp_weight_cap=cfg.behav_imp_weight_cap)
             if cfg.entropy_coef > 0:
                 ent = packed_entropy(out if temp == 1.0 else out.float() / temp, tp)
                 loss = loss - cfg.entropy_coef * F.entropy_bonus(ent, m)
@@ -202,6 +229,8 @@ class PPOActorInterface(GenerationInterface):
                 loss = loss + cfg.kl_loss_coef * F.masked_mean(kl, m)
             return loss, {"actor_loss": float(st["loss"]) * float(m.sum()), "importance_weight": float(st["importance_weight"]) * float(m.sum()),
                           "actor_clip_ratio": float(st["clip_ratio"]) * float(m.sum()), "ppo_approx_kl": float(st["approx_kl"]) * float(m.sum()),
+                          "behave_imp_weight": float(st["behave_imp_weight"]) * float(m.sum()),
+                          "behave_capped_ratio": float(st["behave_capped_ratio"]) * float(m.sum()),
                           "n_loss_tokens": float(m.sum())}
 
         n_mb = n_minibatches(cfg.ppo_n_minibatches, data.bs, grid, model.module.device)
@@ -215,7 +244,10 @@ class PPOActorInterface(GenerationInterface):
             for k, v in st.extra.items():
                 sums[k] = sums.get(k, 0.0) + v
         n_tok = max(sums.get("n_loss_tokens", 0.0), 1.0)
-        stats = {k: sums[k] / n_tok for k in ("actor_loss", "importance_weight", "actor_clip_ratio", "ppo_approx_kl")}
+        keys = ["actor_loss", "importance_weight", "actor_clip_ratio", "ppo_approx_kl"]
+        if "proximal_logprobs" in data.keys:
+            keys += ["behave_imp_weight", "behave_capped_ratio"]
+        stats = {k: sums[k] / n_tok for k in keys}
         stats["actor_grad_norm"] = sum(grad_norms) / len(grad_norms)
         # batch statistics (data-parallel averages)
         lens = data.flat_seqlens("packed_input_ids")
@@ -229,6 +261,8 @@ class PPOActorInterface(GenerationInterface):
         # the spread of the rewards over the whole batch (0: every answer got the same reward)
         out["task_reward_std"] = max(out.pop("task_reward_sq") - out["task_reward"] ** 2, 0.0) ** 0.5
         stats.update(out)
+        if "packed_versions" in data.keys:
+            stats.update(version_lag_stats(data, model.version, grid, model.module.device))
         stats["actor_lr"] = model.engine.optimizer.param_groups[0]["lr"]
         stats["actor_skipped_nonfinite"] = float(model.engine.skipped_nonfinite)  # over the run
         return stats

@@ -73,6 +73,7 @@ def actor_loss(
     loss_mask: torch.Tensor,
     c_clip: Optional[float] = None,
     proximal_logprobs: Optional[torch.Tensor] = None,
+    behav_imp_weight_cap: Optional[float] = None,
 ) -> Tuple[torch.Tensor, Stats]:
     """PPO clipped surrogate loss, optionally with dual clipping and a decoupled proximal policy.
 
@@ -86,7 +87,9 @@ def actor_loss(
 
     ``w = 1`` normally. With ``proximal_logprobs`` (decoupled PPO, as in AReaL's asynchronous RL:
     samples come from a stale behaviour policy ``old``, trust region around a recent proximal policy)
-    ``w = exp(proximal_logprobs - old_logprobs)``, the behaviour importance weight, treated as a constant.
+    ``w = exp(proximal_logprobs - old_logprobs)``, the behaviour importance weight, treated as a constant;
+    with ``behav_imp_weight_cap`` the tokens whose ``w`` exceeds the cap leave the loss (their sample came
+    from a policy too far from the proximal one; stat ``behave_capped_ratio``), and the mean is over the rest.
 
     Stats (means over the mask): ``importance_weight`` (mean ``r``), ``clip_ratio`` (fraction of tokens
     where the clipped branch is active, ``l_2 > l_1``), ``dual_clip_ratio`` (fraction where the dual-clip
@@ -118,14 +121,18 @@ def actor_loss(
     else:
         dual = torch.zeros_like(loss_mask)
 
+    capped = torch.zeros_like(loss_mask)
     if proximal_logprobs is not None:
         behave_w = torch.exp(torch.where(loss_mask, proximal_logprobs - old_logprobs, torch.zeros_like(logprobs)))
         behave_w = behave_w.detach()
         pg = pg * behave_w
+        if behav_imp_weight_cap is not None:
+            assert behav_imp_weight_cap > 0, f"behav_imp_weight_cap must be > 0, got {behav_imp_weight_cap}"
+            capped = (behave_w > behav_imp_weight_cap) & loss_mask
     else:
         behave_w = torch.ones_like(logprobs)
-
-    loss = masked_mean(pg, loss_mask)
+    kept = loss_mask & ~capped
+    loss = masked_mean(torch.where(kept, pg, torch.zeros_like(pg)), kept)
     n = loss_mask.sum().clamp(min=1).float()
     stats = {
         "importance_weight": _stat(masked_mean(ratio, loss_mask)),
@@ -133,6 +140,7 @@ def actor_loss(
         "dual_clip_ratio": _stat(dual.sum() / n),
         "approx_kl": _stat(masked_mean(base - logprobs, loss_mask)),
         "behave_imp_weight": _stat(masked_mean(behave_w, loss_mask)),
+        "behave_capped_ratio": _stat(capped.sum() / n),
         "loss": _stat(loss),
     }
     return loss, stats

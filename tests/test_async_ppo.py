@@ -1,0 +1,178 @@
+"""async-ppo-math end to end, with real processes: generation servers, the rollout manager, rollout workers, the
+trainer's master and model workers (tiny model, ``gen.`` servers).
+
+* ``max_head_offpolicyness=0`` reproduces the synchronous run: every trained token has version lag 0, and with
+  the behaviour log-probs as the PPO base (``recompute_logprob=false``) the run equals ``ppo-math`` through the same
+  servers step for step (the rollout workers seed each prompt's samples as a synchronous run does).
+* With random delays in the servers, the rollout workers and the trainer, no trained sample is ever more than
+  ``max_head_offpolicyness`` versions stale, and the manager issued no ticket past the bound.
+* kill -9 of one of two generation servers mid-run: the run finishes on the other and every slot of every batch
+  was trained exactly once, with the prompts of the synchronous order.
+"""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from realhf.base.testing import read_stats, run_quickstart, start_quickstart, wait_for_steps
+
+STEPS = 3
+
+
+def _args(model, d, exp, n_devices=2, alloc="gen.d1m1p1+d1m1p1", *extra):
+    return ["async-ppo-math", f"actor.path={model}", f"dataset.path={d}/math.jsonl", "dataset.train_bs_n_seqs=4",
+            "group_size=4", "ppo.gen.max_new_tokens=6", "ppo.gen.temperature=1.0", "ppo.ppo_n_minibatches=1",
+            "use_chat_template=false", "prompt_template={prompt}", "reward_allow_last_number=true",
+            "actor.optimizer.lr=1e-3", "use_critic=false", "ppo.kl_ctl=0", "ppo.entropy_coef=0.05",
+            f"exp_ctrl.benchmark_steps={STEPS}", f"fileroot={d}", f"experiment_name={exp}",
+            f"n_devices_per_node={n_devices}", f"allocation_mode={alloc}", "param_realloc=disk", *extra]
+
+
+def _rollout_log(d, exp, trial="trial0"):
+    """The rollout manager's event log of a run (issue / finish / version events)."""
+    with open(os.path.join(str(d), exp, trial, "logs", "rollouts.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _check_staleness(events, ofp):
+    """Every ticket was issued while its batch was within ``ofp`` versions of the servers' weights."""
+    issued = [e for e in events if e["event"] == "issue"]
+    assert issued
+    for e in issued:
+        assert e["batch"] <= e["version"] + ofp, e
+    return issued
+
+
+def test_offpolicyness_zero_reproduces_the_synchronous_run(tiny_math_run):
+    model, d = tiny_math_run
+    common = ("gen.d1m1p1+d1m1p1",)
+    p = run_quickstart(["ppo-math", *_args(model, d, "sync-served", 2, *common)[1:]])
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_quickstart(_args(model, d, "async-ofp0", 2, *common, "async_rl.max_head_offpolicyness=0",
+                             "async_rl.recompute_logprob=false"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    sync, asyn = read_stats(d, "sync-served"), read_stats(d, "async-ofp0")
+    assert len(sync) == len(asyn) == STEPS
+    for s, a in zip(sync, asyn):
+        assert a["version_lag_max"] == 0, a
+        assert a["task_reward"] == pytest.approx(s["task_reward"], abs=1e-6), (s, a)
+        assert a["actor_loss"] == pytest.approx(s["actor_loss"], abs=1e-5), (s, a)
+        assert a["avg_seq_len"] == pytest.approx(s["avg_seq_len"], abs=1e-6), (s, a)
+    _check_staleness(_rollout_log(d, "async-ofp0"), 0)
+
+
+def test_staleness_stays_bounded_under_random_delays(tiny_math_run):
+    """ofp=1, two rollout workers and room for two batches in flight; random delays in every process."""
+    model, d = tiny_math_run
+    env = {"REALHF_DELAYS": "gen_server.generate:0.4,rollout.episode:0.8,trainer.step:1.5", "REALHF_DELAY_SEED": "5"}
+    steps = 5
+    p = run_quickstart(_args(model, d, "async-delays", 2, "gen.d1m1p1+d1m1p1", "async_rl.max_head_offpolicyness=1",
+                             "async_rl.max_concurrent_rollouts=8", "async_rl.n_rollout_workers=2",
+                             f"exp_ctrl.benchmark_steps={steps}"), env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    stats = read_stats(d, "async-delays")
+    assert len(stats) == steps
+    for s in stats:
+        assert 0 <= s["version_lag_max"] <= 1, s
+        assert "behave_imp_weight" in s  # the decoupled loss ran (proximal log-probs recomputed)
+    assert any(s["version_lag_max"] == 1 for s in stats), "no sample was ever off-policy: the test checks nothing"
+    events = _rollout_log(d, "async-delays")
+    _check_staleness(events, 1)
+    accepted = {}
+    for e in events:
+        if e["event"] == "finish" and e["status"] == "accepted":
+            accepted[e["ticket"]] = True
+    slots = [(e["batch"], e["slot"]) for e in events if e["event"] == "issue" and e["ticket"] in accepted]
+    for b in range(steps):
+        assert sorted(s for bb, s in slots if bb == b) == [0, 1, 2, 3], (b, slots)
+
+
+def test_a_killed_generation_server_does_not_stop_the_run(tiny_math_run):
+    """Two servers; one is killed with SIGKILL after the first step: its requests go to the other and every slot of
+    every batch is trained once, with the prompts of the synchronous order."""
+    model, d = tiny_math_run
+    from realhf.base.testing import run_processes
+
+    steps = 4
+    proc = start_quickstart(_args(model, d, "async-kill-server", 3, "gen.d2m1p1+d1m1p1",
+                                  f"exp_ctrl.benchmark_steps={steps}", "async_rl.max_concurrent_rollouts=4"))
+    try:
+        wait_for_steps(d, "async-kill-server", 1, timeout=240, proc=proc)
+        servers = [p for p in run_processes(str(d)) if "realhf.gen_server.server" in " ".join(p.cmdline())
+                   and " --index 1 " in " ".join(p.cmdline()) + " "]
+        assert servers, "server 1 not found"
+        os.kill(servers[0].pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    stats = read_stats(d, "async-kill-server")
+    assert len(stats) == steps
+    events = _rollout_log(d, "async-kill-server")
+    accepted = {e["ticket"] for e in events if e["event"] == "finish" and e["status"] == "accepted"}
+    issued = {e["ticket"]: e for e in events if e["event"] == "issue"}
+    trained = sorted((issued[t]["batch"], issued[t]["slot"], issued[t]["prompt"]) for t in accepted
+                     if issued[t]["batch"] < steps)
+    assert [(b, s) for b, s, _ in trained] == [(b, s) for b in range(steps) for s in range(4)]
+    # the prompts a synchronous run trains, in its order
+    from realhf.impl.dataset.jsonl import EpochIterator
+
+    it = EpochIterator(range(32), 4, seed=1, shuffle=True)
+    want = [p for b in range(steps) for p in it.global_batch_indices(0, b)]
+    assert [p for _, _, p in trained] == want
+    time.sleep(0.5)
+
+
+def test_bad_async_options_fail_before_anything_starts(tiny_math_run, tmp_path):
+    """A workflow or reward that cannot be found, or a synchronous allocation, fails when the spec is built."""
+    from realhf.api.quickstart.entry import ConfigError, load_config
+    from realhf.experiments import build_spec, config_class
+
+    model, d = tiny_math_run
+    base = _args(model, d, "async-bad")[1:] + [f"fileroot={tmp_path}"]
+    for extra, match in ((["async_rl.workflow=no_such_flow"], "no_such_flow"),
+                         (["async_rl.reward_fn=nowhere.at_all:Reward"], "nowhere.at_all"),
+                         (["async_rl.workflow=realhf.reward:MathVerifier"], "RolloutWorkflow")):
+        with pytest.raises((ValueError, ConfigError), match=match):
+            build_spec("async-ppo-math", load_config(config_class("async-ppo-math"), [], base + extra))
+    with pytest.raises(ConfigError, match="decoupled"):
+        load_config(config_class("async-ppo-math"), [], base + ["allocation_mode=d1m1p1", "n_devices_per_node=1"])
+
+
+def test_killed_manager_is_named_and_the_resumed_run_keeps_the_bound(tiny_math_run):
+    """kill -9 of the rollout manager: the launcher names it at once; recover_mode=auto relaunches the run, which
+    resumes from the last recover checkpoint; the manager restores its accounting from its log and issues nothing
+    until the servers hold the resumed weights; every step is trained once and no sample is staler than the bound,
+    before or after the crash."""
+    model, d = tiny_math_run
+    from realhf.base.testing import run_processes, wait_until_gone
+
+    exp, steps = "async-recover", 6
+    proc = start_quickstart(_args(model, d, exp, 2, "gen.d1m1p1+d1m1p1", "async_rl.max_head_offpolicyness=1",
+                                  f"exp_ctrl.benchmark_steps={steps}", "exp_ctrl.ckpt_freq_steps=2",
+                                  "recover_mode=auto"),
+                            env={"REALHF_DELAYS": "trainer.step:0.5,rollout.episode:0.3"})
+    try:
+        wait_for_steps(d, exp, 3, timeout=240, proc=proc)
+        mgr = [p for p in run_processes(str(d)) if "rollout_manager" in p.cmdline() and exp in " ".join(p.cmdline())]
+        assert len(mgr) == 1, mgr
+        mgr[0].send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "rollout_manager exited with code -9" in out and "relaunching" in out, out[-3000:]
+    stats = read_stats(d, exp)
+    assert [s["global_step"] for s in stats] == list(range(1, steps + 1))
+    assert all(0 <= s["version_lag_max"] <= 1 for s in stats), [s["version_lag_max"] for s in stats]
+    events = _rollout_log(d, exp)
+    restores = [e for e in events if e["event"] == "restore"]
+    assert len(restores) == 1 and restores[0]["trained_batches"] >= 2
+    _check_staleness(events, 1)
+    after = events[events.index(restores[0]):]
+    assert all(e["version"] >= restores[0]["trained_batches"] for e in after if e["event"] == "issue")
+    assert not wait_until_gone(os.path.join(str(d), exp)), "processes left behind"
