@@ -111,3 +111,16 @@ def test_async_grpo_learns(recipe, start):
     assert sum(s["version_lag_max"] == 1 for s in st) >= 10, [s["version_lag_max"] for s in st]
     assert all("behave_imp_weight" in s for s in st)
     _check_learned("grpo (async, off-policyness 1)", res, start)
+
+
+def test_async_multi_turn_grpo_learns(recipe, start):
+    """The multi-turn workflow (a wrong answer gets feedback and one more try; a right second answer earns half the
+    reward) trained asynchronously: the model learns to answer right the first time."""
+    res = recipe.learn("grpo", start["out"], start, ASYNC + ["async_rl.workflow=multi_turn",
+                                                             'async_rl.workflow_args={"max_turns": 2, "max_seq_len": 64}'],
+                       eval_threads=None, exp="grpo-async-multi-turn", experiment="async-ppo-math")
+    st = res["stats"]
+    assert res["steps"] == 40
+    turns = [s["async/episode_turns"] for s in st if "async/episode_turns" in s]
+    assert turns and max(turns) > 1.0, turns  # some answers were retried after feedback
+    _check_learned("grpo (async, multi-turn)", res, start)

@@ -44,9 +44,17 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
 
     mode = cfg.allocation()
     is_async = isinstance(cfg, AsyncPPOMathConfig)
+    seqlen = {"dataset.max_prompt_len": cfg.dataset.max_prompt_len, "ppo.gen.max_new_tokens": cfg.ppo.gen.max_new_tokens}
+    if is_async:  # the workflow may build longer sequences (several turns, inserted feedback)
+        budget = async_workflow(cfg).seq_len_budget(cfg.dataset.max_prompt_len, cfg.ppo.gen.max_new_tokens,
+                                                    **cfg.async_rl.workflow_args_dict())
+        if budget != sum(seqlen.values()):
+            seqlen = {"dataset.max_prompt_len": cfg.dataset.max_prompt_len,
+                      f"the rest of the sequence budget of async_rl.workflow={cfg.async_rl.workflow}":
+                      budget - cfg.dataset.max_prompt_len}
     served = None
     if mode.kind == "decoupled":  # actor_gen is served by generation servers on the generation devices
-        served = gen_servers_spec(cfg, cfg.dataset.max_prompt_len + cfg.ppo.gen.max_new_tokens, cfg.actor.dtype)
+        served = gen_servers_spec(cfg, sum(seqlen.values()), cfg.actor.dtype)
     use_ref = cfg.use_ref()
     use_critic = cfg.use_critic
     roles: Dict[str, List[Tuple[str, bool]]] = {"actor": [("actor_gen", False), ("actor_train", True)],
@@ -70,7 +78,6 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
         raise ValueError("ppo.value_norm=true needs critic_inf and critic_train on one layout and device mesh: the "
                          "running value statistics that training updates are the ones inference denormalises with")
     paths = {"actor": cfg.actor.path, "ref": cfg.ref_path(), "critic": cfg.critic_path()}
-    seqlen = {"dataset.max_prompt_len": cfg.dataset.max_prompt_len, "ppo.gen.max_new_tokens": cfg.ppo.gen.max_new_tokens}
     if served is not None:
         check_model_fits(cfg.actor.path, mode.gen, f"actor.path (generation servers {cfg.allocation_mode!r})",
                          seqlen=seqlen, tokenizer=True)
@@ -141,7 +148,8 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
                      batch_size=bs, holder_model="actor")
     rollout = None
     if is_async:  # the prompts go to the rollout workers; the trainer's heads pull finished trajectories
-        rollout = async_rollout_spec(cfg, ds, n_samples, steps, dp=replicas["actor"]["actor"][0].dp)
+        rollout = async_rollout_spec(cfg, ds, n_samples, steps, dp=replicas["actor"]["actor"][0].dp,
+                                     max_seq_len=sum(seqlen.values()))
         ds = DatasetSpec(kind="trajectory_stream", batch_size=bs, holder_model="actor",
                          args=dict(steps_per_epoch=max(1, epoch_steps(n_samples, bs, drop_last=True)),
                                    n_prompts=n_samples))
@@ -149,20 +157,27 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
                            param_realloc=cfg.param_realloc, rollout=rollout)
 
 
-def async_rollout_spec(cfg: AsyncPPOMathConfig, prompts: DatasetSpec, n_samples: int, steps: int, dp: int) -> RolloutSpec:
-    import dataclasses
-
+def async_workflow(cfg: AsyncPPOMathConfig):
+    """The workflow class and the reward of ``cfg``, found before any process starts (else a ValueError naming them)."""
     import realhf.impl.workflow  # noqa: F401  (registers the built-in workflows)
     from realhf.api.core.workflow_api import import_object, workflow_class
 
     a = cfg.async_rl
-    try:  # a workflow or reward that cannot be found fails here, before any process starts
-        workflow_class(a.workflow)
+    try:
+        cls = workflow_class(a.workflow)
         reward = import_object(a.reward_fn, "async_rl.reward_fn")
     except (ImportError, ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"async_rl: {e}") from None
     if not callable(reward):
         raise ValueError(f"async_rl.reward_fn={a.reward_fn!r} is not a class or a function")
+    return cls
+
+
+def async_rollout_spec(cfg: AsyncPPOMathConfig, prompts: DatasetSpec, n_samples: int, steps: int, dp: int,
+                       max_seq_len: int) -> RolloutSpec:
+    import dataclasses
+
+    a = cfg.async_rl
     reward_args = dict(correct_reward=cfg.correct_reward, wrong_reward=cfg.wrong_reward,
                        timeout_secs=cfg.reward_timeout_secs, allow_last_number=cfg.reward_allow_last_number)
     return RolloutSpec(
@@ -174,7 +189,8 @@ def async_rollout_spec(cfg: AsyncPPOMathConfig, prompts: DatasetSpec, n_samples:
                  else cfg.ppo.gen.seed},
         reward_fn=a.reward_fn, reward_args=reward_args, reward_output_scaling=cfg.ppo.reward_output_scaling,
         reward_output_bias=cfg.ppo.reward_output_bias, tokenizer_path=cfg.actor.path,
-        dynamic_filtering=a.dynamic_filtering, shuffle=True, seed=cfg.seed, episode_timeout_secs=a.episode_timeout_secs)
+        dynamic_filtering=a.dynamic_filtering, shuffle=True, seed=cfg.seed, episode_timeout_secs=a.episode_timeout_secs,
+        max_seq_len=max_seq_len, use_chat_template=cfg.use_chat_template)
 
 
 register_experiment("ppo-math", PPOMathConfig, build_ppo_math)

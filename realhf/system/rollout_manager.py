@@ -73,7 +73,10 @@ class RolloutManager:
     ``POST /update_weights``    ``{"path", "version"}`` -> ``{"seconds", "servers": [updated indices], "version"}``
     ``GET /status``             ``TicketBook.stats()`` + ``complete``, ``servers`` [{index, address, live,
                                 running_episodes, version}], ``weight_updates``, ``weight_update_seconds``,
-                                ``idle_fraction``, ``idle_window_s``
+                                ``idle_fraction``, ``idle_window_s`` (no episode running, since the last
+                                call), the means of the numeric stats accepted episodes reported since then
+                                (``episode_<name>``: reward, turns ...), and the servers' load:
+                                ``gen_tokens_per_s``, ``server_running``, ``server_waiting``
     ``GET /health``             ``{"status": "ok", "version", "pid"}``
     ==========================  ===================================================================================
 
@@ -109,6 +112,8 @@ class RolloutManager:
         # ticket is issued before (its tokens would carry a version far behind the bound)
         self.awaiting_version: Optional[int] = book.version if book.version > 0 else None
         self.weight_updates, self.weight_update_seconds = 0, 0.0
+        self._tokens_mark: tuple = (None, 0)  # (time, generated tokens over the servers) at the last server_load
+        self._episode_stats: Dict[str, list] = {}  # stat -> [sum, count] over accepted episodes since the last status
         now = time.monotonic()
         self._window_start = self._last_tick = now
         self._idle_s = 0.0
@@ -229,6 +234,12 @@ class RolloutManager:
             raise _HTTPError(400, f"stats must be a JSON object, got {type(stats).__name__}")
         self._tick()
         self.book.finish(tid, d["status"], stats)
+        if d["status"] == "accepted":  # the episodes' own numbers (reward, turns, length ...), averaged per /status
+            for k, v in stats.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    tot = self._episode_stats.setdefault(k, [0.0, 0])
+                    tot[0] += float(v)
+                    tot[1] += 1
         server = self._server_of.pop(tid, None)
         if server is not None:
             self.episodes[server] -= 1
@@ -319,14 +330,40 @@ class RolloutManager:
         self._window_start, self._idle_s = now, 0.0
         servers = [{"index": s.index, "address": s.address, "live": self.live[s.index],
                     "running_episodes": self.episodes[s.index], "version": s.version} for s in self.client.servers]
-        return {**self.book.stats(), "complete": self.book.complete, "servers": servers,
+        episodes = {f"episode_{k}": tot / n for k, (tot, n) in self._episode_stats.items() if n}
+        self._episode_stats = {}
+        return {**self.book.stats(), **episodes, "complete": self.book.complete, "servers": servers,
                 "weight_updates": self.weight_updates, "weight_update_seconds": self.weight_update_seconds,
                 "idle_fraction": idle, "idle_window_s": window}
+
+    async def server_load(self) -> Dict[str, float]:
+        """Over the live servers, from their ``/metrics``: generated tokens per second since the previous call
+        (``gen_tokens_per_s``), and the requests running and waiting there now (``server_running``,
+        ``server_waiting``: the generation queue)."""
+        from realhf.gen_server.client import GenServerError
+
+        live = self._live()
+        res = await asyncio.gather(*(self.client.dialect.metrics(self.client.servers[i]) for i in live),
+                                   return_exceptions=True)
+        now = time.monotonic()
+        tokens = running = waiting = 0
+        for r in res:
+            if isinstance(r, GenServerError):
+                continue
+            if isinstance(r, BaseException):
+                raise r
+            tokens += int(r.get("generated_tokens", 0))
+            running += int(r.get("running_requests", 0))
+            waiting += int(r.get("waiting_requests", 0))
+        last_t, last_tokens = self._tokens_mark
+        self._tokens_mark = (now, tokens)
+        rate = (tokens - last_tokens) / (now - last_t) if last_t is not None and now > last_t else 0.0
+        return {"gen_tokens_per_s": max(rate, 0.0), "server_running": running, "server_waiting": waiting}
 
     async def _status(self, request):
         from aiohttp import web
 
-        return web.json_response(self.status())
+        return web.json_response({**self.status(), **await self.server_load()})
 
 
 # ====================================================================== the process

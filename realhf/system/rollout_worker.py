@@ -11,8 +11,9 @@ episode tasks; each task repeats:
    (generation requests survive weight updates: aborted samples are resumed under the new weights);
 3. push the trajectory to its trainer head (``realhf.system.trajectory_stream``) and report ``accepted``;
    a rejected episode (the workflow returned None, or ``dynamic_filtering`` found every reward equal) is
-   reported ``rejected`` (the manager gives the slot a new prompt); an episode that raised or timed out is
-   reported ``failed`` (the manager re-issues the same prompt).
+   reported ``rejected`` (the manager gives the slot a new prompt); an episode that timed out or lost its server is
+   reported ``failed`` (the manager re-issues the same prompt); any other error (a malformed request, a bug in the
+   workflow or the reward) is reported ``failed`` and stops the worker with the cause, as it would repeat.
 
 The prompt order and every count live in the manager, so a worker holds no state worth saving: the manager
 resumes the run's accounting after a restart. The worker exits 0 when all its tasks end, and ends itself when
@@ -21,6 +22,7 @@ its parent (the launcher) is gone or the manager cannot be reached for ``manager
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import time
 import traceback
@@ -38,6 +40,17 @@ def episode_seed(seed: int, version: int, query_id: str) -> int:
     from realhf.impl.model.interface.gen_interface import prompt_seed
 
     return prompt_seed(seed, version, query_id)
+
+
+def retryable(e: BaseException) -> bool:
+    """An episode failure worth another try: a timeout or a server that could not be reached (or refused for want of
+    capacity). Anything else (a request the server calls malformed, an error in the workflow or the reward) would
+    fail the same way again."""
+    from realhf.gen_server.client import GenServerError
+
+    if isinstance(e, asyncio.TimeoutError):
+        return True
+    return isinstance(e, GenServerError) and (e.status is None or e.status == 503)
 
 
 class EpisodeEngine:
@@ -67,7 +80,7 @@ class RolloutWorker:
         import transformers
 
         import realhf.impl.workflow  # noqa: F401  (registers the built-in workflows)
-        from realhf.api.core.workflow_api import make_workflow
+        from realhf.api.core.workflow_api import make_workflow, workflow_class
         from realhf.impl.workflow.rewards import load_reward_fn
         from realhf.base.name_resolve import names
         from realhf.impl.dataset import make_dataset
@@ -77,8 +90,14 @@ class RolloutWorker:
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(rs.tokenizer_path)
         self.dataset = make_dataset(rs.dataset.kind, tokenizer=self.tokenizer, **rs.dataset.args)
         reward = load_reward_fn(rs.reward_fn, **rs.reward_args)
+        args = dict(rs.workflow_args)
+        # what the run knows and a workflow may take: the servers' sequence budget, the prompts' chat format
+        takes = inspect.signature(workflow_class(rs.workflow)).parameters
+        for k, v in (("max_seq_len", rs.max_seq_len or None), ("use_chat_template", rs.use_chat_template)):
+            if k in takes and v is not None:
+                args.setdefault(k, v)
         self.workflow = make_workflow(rs.workflow, reward_fn=reward, gconfig=dict(rs.gconfig), tokenizer=self.tokenizer,
-                                      **rs.workflow_args)
+                                      **args)
         exp, trial = spec.experiment_name, spec.trial_name
         self.manager_address = self.nr.wait(names.rollout_manager(exp, trial), timeout=600)
         self.pusher = TrajectoryPusher(self.secret, self.nr, exp, trial)
@@ -157,6 +176,9 @@ class RolloutWorker:
                                why, traceback.format_exc(limit=5))
                 self.counts["failed"] += 1
                 await self.manager.finish(t["id"], "failed", {"error": why[:500]})
+                if not retryable(e):  # it would fail again: stop the run with the cause rather than loop
+                    raise RuntimeError(f"{self.name}: the episode of prompt {t['prompt']} (query "
+                                       f"{data.get('query_id')!r}) failed: {why}") from e
                 continue
             stats = {"seconds": time.monotonic() - t0}
             if traj is None or (rs.dynamic_filtering and traj.rewards_all_equal()):

@@ -114,6 +114,8 @@ class RolloutSpec:
     shuffle: bool = True
     seed: int = 1
     episode_timeout_secs: float = 3600.0
+    max_seq_len: int = 0  # the servers' max_model_len: the workflow's sequence budget (0: not set)
+    use_chat_template: bool = False  # the prompts are chat turns (a workflow that inserts turns follows suit)
 
 
 @dataclasses.dataclass

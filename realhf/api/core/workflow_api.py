@@ -171,6 +171,14 @@ class RolloutWorkflow(abc.ABC):
     async def arun_episode(self, engine, data: Dict[str, Any]) -> Optional[Trajectory]:
         """Run one episode for the dataset row ``data`` (see :func:`episode_data`); None rejects it."""
 
+    @classmethod
+    def seq_len_budget(cls, max_prompt_len: int, max_new_tokens: int, **workflow_args) -> int:
+        """The longest sequence an episode may build (prompt, every generated and inserted token): the generation
+        servers are sized for it. One turn by default; a workflow that inserts tokens or runs several turns says
+        more. A workflow whose constructor takes ``max_seq_len`` is given this budget, so it can keep to it (and one that
+        takes ``use_chat_template`` is told whether the prompts are chat turns)."""
+        return int(max_prompt_len) + int(max_new_tokens)
+
 
 # ---------------------------------------------------------------------------------------------------- registry
 _WORKFLOWS: Dict[str, Type[RolloutWorkflow]] = {}

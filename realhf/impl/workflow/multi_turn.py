@@ -106,6 +106,16 @@ class MultiTurnWorkflow(RolloutWorkflow):
             correct_if = getattr(self.reward_fn, "correct_reward", None)
         self.correct_if = None if correct_if is None else float(correct_if)
 
+    FEEDBACK_BUDGET = 64  # tokens of one feedback turn (with its chat-template wrapping) when sizing the servers
+
+    @classmethod
+    def seq_len_budget(cls, max_prompt_len: int, max_new_tokens: int, **workflow_args) -> int:
+        """``max_seq_len`` when given; else the prompt, ``max_turns`` answers and the feedback turns between them."""
+        if workflow_args.get("max_seq_len"):
+            return int(workflow_args["max_seq_len"])
+        turns = int(workflow_args.get("max_turns", 2))
+        return int(max_prompt_len) + turns * int(max_new_tokens) + (turns - 1) * cls.FEEDBACK_BUDGET
+
     def is_correct(self, reward: float) -> bool:
         return reward > 0 if self.correct_if is None else reward >= self.correct_if
 
