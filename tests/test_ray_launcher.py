@@ -117,7 +117,7 @@ def test_killed_worker_under_ray_fails_fast_and_leaves_nothing(setup):
 
 def test_ray_starts_generation_servers_first(tiny_math_run):
     """ppo-math with gen.d1m1p1+d1m1p1 under mode=ray: the generation server is a Ray job too, started and up
-    before the master and the worker; the run trains as the local one does."""
+    before the master and the worker; the run trains as the local one does. So does async-ppo-math's."""
     model, d = tiny_math_run
 
     def args(exp, *extra):
@@ -136,3 +136,15 @@ def test_ray_starts_generation_servers_first(tiny_math_run):
     assert q.returncode == 0, q.stderr[-4000:]
     a, b = read_stats(d, "served-ray"), read_stats(d, "served-local")
     assert [(s["n_tokens"], s["task_reward"]) for s in a] == [(s["n_tokens"], s["task_reward"]) for s in b]
+    # asynchronous RL under Ray: the rollout manager and the rollout worker are Ray jobs too (the manager before the
+    # trainer); with max_head_offpolicyness=0 it trains as the synchronous run does
+    args_async = ["async-ppo-math"] + args("async-ray", "mode=ray", "param_realloc=disk",
+                                            "async_rl.recompute_logprob=false")[1:]
+    p = run_quickstart(args_async, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = p.stdout + p.stderr
+    started = [n for n, _, _ in re.findall(r"started (\S+) through Ray on (\S+) \(pid (\d+)\)", out)]
+    assert started == ["gen_server_0", "rollout_manager", "master", "model_worker_0", "rollout_worker_0"], out[-3000:]
+    c = read_stats(d, "async-ray")
+    assert [(s["n_tokens"], s["task_reward"]) for s in c] == [(s["n_tokens"], s["task_reward"]) for s in b]
+    assert all(s["version_lag_max"] == 0 for s in c)
