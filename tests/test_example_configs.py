@@ -9,7 +9,7 @@ from realhf.impl.model.tiny import ensure_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "*.yaml")))
-EXP_OF = {"grpo": "ppo-math", "ppo": "ppo-math", "sft": "sft", "gen": "gen"}
+EXP_OF = {"grpo": "ppo-math", "ppo": "ppo-math", "sft": "sft", "gen": "gen", "async": "async-ppo-math"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[os.path.basename(p) for p in EXAMPLES])
@@ -26,9 +26,10 @@ def test_example_config_builds(path, tmp_path):
     sft.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(64)))
     overrides = {
         "ppo-math": [f"actor.path={model}", f"dataset.path={math}"],
+        "async-ppo-math": [f"actor.path={model}", f"dataset.path={math}"],
         "sft": [f"model.path={model}", f"dataset.train_path={sft}", f"dataset.valid_path={sft}"],
     }[exp] + [f"fileroot={tmp_path}"]
-    if exp == "ppo-math":
+    if exp.endswith("ppo-math"):
         overrides.append(f"critic.path={model}")
     cfg = load_config(config_class(exp), [path], overrides)
     spec = build_spec(exp, cfg)
