@@ -112,7 +112,7 @@ def test_killed_manager_is_named_and_the_resumed_run_keeps_the_bound(tiny_math_r
                                   "async_rl.max_concurrent_rollouts=8", "async_rl.n_rollout_workers=2",
                                   f"exp_ctrl.benchmark_steps={steps}", "exp_ctrl.ckpt_freq_steps=2",
                                   "recover_mode=auto"),
-                            env={"REALHF_DELAYS": "gen_server.generate:0.3,rollout.episode:0.6,trainer.step:1.0",
+                            env={"REALHF_DELAYS": "gen_server.generate:0.3,rollout.episode:0.5,trainer.step:0.6",
                                  "REALHF_DELAY_SEED": "5"})
     try:
         wait_for_steps(d, exp, 3, timeout=240, proc=proc)

@@ -375,7 +375,8 @@ ASYNC: Dict[str, Any] = {
     "async_rl.max_head_offpolicyness": Reach("2", _rollout("max_head_offpolicyness")),
     "async_rl.max_concurrent_rollouts": Reach("5", _rollout("max_concurrent_rollouts")),
     "async_rl.n_rollout_workers": Reach("2", _rollout("n_workers")),
-    "async_rl.workflow": Reach("multi_turn", _rollout("workflow"), needs=("use_critic=false",)),
+    "async_rl.workflow": Reach("multi_turn", _rollout("workflow"),  # its two turns fit the model's positions
+                               needs=("use_critic=false", "ppo.gen.max_new_tokens=64")),
     "async_rl.workflow_args": Reach('{"max_turns": 3}', _rollout("workflow_args"), expect=lambda x: json.loads(x)),
     "async_rl.reward_fn": Reach("realhf.reward:MathVerifier", _rollout("reward_fn")),  # any importable callable
     "async_rl.dynamic_filtering": Reach("true", _rollout("dynamic_filtering")),

