@@ -1,5 +1,6 @@
 """``mode=ray``: the master and model workers start through Ray actors (a real Ray instance on this
 machine), bind the node's address, and train exactly as under the local launcher."""
+import functools
 import os
 import re
 
@@ -115,17 +116,21 @@ def test_killed_worker_under_ray_fails_fast_and_leaves_nothing(setup):
     assert not jobs(), "job processes left behind"
 
 
+def _served_args(model, d, exp, *extra):
+    """A 2-step ppo-math run on the tiny math task with one gen server (gen.d1m1p1+d1m1p1)."""
+    return ["ppo-math", f"actor.path={model}", f"dataset.path={d}/math.jsonl", "dataset.train_bs_n_seqs=4",
+            "group_size=2", "ppo.gen.max_new_tokens=4", "ppo.ppo_n_minibatches=1", "use_chat_template=false",
+            "prompt_template={prompt}", "reward_allow_last_number=true", "use_critic=false", "ppo.kl_ctl=0",
+            "exp_ctrl.benchmark_steps=2", f"fileroot={d}", f"experiment_name={exp}", "n_devices_per_node=2",
+            "allocation_mode=gen.d1m1p1+d1m1p1", *extra]
+
+
 def test_ray_starts_generation_servers_first(tiny_math_run):
     """ppo-math with gen.d1m1p1+d1m1p1 under mode=ray: the generation server is a Ray job too, started and up
     before the master and the worker; the run trains as the local one does."""
     model, d = tiny_math_run
 
-    def args(exp, *extra):
-        return ["ppo-math", f"actor.path={model}", f"dataset.path={d}/math.jsonl", "dataset.train_bs_n_seqs=4",
-                "group_size=2", "ppo.gen.max_new_tokens=4", "ppo.ppo_n_minibatches=1", "use_chat_template=false",
-                "prompt_template={prompt}", "reward_allow_last_number=true", "use_critic=false", "ppo.kl_ctl=0",
-                "exp_ctrl.benchmark_steps=2", f"fileroot={d}", f"experiment_name={exp}", "n_devices_per_node=2",
-                "allocation_mode=gen.d1m1p1+d1m1p1", *extra]
+    args = functools.partial(_served_args, model, d)
 
     p = run_quickstart(args("served-ray", "mode=ray"), timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -144,12 +149,7 @@ def test_ray_runs_asynchronous_rl(tiny_math_run):
     the trainer); with max_head_offpolicyness=0 it trains as the synchronous run through a server does."""
     model, d = tiny_math_run
 
-    def args(exp, *extra):
-        return ["ppo-math", f"actor.path={model}", f"dataset.path={d}/math.jsonl", "dataset.train_bs_n_seqs=4",
-                "group_size=2", "ppo.gen.max_new_tokens=4", "ppo.ppo_n_minibatches=1", "use_chat_template=false",
-                "prompt_template={prompt}", "reward_allow_last_number=true", "use_critic=false", "ppo.kl_ctl=0",
-                "exp_ctrl.benchmark_steps=2", f"fileroot={d}", f"experiment_name={exp}", "n_devices_per_node=2",
-                "allocation_mode=gen.d1m1p1+d1m1p1", *extra]
+    args = functools.partial(_served_args, model, d)
 
     q = run_quickstart(args("sync-local-for-async"), timeout=300)
     assert q.returncode == 0, q.stderr[-4000:]
