@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 import time
-from typing import Dict
+import traceback
+from typing import Awaitable, Callable, Dict
 
 from realhf.system.wire import REPLAY_WINDOW_SECS, Payload, RejectedMessage, ReplayGuard
 
@@ -51,3 +53,36 @@ class RequestVerifier:
         except ValueError:
             raise RejectedMessage(f"malformed {H_TIME} header") from None
         self.guard.check(Payload(handler="", handle_name=path, data=None, request_id=nonce, sent_at=sent))
+
+
+def signed_route(verifier: "RequestVerifier", rejections, path: str, fn: Callable[[dict], Awaitable[dict]],
+                 caller_errors: tuple, logger):
+    """The aiohttp handler of ``POST path`` on a realhf HTTP service (a generation server, the rollout manager):
+    the signature is verified (401 otherwise, logged through ``rejections``, a ``RejectionLog``), the body parsed
+    as JSON and ``fn(data)``'s answer sent as JSON. A body that is not JSON, or an exception of ``caller_errors``
+    (the caller's fault), is answered 400 (or the exception's own ``status``) naming the problem; any other
+    exception 500 with its cause, logged with the traceback, and the service keeps serving."""
+    from aiohttp import web
+
+    async def handler(request):
+        body = await request.read()
+        try:
+            verifier.verify("POST", path, request.headers, body)
+        except RejectedMessage as e:
+            rejections.reject(request.remote or "?", e)
+            return web.json_response({"error": f"rejected: {e}"}, status=401)
+        try:
+            data = json.loads(body) if body else {}
+        except ValueError as e:
+            return web.json_response({"error": f"the body is not JSON: {type(e).__name__}: {e}"}, status=400)
+        try:
+            return web.json_response(await fn(data))
+        except caller_errors as e:
+            status = getattr(e, "status", None)
+            return web.json_response({"error": str(e) if status else f"{type(e).__name__}: {e}"}, status=status or 400)
+        except Exception as e:
+            logger.error("%s failed: %s", path, traceback.format_exc())
+            return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
+
+    return handler
+

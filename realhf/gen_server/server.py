@@ -38,7 +38,7 @@ from realhf.base import failpoint, logging
 from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerationEngine, RequestError, TensorMeta,
                                    WeightGroupSpec)
 from realhf.gen_server.auth import RequestVerifier
-from realhf.system.wire import MAX_FRAME_BYTES, RejectedMessage, RejectionLog
+from realhf.system.wire import MAX_FRAME_BYTES, RejectionLog
 
 logger = logging.getLogger("realhf.gen_server")
 
@@ -88,26 +88,11 @@ class GenServer:
         return app
 
     def _signed(self, path: str, fn):
-        from aiohttp import web
+        from realhf.gen_server.auth import signed_route
 
-        async def handler(request):
-            body = await request.read()
-            try:
-                self.verifier.verify("POST", path, request.headers, body)
-            except RejectedMessage as e:
-                self.rejections.reject(request.remote or "?", e)
-                return web.json_response({"error": f"rejected: {e}"}, status=401)
-            try:
-                data = json.loads(body) if body else {}
-                return web.json_response(await fn(data))
-            except (RequestError, ValueError, KeyError, TypeError) as e:
-                # malformed input (json errors are ValueErrors): the caller's fault, named for the caller
-                return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
-            except Exception as e:  # the engine failed: answer with the cause, keep serving
-                logger.error("%s failed: %s", path, traceback.format_exc())
-                return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
-
-        return handler
+        # malformed input is the caller's fault (400, named for the caller); an engine failure answers 500
+        return signed_route(self.verifier, self.rejections, path, fn, (RequestError, ValueError, KeyError, TypeError),
+                            logger)
 
     async def _health(self, request):
         from aiohttp import web

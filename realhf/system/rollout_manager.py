@@ -27,11 +27,9 @@ which property tests of the whole system read. :class:`RolloutManager` is the si
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
-import traceback
 from typing import Any, Dict, List, Optional, Sequence
 
 from realhf.base import logging
@@ -135,32 +133,10 @@ class RolloutManager:
         return app
 
     def _signed(self, path: str, fn):
-        from aiohttp import web
+        from realhf.gen_server.auth import signed_route
 
-        from realhf.system.wire import RejectedMessage
-
-        async def handler(request):
-            body = await request.read()
-            try:
-                self.verifier.verify("POST", path, request.headers, body)
-            except RejectedMessage as e:
-                self.rejections.reject(request.remote or "?", e)
-                return web.json_response({"error": f"rejected: {e}"}, status=401)
-            try:
-                try:
-                    data = json.loads(body) if body else {}
-                except ValueError as e:
-                    raise _HTTPError(400, f"the body is not JSON: {e}") from None
-                return web.json_response(await fn(data))
-            except _HTTPError as e:
-                return web.json_response({"error": str(e)}, status=e.status)
-            except ValueError as e:  # the book refused the input (unknown ticket, lower version ...)
-                return web.json_response({"error": str(e)}, status=400)
-            except Exception as e:
-                logger.error("%s failed: %s", path, traceback.format_exc())
-                return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
-
-        return handler
+        # _HTTPError answers with its own status; a ValueError is the book refusing the input (unknown ticket ...)
+        return signed_route(self.verifier, self.rejections, path, fn, (_HTTPError, ValueError), logger)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve on ``host:port`` (0: a free port); returns the bound port."""
