@@ -66,14 +66,15 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console
         if served is not None:  # generation servers first: the workers connect to them at start
             from realhf.gen_server.launch import start_servers
 
-            start_servers(sched, spec, config, env, nr, name_resolve_root(config), own_devices=config.mode == "ray")
+            start_servers(sched, spec, config, env, nr, name_resolve_root(config), own_devices=launcher.own_devices)
         if spec.rollout is not None:  # asynchronous RL: the rollout manager next (it restores its accounting)
             from realhf.system.rollout_launch import start_manager, start_rollout_workers
 
             start_manager(sched, spec, env, nr, common)
         sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env, worker=False)
-        for r in range(spec.n_workers):
-            sched.submit(f"model_worker_{r}", python_cmd("realhf.apps.remote", "--role", "model_worker", "--rank", str(r), *common), env)
+        sched.submit_group([f"model_worker_{r}" for r in range(spec.n_workers)],
+                           lambda rank: python_cmd("realhf.apps.remote", "--role", "model_worker", "--rank", rank, *common),
+                           env, first_slot=0)
         if spec.rollout is not None:
             start_rollout_workers(sched, spec, env, common)
         console.watch(spec.log_dir)

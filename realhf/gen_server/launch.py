@@ -24,7 +24,7 @@ def server_name(i: int) -> str:
     return f"gen_server_{i}"
 
 
-def server_cmd(backend: str, model_path: str, index: int, dtype: str = "auto", device: str = "auto", tp: int = 1,
+def server_cmd(backend: str, model_path: str, index, dtype: str = "auto", device: str = "auto", tp: int = 1,
                max_model_len: int = 2048, max_num_seqs: int = 64, threads: int = 0, extra: Optional[dict] = None,
                *where: str) -> List[str]:
     """The command of generation server ``index`` (SGLang's wrapper for ``sglang``); ``where``: the flags saying
@@ -51,19 +51,20 @@ def device_env(fleet, i: int, n_devices_per_node: int) -> Dict[str, str]:
 
 def start_servers(sched, spec, config, env: Dict[str, str], nr, nr_root: str, own_devices: bool) -> List[str]:
     """Submit and wait for the servers of ``spec``'s served replica; returns their ``host:port`` addresses.
-    ``own_devices``: the launcher gives each job its own devices (Ray), so no CUDA_VISIBLE_DEVICES is set here."""
+    ``own_devices``: the launcher gives each job its own devices (Ray, Slurm), so no CUDA_VISIBLE_DEVICES is set
+    here."""
     from realhf.scheduler.local import JobFailure
 
     m = spec.served()
     fleet = m.gen_servers
     exp, trial = spec.experiment_name, spec.trial_name
-    for i in range(fleet.n_servers):
-        e = dict(env)
-        if not own_devices:
-            e.update(device_env(fleet, i, config.n_devices_per_node))
-        cmd = server_cmd(fleet.backend, m.path, i, fleet.dtype, "auto", fleet.tp, fleet.max_model_len, fleet.max_num_seqs,
-                         fleet.threads, fleet.extra, "--exp", exp, "--trial", trial, "--name-resolve-root", nr_root)
-        sched.submit(server_name(i), cmd, e, worker=True, slots=fleet.tp)
+    sched.submit_group(
+        [server_name(i) for i in range(fleet.n_servers)],
+        lambda i: server_cmd(fleet.backend, m.path, i, fleet.dtype, "auto", fleet.tp, fleet.max_model_len,
+                             fleet.max_num_seqs, fleet.threads, fleet.extra, "--exp", exp, "--trial", trial,
+                             "--name-resolve-root", nr_root),
+        env, worker=True, slots=fleet.tp, first_slot=fleet.first_slot,
+        env_for=None if own_devices else lambda i: device_env(fleet, i, config.n_devices_per_node))
     t0 = time.monotonic()
     addrs: Dict[int, str] = {}
     logger.info("waiting for %d %s generation server(s) to load %s (at most %.0f s)", fleet.n_servers, fleet.backend,

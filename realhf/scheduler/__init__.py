@@ -1,11 +1,20 @@
 """Launchers (``mode=local|ray|slurm``) behind one protocol, found through one registry.
 
 A launcher registers a :class:`Launcher`: ``make(log_dir, config, n_workers)`` returns a scheduler with
-``submit(name, cmd, env, worker, slots=1)``, ``wait(main)`` (returns when ``main`` exits 0, raises
+``submit(name, cmd, env, worker, slots=1, first_slot=None)``,
+``submit_group(names, cmd_for, env, worker, slots=1, first_slot=None, env_for=None)`` (jobs that differ only in their
+rank: ``cmd_for(rank)`` builds job ``k``'s command from its rank as a string; a launcher may start the group as one
+unit, e.g. one Slurm job step with one task per rank), ``wait(main)`` (returns when ``main`` exits 0, raises
 ``realhf.scheduler.local.JobFailure`` naming the failed job), ``wait_others()`` and ``stop_all()``;
 ``check(config, n_workers)``, when given, runs before anything starts and raises ValueError with a message for the
 user (e.g. a Ray cluster that is unreachable or too small); ``remote`` says its jobs may run on other nodes, which
-then import this source tree from a shared file system (``PYTHONPATH``).
+then import this source tree from a shared file system (``PYTHONPATH``); ``own_devices`` says each job sees only the
+devices it reserved (Ray actors, Slurm tasks), so no CUDA_VISIBLE_DEVICES is computed for it.
+
+Device slots: the allocation numbers the run's devices ``0 .. n_nodes * n_devices_per_node - 1`` (node
+``slot // n_devices_per_node``): model worker ``r`` holds slot ``r``, generation server ``i`` the ``tp`` slots from its
+fleet's ``first_slot + i * tp``. ``first_slot`` tells a launcher that places jobs on nodes (Ray, Slurm) where a job
+belongs; CPU-only jobs (``worker=False``: the master, the rollout side) have none.
 """
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ class Launcher:
     make: Callable[[str, Any, int], Any]
     check: Optional[Callable[[Any, int], None]] = None
     remote: bool = False
+    own_devices: bool = False
 
 
 _LAUNCHERS: Dict[str, Launcher] = {}

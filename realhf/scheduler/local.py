@@ -40,6 +40,16 @@ class WaitMixin:
     """``wait``/``wait_others`` over ``self._codes()`` ({job name: exit code, None while running}) and
     ``self.jobs[name].log_path``: shared by the launchers."""
 
+    def submit_group(self, names: List[str], cmd_for: Callable[[str], List[str]], env: Optional[dict] = None,
+                     worker: bool = True, slots: int = 1, first_slot: Optional[int] = None,
+                     env_for: Optional[Callable[[int], dict]] = None) -> None:
+        """Start job ``names[k]`` with ``cmd_for(str(k))`` (and ``env`` updated with ``env_for(k)``), one by one; job
+        ``k`` holds the ``slots`` device slots from ``first_slot + k * slots``."""
+        for k, name in enumerate(names):
+            e = dict(env or {}, **(env_for(k) if env_for is not None else {}))
+            self.submit(name, cmd_for(str(k)), e, worker=worker, slots=slots,
+                        first_slot=None if first_slot is None else first_slot + k * slots)
+
     def wait(self, main: str, poll: float = 0.2, timeout: Optional[float] = None,
              on_poll: Optional[Callable[[], None]] = None, survivable: tuple = ()) -> None:
         """Return when ``main`` exits 0; raise JobFailure when any job exits non-zero (or is lost),
@@ -90,9 +100,9 @@ class LocalScheduler(WaitMixin):
         atexit.register(self.stop_all)
 
     def submit(self, name: str, cmd: List[str], env: Optional[dict] = None, worker: bool = True,
-               slots: int = 1) -> Job:
-        """Start ``cmd`` as job ``name``. (``worker`` and ``slots``, the device slots it holds, matter to launchers
-        that reserve resources.)"""
+               slots: int = 1, first_slot: Optional[int] = None) -> Job:
+        """Start ``cmd`` as job ``name``. (``worker``, ``slots`` and ``first_slot``, the device slots it holds, matter
+        to launchers that reserve resources and place jobs on nodes.)"""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         proc = start_logged(cmd, env or {}, log_path)
         job = Job(name, proc, log_path)

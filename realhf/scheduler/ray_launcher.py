@@ -119,7 +119,7 @@ class RayScheduler(WaitMixin):
         self.jobs: Dict[str, RayJob] = {}
 
     def submit(self, name: str, cmd: List[str], env: Optional[dict] = None, worker: bool = True,
-               slots: int = 1) -> RayJob:
+               slots: int = 1, first_slot: Optional[int] = None) -> RayJob:
         """``slots``: device slots the job holds (a generation server with tp ranks holds tp of them)."""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         opts = dict(num_cpus=self.cpus * slots, num_gpus=self.gpus * slots) if worker else dict(num_cpus=0, num_gpus=0)
@@ -165,7 +165,7 @@ class RayScheduler(WaitMixin):
 def _register():
     from realhf.scheduler import Launcher, register_launcher
 
-    register_launcher(Launcher("ray", make=RayScheduler, check=connect_for, remote=True))
+    register_launcher(Launcher("ray", make=RayScheduler, check=connect_for, remote=True, own_devices=True))
 
 
 _register()

@@ -55,6 +55,6 @@ def start_rollout_workers(sched, spec, env: Dict[str, str], common: List[str]) -
     """``common``: ``--exp NAME --config PATH ...`` of the run."""
     from realhf.scheduler.local import python_cmd
 
-    for i in range(spec.rollout.n_workers):
-        sched.submit(worker_job(i), python_cmd("realhf.apps.remote", "--role", "rollout_worker", "--rank", str(i),
-                                               *common), env, worker=False)
+    sched.submit_group([worker_job(i) for i in range(spec.rollout.n_workers)],
+                       lambda rank: python_cmd("realhf.apps.remote", "--role", "rollout_worker", "--rank", rank, *common),
+                       env, worker=False)
