@@ -38,3 +38,24 @@ def tiny_sft(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft")
     write_sum_rows(str(d / "train.jsonl"))
     return ensure_tiny_model("qwen2", tie_word_embeddings=True), d
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real one-node Slurm (tests/slurm_cluster.py) for the session, its ``SLURM_CONF`` set in this process's
+    environment (so launched runs and Slurm clients find it); skipped with the reason where it cannot be installed."""
+    import os
+
+    from slurm_cluster import slurm_or_skip
+
+    s = slurm_or_skip(str(tmp_path_factory.mktemp("slurm")))
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = s.conf
+    try:
+        yield s
+    finally:
+        s.stop()
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
