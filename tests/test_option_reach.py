@@ -134,6 +134,11 @@ COMMON: Dict[str, Any] = {
     "recover_retries": Launcher("3", "realhf/apps/main.py"),
     "ray_address": Launcher("auto", "realhf/scheduler/ray_launcher.py"),  # the Ray cluster joined
     "ray_gpus_per_worker": Launcher("1.0", "realhf/scheduler/ray_launcher.py"),  # Ray resources of each worker
+    # mode=slurm: the sbatch/srun flags and task wrappers (tests/test_slurm_dry_run.py checks the printed commands)
+    **{f"slurm.{k}": Launcher(v, "realhf/scheduler/slurm.py") for k, v in (
+        ("partition", "gpu"), ("account", "rl"), ("time", "1:00:00"), ("gpus_per_slot", "0"), ("mem_per_slot", "1G"),
+        ("container_image", "img.sqsh"), ("container_mounts", "/a:/a"), ("sbatch_args", "--qos=high"),
+        ("srun_args", "--mpi=none"), ("host_cmd", "hostname"), ("launcher_lease_secs", "30"))},
 }
 
 # ------------------------------------------------------------------------------------------ training experiments

@@ -46,6 +46,40 @@ class LaunchError(ValueError):
     that cannot be used); the message is for the user as is."""
 
 
+def _run_env(spec, launcher, secret: str) -> dict:
+    env = {"REALHF_RUN_SECRET": secret, "OMP_NUM_THREADS": str(spec.threads_per_worker), "TOKENIZERS_PARALLELISM": "false"}
+    if launcher.remote:  # jobs on other nodes import the same source tree (a shared file system holds it and fileroot)
+        env["PYTHONPATH"] = env_with_source_path()["PYTHONPATH"]
+    return env
+
+
+def _start_jobs(sched, spec, config, launcher, env: dict, nr, common: list, wait: bool = True) -> None:
+    """Submit every job of the run in order: generation servers (waited for: the workers connect to them at start),
+    the rollout manager (waited for: it restores its accounting), the master, the model workers, the rollout
+    workers. ``wait=False`` (a dry run) only submits."""
+    if spec.served() is not None:
+        from realhf.gen_server.launch import start_servers
+
+        start_servers(sched, spec, config, env, nr, name_resolve_root(config), own_devices=launcher.own_devices,
+                      wait=wait)
+    if spec.rollout is not None:  # asynchronous RL
+        from realhf.system.rollout_launch import start_manager
+
+        start_manager(sched, spec, env, nr, common, wait=wait)
+    sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env, worker=False)
+    sched.submit_group([f"model_worker_{r}" for r in range(spec.n_workers)],
+                       lambda rank: python_cmd("realhf.apps.remote", "--role", "model_worker", "--rank", rank, *common),
+                       env, first_slot=0)
+    if spec.rollout is not None:
+        from realhf.system.rollout_launch import start_rollout_workers
+
+        start_rollout_workers(sched, spec, env, common)
+
+
+def _common_args(exp_name: str, cfg_path: str, resume: bool, run_id: str) -> list:
+    return ["--exp", exp_name, "--config", cfg_path, "--resume", "1" if resume else "0", "--run-id", run_id]
+
+
 def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console: Console) -> None:
     nr = name_resolve.make_repository("file", root=name_resolve_root(config))
     nr.clear_subtree(names.trial_root(config.experiment_name, config.trial_name))
@@ -54,29 +88,11 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console
     cfg_path = os.path.join(spec.log_dir, "config.yaml")
     with open(cfg_path, "w") as f:
         f.write(config_to_yaml(config))
-    env = {"REALHF_RUN_SECRET": new_run_secret().hex(), "OMP_NUM_THREADS": str(spec.threads_per_worker),
-           "TOKENIZERS_PARALLELISM": "false"}
     launcher = get_launcher(config.mode)
-    if launcher.remote:  # jobs on other nodes import the same source tree (a shared file system holds it and fileroot)
-        env["PYTHONPATH"] = env_with_source_path()["PYTHONPATH"]
-    served = spec.served()
+    env = _run_env(spec, launcher, new_run_secret().hex())
     sched = launcher.make(spec.log_dir, config, spec.device_slots())
-    common = ["--exp", exp_name, "--config", cfg_path, "--resume", "1" if resume else "0", "--run-id", run_id]
     try:
-        if served is not None:  # generation servers first: the workers connect to them at start
-            from realhf.gen_server.launch import start_servers
-
-            start_servers(sched, spec, config, env, nr, name_resolve_root(config), own_devices=launcher.own_devices)
-        if spec.rollout is not None:  # asynchronous RL: the rollout manager next (it restores its accounting)
-            from realhf.system.rollout_launch import start_manager, start_rollout_workers
-
-            start_manager(sched, spec, env, nr, common)
-        sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env, worker=False)
-        sched.submit_group([f"model_worker_{r}" for r in range(spec.n_workers)],
-                           lambda rank: python_cmd("realhf.apps.remote", "--role", "model_worker", "--rank", rank, *common),
-                           env, first_slot=0)
-        if spec.rollout is not None:
-            start_rollout_workers(sched, spec, env, common)
+        _start_jobs(sched, spec, config, launcher, env, nr, _common_args(exp_name, cfg_path, resume, run_id))
         console.watch(spec.log_dir)
         # an asynchronous run goes on while one generation server is left: the others' requests move to it
         sched.wait("master", on_poll=console.poll, survivable=("gen_server_",) if spec.rollout is not None else ())
@@ -84,6 +100,27 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console
     finally:
         console.close()
         sched.stop_all()
+
+
+def dry_run(exp_name: str, config, out=None) -> int:
+    """Print what a launch of ``config`` would submit (``--dry-run``): the command of every job, and under
+    ``mode=slurm`` each ``sbatch`` command with its batch script and task wrapper. Nothing is started or written."""
+    out = out or sys.stdout
+    spec = build_spec(exp_name, config)
+    launcher = get_launcher(config.mode)
+    if launcher.dry_run is None:
+        raise ValueError(f"mode={config.mode} has no dry run")
+    sched = launcher.dry_run(spec.log_dir, config, spec.device_slots(), out)
+    out.write(f"# dry run of {exp_name} {config.experiment_name}/{config.trial_name}, mode={config.mode}: "
+              f"{config.n_nodes} node(s) x {config.n_devices_per_node} device(s), allocation {config.allocation_mode}; "
+              f"{spec.device_slots()} device slot(s), {spec.n_workers} model worker(s)"
+              + (f", {spec.served().gen_servers.n_servers} generation server(s)" if spec.served() is not None else "")
+              + "\n")
+    env = _run_env(spec, launcher, "<a fresh secret per launch>")
+    cfg_path = os.path.join(spec.log_dir, "config.yaml")
+    _start_jobs(sched, spec, config, launcher, env, None, _common_args(exp_name, cfg_path, False, "<run id>"),
+                wait=False)
+    return 0
 
 
 def _option_diff(old: dict, new: dict) -> str:

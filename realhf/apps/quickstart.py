@@ -4,7 +4,8 @@ Every registered experiment (``realhf.experiments``) becomes a quickstart comman
 anything wrong found while building the experiment (missing files, malformed data rows, layouts that do
 not fit the model, a DFG key nobody produces) are reported before any process starts, with exit code 2.
 
-``-q``/``--quiet`` shows only warnings and errors; ``-v``/``--verbose`` a line per step and debug logs; by default
+``--dry-run`` prints what would be submitted (every job's command; under ``mode=slurm`` the ``sbatch`` commands with
+their scripts) and starts nothing. ``-q``/``--quiet`` shows only warnings and errors; ``-v``/``--verbose`` a line per step and debug logs; by default
 a live progress line on a terminal, periodic plain lines otherwise (realhf.apps.console).
 """
 from __future__ import annotations
@@ -15,16 +16,18 @@ from realhf.api.quickstart import entry
 from realhf.base import logging
 
 
-def run(name: str, cfg, console=None) -> int:
+def run(name: str, cfg, console=None, dry_run: bool = False) -> int:
     """Build experiment ``name`` from ``cfg`` (every check runs here, before anything starts: exit code 2 with the
-    message) and run it through its launcher."""
-    from realhf.apps.main import run_experiment
+    message) and run it through its launcher (``dry_run``: print what would be submitted, start nothing)."""
+    from realhf.apps.main import dry_run as print_plan, run_experiment
     from realhf.experiments import build_spec
     from realhf.impl.dataset import DatasetError
     from realhf.scheduler import get_launcher
 
     try:
         launcher = get_launcher(cfg.mode)
+        if dry_run:
+            return print_plan(name, cfg)
         spec = build_spec(name, cfg)  # fail fast, with a clear message, before anything starts
         if launcher.check is not None:  # e.g. the Ray cluster must exist and hold the workers
             launcher.check(cfg, spec.device_slots())
@@ -45,6 +48,11 @@ def console_flags(argv):
     return rest, "quiet" if quiet else "verbose" if verbose else "normal"
 
 
+def launch_flags(argv):
+    """(argv without ``--dry-run``, whether it was given)."""
+    return [a for a in argv if a != "--dry-run"], "--dry-run" in argv
+
+
 def main(argv=None) -> int:
     from realhf.apps.console import Console
     from realhf.experiments import registered
@@ -52,12 +60,15 @@ def main(argv=None) -> int:
     registered()  # imports (and so registers) every experiment
     try:
         argv, verbosity = console_flags(sys.argv[1:] if argv is None else list(argv))
+        argv, dry = launch_flags(argv)
     except entry.ConfigError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
     if verbosity != "normal":  # the launcher's own log; the processes' logs are in their files
         logging.getLogger("realhf").setLevel("WARNING" if verbosity == "quiet" else "DEBUG")
-    return entry.main(argv, lambda name, cfg: run(name, cfg, Console(verbosity)))
+    if dry:  # the plan goes to stdout alone
+        logging.getLogger("realhf").setLevel("WARNING")
+    return entry.main(argv, lambda name, cfg: run(name, cfg, Console(verbosity), dry_run=dry))
 
 
 if __name__ == "__main__":

@@ -10,16 +10,31 @@ import time
 MASTER_LOST_EXIT = 75
 
 
+LEASE_ENV = "REALHF_LAUNCHER_LEASE"  # a file the launcher touches while it lives (launchers whose jobs are not its children)
+LEASE_SECS_ENV = "REALHF_LAUNCHER_LEASE_SECS"
+
+
 def exit_when_parent_dies(exit_code: int = 1, interval: float = 1.0) -> None:
     """Start a daemon thread that ends this process (``os._exit``) as soon as its parent is gone, even in
     the middle of a long computation, so a child is never left running. (Not ``PR_SET_PDEATHSIG``: that
-    fires when the parent *thread* that started us exits.)"""
+    fires when the parent *thread* that started us exits.) Where the launcher is not an ancestor (Slurm), it names
+    a lease file in ``$REALHF_LAUNCHER_LEASE`` that it touches while it lives: a lease older than
+    ``$REALHF_LAUNCHER_LEASE_SECS`` (default 60) means the launcher is gone (killed outright), and so does this
+    process."""
     parent = os.getppid()
+    lease = os.environ.get(LEASE_ENV)
+    stale = float(os.environ.get(LEASE_SECS_ENV) or 60.0)
+
+    def lease_expired() -> bool:
+        try:
+            return time.time() - os.stat(lease).st_mtime > stale
+        except OSError:
+            return True  # removed: the launcher finished or was stopped
 
     def watch():
         while True:
             time.sleep(interval)
-            if os.getppid() != parent:
+            if os.getppid() != parent or (lease and lease_expired()):
                 os._exit(exit_code)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()

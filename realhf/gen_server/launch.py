@@ -49,10 +49,11 @@ def device_env(fleet, i: int, n_devices_per_node: int) -> Dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(s % n_devices_per_node) for s in slots)}
 
 
-def start_servers(sched, spec, config, env: Dict[str, str], nr, nr_root: str, own_devices: bool) -> List[str]:
+def start_servers(sched, spec, config, env: Dict[str, str], nr, nr_root: str, own_devices: bool,
+                  wait: bool = True) -> List[str]:
     """Submit and wait for the servers of ``spec``'s served replica; returns their ``host:port`` addresses.
     ``own_devices``: the launcher gives each job its own devices (Ray, Slurm), so no CUDA_VISIBLE_DEVICES is set
-    here."""
+    here. ``wait=False`` only submits (a dry run) and returns []."""
     from realhf.scheduler.local import JobFailure
 
     m = spec.served()
@@ -65,6 +66,8 @@ def start_servers(sched, spec, config, env: Dict[str, str], nr, nr_root: str, ow
                              "--name-resolve-root", nr_root),
         env, worker=True, slots=fleet.tp, first_slot=fleet.first_slot,
         env_for=None if own_devices else lambda i: device_env(fleet, i, config.n_devices_per_node))
+    if not wait:
+        return []
     t0 = time.monotonic()
     addrs: Dict[int, str] = {}
     logger.info("waiting for %d %s generation server(s) to load %s (at most %.0f s)", fleet.n_servers, fleet.backend,

@@ -6,6 +6,7 @@ A launcher registers a :class:`Launcher`: ``make(log_dir, config, n_workers)`` r
 rank: ``cmd_for(rank)`` builds job ``k``'s command from its rank as a string; a launcher may start the group as one
 unit, e.g. one Slurm job step with one task per rank), ``wait(main)`` (returns when ``main`` exits 0, raises
 ``realhf.scheduler.local.JobFailure`` naming the failed job), ``wait_others()`` and ``stop_all()``;
+``dry_run(log_dir, config, n_slots, out)`` makes a scheduler that prints each submitted job instead of starting it;
 ``check(config, n_workers)``, when given, runs before anything starts and raises ValueError with a message for the
 user (e.g. a Ray cluster that is unreachable or too small); ``remote`` says its jobs may run on other nodes, which
 then import this source tree from a shared file system (``PYTHONPATH``); ``own_devices`` says each job sees only the
@@ -29,6 +30,8 @@ class Launcher:
     check: Optional[Callable[[Any, int], None]] = None
     remote: bool = False
     own_devices: bool = False
+    # ``dry_run(log_dir, config, n_slots, out)``: a scheduler whose submits print what would run (``--dry-run``)
+    dry_run: Optional[Callable[[str, Any, int, Any], Any]] = None
 
 
 _LAUNCHERS: Dict[str, Launcher] = {}
@@ -56,3 +59,4 @@ def get_launcher(mode: str) -> Launcher:
 def _import_all():
     import realhf.scheduler.local  # noqa: F401
     import realhf.scheduler.ray_launcher  # noqa: F401  (ray itself is imported only when used)
+    import realhf.scheduler.slurm  # noqa: F401

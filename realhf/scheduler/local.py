@@ -75,7 +75,8 @@ class WaitMixin:
                             tolerated.add(name)
                             logger.warning(f"{name} exited with code {code}; the run goes on with {', '.join(alive)}")
                         continue
-                    raise JobFailure(name, code, tail(self.jobs[name].log_path))
+                    raise JobFailure(name, code, tail(self.jobs[name].log_path),
+                                     reason=getattr(self, "lost", {}).get(name))
             if codes[main] == 0:
                 return
             if timeout is not None and time.monotonic() - t0 > timeout:
@@ -115,6 +116,30 @@ class LocalScheduler(WaitMixin):
 
     def stop_all(self, grace: float = 5.0):
         stop_groups({j.name: j.proc for j in self.jobs.values()}, grace)
+        self.jobs.clear()
+
+
+class PrintScheduler(WaitMixin):
+    """A dry run: each submitted job is printed (its environment and command line), nothing starts."""
+
+    def __init__(self, log_dir: str, out, launcher: str):
+        self.log_dir, self.out, self.launcher = log_dir, out, launcher
+        self.jobs: Dict[str, Job] = {}
+
+    def submit(self, name: str, cmd: List[str], env: Optional[dict] = None, worker: bool = True,
+               slots: int = 1, first_slot: Optional[int] = None) -> None:
+        import shlex
+
+        where = f"device slots {first_slot}..{first_slot + slots - 1}" if first_slot is not None else "no device"
+        env_s = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in sorted((env or {}).items()))
+        self.out.write(f"# {name} ({self.launcher}, {where}); log {os.path.join(self.log_dir, name)}.log\n"
+                       f"{env_s} {' '.join(shlex.quote(a) for a in cmd)}\n")
+        self.jobs[name] = Job(name, None, os.path.join(self.log_dir, f"{name}.log"))
+
+    def _codes(self):
+        return {n: None for n in self.jobs}
+
+    def stop_all(self, grace: float = 0.0):
         self.jobs.clear()
 
 
@@ -160,7 +185,8 @@ def python_cmd(module: str, *args: str) -> List[str]:
 def _register():
     from realhf.scheduler import Launcher, register_launcher
 
-    register_launcher(Launcher("local", make=lambda log_dir, config, n_workers: LocalScheduler(log_dir)))
+    register_launcher(Launcher("local", make=lambda log_dir, config, n_workers: LocalScheduler(log_dir),
+                               dry_run=lambda log_dir, config, n, out: PrintScheduler(log_dir, out, "local")))
 
 
 _register()

@@ -25,11 +25,15 @@ def worker_job(i: int) -> str:
     return f"rollout_worker_{i}"
 
 
-def start_manager(sched, spec, env: Dict[str, str], nr, common: List[str], timeout: float = 600.0) -> str:
-    """``common``: ``--exp NAME --config PATH --resume 0|1 ...`` of the run. Returns the manager's ``host:port``."""
+def start_manager(sched, spec, env: Dict[str, str], nr, common: List[str], timeout: float = 600.0,
+                  wait: bool = True) -> str:
+    """``common``: ``--exp NAME --config PATH --resume 0|1 ...`` of the run. Returns the manager's ``host:port``
+    (``wait=False`` only submits, a dry run, and returns "")."""
     from realhf.scheduler.local import JobFailure, python_cmd
 
     sched.submit(MANAGER, python_cmd("realhf.apps.remote", "--role", "rollout_manager", *common), env, worker=False)
+    if not wait:
+        return ""
     key = names.rollout_manager(spec.experiment_name, spec.trial_name)
     t0 = time.monotonic()
     while True:

@@ -32,6 +32,7 @@ from realhf.api.quickstart.allocation import (
 )
 from realhf.api.quickstart.eval_config import EvaluatorConfig
 from realhf.api.quickstart.options import check_choice, check_int, check_number, option
+from realhf.api.quickstart.slurm_config import SlurmConfig
 from realhf.api.quickstart.ppo_config import GenConfig, PPOHyperparameters, SamplingConfig  # noqa: F401 (re-exported)
 from realhf.base import logging
 from realhf.base.topology import ParallelDims
@@ -227,7 +228,7 @@ class BaseExperimentConfig:
     experiment_name: str = option("quickstart", "experiment name (letters, digits, '_', '-', '.')")
     trial_name: str = option("trial0", "trial name; one experiment may have several trials")
     mode: str = option("local", "launcher: local (processes on this machine) | ray (a Ray cluster; pip install "
-                                "'realhf[ray]') | slurm (not implemented)")
+                                "'realhf[ray]') | slurm (a Slurm cluster: the slurm.* options)")
     ray_address: str = option("", "mode=ray: the Ray cluster to join ('auto', or host:port of its head); empty "
                                   "starts a Ray instance on this machine for the run")
     ray_gpus_per_worker: float = option(0.0, "mode=ray: GPUs each model worker reserves (1 on GPU clusters)")
@@ -239,6 +240,8 @@ class BaseExperimentConfig:
                                            "failure) | resume (such a checkpoint must exist); a fresh start moves an "
                                            "earlier recover/ folder aside to recover.stale-<time>/")
     recover_retries: int = option(1, "times to relaunch after a failure when recover_mode is auto")
+    slurm: SlurmConfig = option(help="mode=slurm: partition, account, time, GPUs, container, extra sbatch/srun flags",
+                                factory=SlurmConfig)
     n_nodes: int = option(1, "number of nodes")
     n_devices_per_node: int = option(1, "devices per node: GPUs, or model worker processes on CPU")
     cpus_per_worker: int = option(1, "CPU threads of each worker process")
@@ -272,7 +275,7 @@ class BaseExperimentConfig:
     # --------------------------------------------------------------- derived values
     # Options that do not change what a run computes (where it runs, how it is watched, logged, saved and
     # relaunched): a recover checkpoint written under other values of these still belongs to the run.
-    RESUME_NEUTRAL_KEYS = ("mode", "ray_address", "ray_gpus_per_worker", "fileroot", "recover_mode",
+    RESUME_NEUTRAL_KEYS = ("mode", "ray_address", "ray_gpus_per_worker", "slurm", "fileroot", "recover_mode",
                            "recover_retries", "cpus_per_worker", "worker_timeout_secs", "wandb", "tensorboard",
                            "auto_eval", "exp_ctrl.save_freq_epochs", "exp_ctrl.save_freq_steps",
                            "exp_ctrl.save_freq_secs", "exp_ctrl.ckpt_freq_epochs", "exp_ctrl.ckpt_freq_steps",
