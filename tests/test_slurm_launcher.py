@@ -142,3 +142,21 @@ def test_requests_the_cluster_cannot_hold_fail_before_start(slurm_cluster, tiny_
     assert p.returncode == 2, p.stderr[-2000:]
     assert needle in p.stderr, p.stderr[-2000:]
     assert not slurm_cluster.jobs() and not os.path.exists(os.path.join(root, "big", "trial0", "logs", "master.log"))
+
+
+def test_async_run_under_slurm_starts_every_role(slurm_cluster, tiny_math_run):
+    """An asynchronous run: generation server, rollout manager, master, model worker and two rollout workers, each
+    group its own Slurm job; it trains its steps and leaves nothing behind."""
+    model, d = tiny_math_run
+    p = run_quickstart(["async-ppo-math", f"actor.path={model}", f"dataset.path={d}/math.jsonl", f"fileroot={d}",
+                        "experiment_name=asyncslurm", "allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2",
+                        "use_critic=false", "ppo.kl_ctl=0", "dataset.train_bs_n_seqs=4", "group_size=2",
+                        "ppo.gen.max_new_tokens=6", "exp_ctrl.benchmark_steps=3", "param_realloc=disk",
+                        "use_chat_template=false", "prompt_template={prompt}", "async_rl.max_head_offpolicyness=1",
+                        "async_rl.n_rollout_workers=2", *SLURM_CPU], timeout=400)
+    assert p.returncode == 0, p.stderr[-4000:]
+    for group in ("gen_server_0", "rollout_manager", "master", "model_worker_0", "rollout_workers"):
+        assert f"submitted {group} as Slurm job" in p.stderr, (group, p.stderr[-3000:])
+    st = read_stats(str(d), "asyncslurm")
+    assert [s["global_step"] for s in st] == [1, 2, 3] and all(s["version_lag_max"] <= 1 for s in st)
+    assert not _no_job_left(slurm_cluster) and not wait_until_gone(os.path.join(str(d), "asyncslurm"))
