@@ -86,3 +86,20 @@ def signed_route(verifier: "RequestVerifier", rejections, path: str, fn: Callabl
 
     return handler
 
+
+
+async def serve_app(app, host: str, port: int, what: str):
+    """Serve aiohttp ``app`` on ``host:port`` (0: a free port) for ``what`` (named in errors); returns (the runner,
+    to ``cleanup()`` when done, the bound port). A port that cannot be bound raises OSError naming ``what``."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=False)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OSError(f"{what}: cannot listen on {host}:{port} ({e.strerror or e}); is the port taken? (port 0 picks a "
+                      "free one)") from None
+    return runner, site._server.sockets[0].getsockname()[1]

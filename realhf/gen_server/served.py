@@ -48,9 +48,18 @@ class ServedModule:
 
 
 class ServedEngine:
-    def __init__(self, client: SyncGenClient):
-        self.client = client
+    """The engine of a served replica: generation goes to the servers. ``client``: a client, or a function making
+    one when the first generation needs it (an asynchronous run's trainer never generates: no client is made)."""
+
+    def __init__(self, client):
+        self._client, self._make = (None, client) if callable(client) else (client, None)
         self.model = ServedModule()
+
+    @property
+    def client(self) -> SyncGenClient:
+        if self._client is None:
+            self._client = self._make()
+        return self._client
 
     def load(self):
         pass
@@ -86,7 +95,8 @@ class ServedEngine:
         return out
 
     def close(self):
-        self.client.close()
+        if self._client is not None:
+            self._client.close()
 
 
 class WeightPublisher:

@@ -160,17 +160,9 @@ class GenServer:
         return {"version": self.engine.version, "seconds": time.perf_counter() - t0}
 
     async def start(self, host: str, port: int) -> int:
-        from aiohttp import web
+        from realhf.gen_server.auth import serve_app
 
-        self.runner = web.AppRunner(self.app(), access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, reuse_address=False)
-        try:
-            await site.start()
-        except OSError as e:
-            raise OSError(f"generation server {self.index}: cannot listen on {host}:{port} ({e.strerror or e}); "
-                          "is the port taken? (port 0 picks a free one)") from None
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.runner, self.port = await serve_app(self.app(), host, port, f"generation server {self.index}")
         return self.port
 
     async def stop(self):

@@ -191,7 +191,7 @@ class ModelWorker:
             from realhf.gen_server.served import ServedEngine, make_client
 
             tok = transformers.AutoTokenizer.from_pretrained(m.tokenizer_path or m.path)
-            engine = ServedEngine(make_client(self.spec, m.gen_servers, self.secret, self.nr))
+            engine = ServedEngine(lambda: make_client(self.spec, m.gen_servers, self.secret, self.nr))
             return Model(name=m.name, engine=engine, tokenizer=tok, grid=self.grids[m.name], path=m.path)
         if not m.path:  # a model without weights (e.g. a rule-based reward): only the tokenizer
             import transformers

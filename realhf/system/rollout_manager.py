@@ -140,16 +140,9 @@ class RolloutManager:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve on ``host:port`` (0: a free port); returns the bound port."""
-        from aiohttp import web
+        from realhf.gen_server.auth import serve_app
 
-        self.runner = web.AppRunner(self.app(), access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, reuse_address=False)
-        try:
-            await site.start()
-        except OSError as e:
-            raise OSError(f"rollout manager: cannot listen on {host}:{port} ({e.strerror or e})") from None
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.runner, self.port = await serve_app(self.app(), host, port, "rollout manager")
         return self.port
 
     async def stop(self) -> None:
