@@ -4,8 +4,8 @@ trainer's master and model workers (tiny model, ``gen.`` servers).
 * With random delays in the servers, the rollout workers and the trainer, no trained sample is ever more than
   ``max_head_offpolicyness`` versions stale and the manager issues no ticket past the bound, also across a kill -9
   of the rollout manager and the ``recover_mode=auto`` resume that follows.
-* kill -9 of one of two generation servers mid-run: the run finishes on the other and every slot of every batch
-  was trained exactly once, with the prompts of the synchronous order.
+* kill -9 of one of two generation servers and then of one of two rollout workers mid-run: the run finishes on the
+  others and every slot of every batch was trained exactly once, with the prompts of the synchronous order.
 * Bad async options fail before anything starts.
 
 (``max_head_offpolicyness=0`` reproducing the synchronous run, and the learning tests: tests/test_grpo_learns.py.)
@@ -46,29 +46,40 @@ def _check_staleness(events, ofp):
     return issued
 
 
-def test_a_killed_generation_server_does_not_stop_the_run(tiny_math_run):
-    """Two servers; one is killed with SIGKILL after the first step: its requests go to the other and every slot of
-    every batch is trained once, with the prompts of the synchronous order."""
+def test_a_killed_generation_server_and_rollout_worker_do_not_stop_the_run(tiny_math_run):
+    """Two servers and two rollout workers; server 1 is killed with SIGKILL after the first step, rollout worker 1
+    after the second: the server's requests go to the other, the worker's running episodes are re-issued to the other
+    worker, and every slot of every batch is trained once, with the prompts of the synchronous order."""
     model, d = tiny_math_run
     from realhf.base.testing import run_processes
 
-    steps = 4
-    proc = start_quickstart(_args(model, d, "async-kill-server", 3, "gen.d2m1p1+d1m1p1",
-                                  f"exp_ctrl.benchmark_steps={steps}", "async_rl.max_concurrent_rollouts=4"))
+    steps, exp = 4, "async-kill-server"
+    proc = start_quickstart(_args(model, d, exp, 3, "gen.d2m1p1+d1m1p1", f"exp_ctrl.benchmark_steps={steps}",
+                                  "async_rl.max_concurrent_rollouts=4", "async_rl.n_rollout_workers=2",
+                                  "async_rl.max_head_offpolicyness=1"),
+                            env={"REALHF_DELAYS": "rollout.episode:0.3", "REALHF_DELAY_SEED": "3"})
     try:
-        wait_for_steps(d, "async-kill-server", 1, timeout=240, proc=proc)
+        wait_for_steps(d, exp, 1, timeout=240, proc=proc)
         servers = [p for p in run_processes(str(d)) if "realhf.gen_server.server" in " ".join(p.cmdline())
                    and " --index 1 " in " ".join(p.cmdline()) + " "]
         assert servers, "server 1 not found"
         os.kill(servers[0].pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=300)
+        wait_for_steps(d, exp, 2, timeout=240, proc=proc)
+        workers = [p for p in run_processes(str(d)) if "rollout_worker" in p.cmdline()
+                   and p.cmdline()[p.cmdline().index("--rank") + 1] == "1"]
+        assert len(workers) == 1, workers
+        os.kill(workers[0].pid, signal.SIGKILL)
+        err, _ = proc.communicate(timeout=300)  # the launcher's output (stderr joined to stdout)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    stats = read_stats(d, "async-kill-server")
+    assert "gen_server_1 exited with code -9; the run goes on with gen_server_0" in err, err[-3000:]
+    assert "rollout_worker_1 exited with code -9; the run goes on with rollout_worker_0" in err, err[-3000:]
+    assert "running episode(s) go to the other rollout workers" in err, err[-3000:]
+    stats = read_stats(d, exp)
     assert len(stats) == steps
-    events = _rollout_log(d, "async-kill-server")
+    events = _rollout_log(d, exp)
     accepted = {e["ticket"] for e in events if e["event"] == "finish" and e["status"] == "accepted"}
     issued = {e["ticket"]: e for e in events if e["event"] == "issue"}
     trained = sorted((issued[t]["batch"], issued[t]["slot"], issued[t]["prompt"]) for t in accepted
@@ -80,6 +91,10 @@ def test_a_killed_generation_server_does_not_stop_the_run(tiny_math_run):
     it = EpochIterator(range(32), 4, seed=1, shuffle=True)
     want = [p for b in range(steps) for p in it.global_batch_indices(0, b)]
     assert [p for _, _, p in trained] == want
+    # after its death, worker 1 was issued nothing: worker 0 ran the rest
+    released = [e for e in events if e["event"] == "finish" and "rollout_worker_1 lost" in str(e.get("error"))]
+    last = max(e["ticket"] for e in events if e["event"] == "issue" and e["worker"] == "rollout_worker_1")
+    assert all(e["ticket"] <= last for e in released)
     time.sleep(0.5)
 
 

@@ -112,6 +112,20 @@ def test_failed_reissues_the_slot_with_the_same_prompt():
     assert (book.allocate("w")[0].cursor) == 3
 
 
+def test_a_lost_worker_s_tickets_come_back_with_their_prompts():
+    book = book_of(B=4)
+    a, b = book.allocate("w0")[0], book.allocate("w1")[0]
+    c = book.allocate("w1")[0]
+    book.finish(b.id, "accepted")
+    assert [t.id for t in book.release("w1", "exited with code -9")] == [c.id]  # the accepted one stays accepted
+    assert book.release("w1", "again") == [] and book.stats()["running"] == 1 and book.stats()["failed"] == 1
+    t = book.allocate("w0")[0]
+    assert (t.batch, t.slot, t.prompt) == (c.batch, c.slot, c.prompt)
+    with pytest.raises(ValueError, match="not running"):
+        book.finish(c.id, "accepted")  # a late report of the lost worker does not fill the slot twice
+    book.finish(a.id, "accepted")
+
+
 def test_done_complete_and_errors():
     book = book_of(B=2, total=1)
     a, b = book.allocate("w")[0], book.allocate("w")[0]
@@ -420,6 +434,11 @@ def test_routing_and_servers_down(loop):
         st = m.status()
         assert [(s["live"], s["running_episodes"]) for s in st["servers"]] == [(False, 2), (True, 3)]
         assert 0.0 <= st["idle_fraction"] <= 1.0
+        released = m.post("/worker_down", worker="w", reason="exited with code -9")["released"]
+        assert released == 5 and m.status()["running"] == 0
+        assert [s["running_episodes"] for s in m.status()["servers"]] == [0, 0]
+        with pytest.raises(Refused, match="worker must be a non-empty string"):
+            m.post("/worker_down", worker="")
         m.post("/server_down", index=1, reason="gone")
         for call in (lambda: m.post("/allocate", worker="w"), lambda: m.post("/update_weights", path="/x", version=1)):
             with pytest.raises(Refused, match="every generation server is down") as e:

@@ -53,10 +53,11 @@ def _run_env(spec, launcher, secret: str) -> dict:
     return env
 
 
-def _start_jobs(sched, spec, config, launcher, env: dict, nr, common: list, wait: bool = True) -> None:
+def _start_jobs(sched, spec, config, launcher, env: dict, nr, common: list, wait: bool = True) -> Optional[str]:
     """Submit every job of the run in order: generation servers (waited for: the workers connect to them at start),
     the rollout manager (waited for: it restores its accounting), the master, the model workers, the rollout
-    workers. ``wait=False`` (a dry run) only submits."""
+    workers. ``wait=False`` (a dry run) only submits. Returns the rollout manager's address (asynchronous runs)."""
+    manager = None
     if spec.served() is not None:
         from realhf.gen_server.launch import start_servers
 
@@ -65,7 +66,7 @@ def _start_jobs(sched, spec, config, launcher, env: dict, nr, common: list, wait
     if spec.rollout is not None:  # asynchronous RL
         from realhf.system.rollout_launch import start_manager
 
-        start_manager(sched, spec, env, nr, common, wait=wait)
+        manager = start_manager(sched, spec, env, nr, common, wait=wait)
     sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env, worker=False)
     sched.submit_group([f"model_worker_{r}" for r in range(spec.n_workers)],
                        lambda rank: python_cmd("realhf.apps.remote", "--role", "model_worker", "--rank", rank, *common),
@@ -74,6 +75,27 @@ def _start_jobs(sched, spec, config, launcher, env: dict, nr, common: list, wait
         from realhf.system.rollout_launch import start_rollout_workers
 
         start_rollout_workers(sched, spec, env, common)
+    return manager
+
+
+def _worker_lost(manager: Optional[str], secret: str):
+    """``on_survived`` of an asynchronous run: a rollout worker that died while others run has its tickets
+    re-issued (the rollout manager's ``/worker_down``); a generation server's loss is handled by the workers."""
+
+    def lost(name: str, code: int) -> None:
+        if manager is None or not name.startswith("rollout_worker_"):
+            return
+        from realhf.system.manager_client import ManagerError, manager_call
+
+        try:
+            out = manager_call(manager, bytes.fromhex(secret), "/worker_down",
+                               {"worker": name, "reason": f"exited with code {code}"}, timeout=60)
+            logger.warning(f"{name} exited with code {code}; its {out.get('released', 0)} running episode(s) go to the "
+                           "other rollout workers")
+        except ManagerError as e:
+            logger.error(f"{name} exited with code {code} and the rollout manager could not be told: {e}")
+
+    return lost
 
 
 def _common_args(exp_name: str, cfg_path: str, resume: bool, run_id: str) -> list:
@@ -92,10 +114,13 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console
     env = _run_env(spec, launcher, new_run_secret().hex())
     sched = launcher.make(spec.log_dir, config, spec.device_slots())
     try:
-        _start_jobs(sched, spec, config, launcher, env, nr, _common_args(exp_name, cfg_path, resume, run_id))
+        manager = _start_jobs(sched, spec, config, launcher, env, nr, _common_args(exp_name, cfg_path, resume, run_id))
         console.watch(spec.log_dir)
-        # an asynchronous run goes on while one generation server is left: the others' requests move to it
-        sched.wait("master", on_poll=console.poll, survivable=("gen_server_",) if spec.rollout is not None else ())
+        # an asynchronous run goes on while one generation server is left (the others' requests move to it) and while
+        # one rollout worker is left (a lost worker's episodes are re-issued to the others)
+        sched.wait("master", on_poll=console.poll,
+                   survivable=("gen_server_", "rollout_worker_") if spec.rollout is not None else (),
+                   on_survived=_worker_lost(manager, env["REALHF_RUN_SECRET"]))
         sched.wait_others(skip=("gen_server_", "rollout_"))  # servers and the rollout side serve until stopped
     finally:
         console.close()

@@ -51,29 +51,33 @@ class WaitMixin:
                         first_slot=None if first_slot is None else first_slot + k * slots)
 
     def wait(self, main: str, poll: float = 0.2, timeout: Optional[float] = None,
-             on_poll: Optional[Callable[[], None]] = None, survivable: tuple = ()) -> None:
+             on_poll: Optional[Callable[[], None]] = None, survivable: tuple = (),
+             on_survived: Optional[Callable[[str, int], None]] = None) -> None:
         """Return when ``main`` exits 0; raise JobFailure when any job exits non-zero (or is lost),
         TimeoutError after ``timeout`` seconds. ``on_poll()`` is called at every poll (e.g. to show progress).
-        Jobs whose names start with one of ``survivable`` (e.g. generation servers of an asynchronous run) may
-        fail while at least one of them still runs: each failure is logged once as a warning."""
+        Jobs whose names start with a prefix of ``survivable`` (e.g. an asynchronous run's generation servers, its
+        rollout workers) may fail while another job of the same prefix still runs: each such failure is logged once
+        as a warning and passed to ``on_survived(name, code)`` (e.g. to re-issue a lost worker's work)."""
         t0 = time.monotonic()
         tolerated: set = set()
         while True:
             if on_poll is not None:
                 on_poll()
             codes = self._codes()
-            group = [n for n in codes if survivable and n.startswith(survivable)]
-            alive = [n for n in group if codes[n] is None]
             for name, code in codes.items():
                 if code == MASTER_LOST_EXIT and name != main:
                     raise JobFailure(main, code, tail(self.jobs[name].log_path),
                                      reason=f"{main} stopped responding: {name} heard no heartbeat from it and ended "
                                             f"(exit code {code}); the {main} was stopped")
                 if code is not None and code != 0:
-                    if name in group and alive:
+                    prefix = next((p for p in survivable if name.startswith(p)), None)
+                    alive = [n for n in codes if prefix and n.startswith(prefix) and codes[n] is None]
+                    if alive:
                         if name not in tolerated:
                             tolerated.add(name)
                             logger.warning(f"{name} exited with code {code}; the run goes on with {', '.join(alive)}")
+                            if on_survived is not None:
+                                on_survived(name, code)
                         continue
                     raise JobFailure(name, code, tail(self.jobs[name].log_path),
                                      reason=getattr(self, "lost", {}).get(name))

@@ -68,6 +68,8 @@ class RolloutManager:
                                 trainer publishes); 503 when every server is down
     ``POST /finish``            ``{"ticket": id, "status": "accepted"|"rejected"|"failed", "stats": {...}}`` -> ``{}``
     ``POST /server_down``       ``{"index", "reason"}`` -> ``{}``: stop routing to server ``index`` and updating it
+    ``POST /worker_down``       ``{"worker", "reason"}`` -> ``{"released": n}``: the rollout worker is gone (the
+                                launcher says so); its running tickets fail and are re-issued to the others
     ``POST /update_weights``    ``{"path", "version"}`` -> ``{"seconds", "servers": [updated indices], "version"}``
     ``GET /status``             ``TicketBook.stats()`` + ``complete``, ``servers`` [{index, address, live,
                                 running_episodes, version}], ``weight_updates``, ``weight_update_seconds``,
@@ -128,6 +130,7 @@ class RolloutManager:
         app.router.add_get("/health", self._health)
         app.router.add_get("/status", self._status)
         for path, fn in {"/allocate": self._allocate, "/finish": self._finish, "/server_down": self._server_down,
+                         "/worker_down": self._worker_down,
                          "/update_weights": self._update_weights}.items():
             app.router.add_post(path, self._signed(path, fn))
         return app
@@ -221,6 +224,21 @@ class RolloutManager:
             raise _HTTPError(400, f"index must be a server index in [0, {len(self.live)}), got {i!r}")
         self.mark_down(i, str(d.get("reason") or "reported by a rollout worker"))
         return {}
+
+    async def _worker_down(self, d):
+        d = _body(d, ["worker"], ["reason"])
+        worker = d["worker"]
+        if not isinstance(worker, str) or not worker:
+            raise _HTTPError(400, f"worker must be a non-empty string, got {worker!r}")
+        self._tick()
+        tickets = self.book.release(worker, str(d.get("reason") or "reported by the launcher"))
+        for t in tickets:
+            server = self._server_of.pop(t.id, None)
+            if server is not None:
+                self.episodes[server] -= 1
+        logger.warning("rollout worker %s is gone (%s): its %d running ticket(s) %s are re-issued to the others",
+                       worker, d.get("reason") or "reported by the launcher", len(tickets), [t.id for t in tickets])
+        return {"released": len(tickets)}
 
     # ------------------------------------------------------------------ weights
     async def _update_weights(self, d):

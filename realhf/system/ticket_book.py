@@ -74,6 +74,7 @@ class TicketBook:
         self._cursor = 0
         self._queue: List[Tuple[int, int, int]] = []
         self._running: Dict[int, Ticket] = {}
+        self._worker_of: Dict[int, str] = {}  # running ticket -> the rollout worker running it
         self._accepted: Dict[Tuple[int, int], Ticket] = {}  # accepted slots (set_version drops trained batches)
         self._counts = dict(issued=0, accepted=0, rejected=0, failed=0, refused_staleness=0, refused_concurrency=0)
         self._log_f = None
@@ -128,6 +129,7 @@ class TicketBook:
                    cursor=cursor, version=self.version)
         self._next_id += 1
         self._running[t.id] = t
+        self._worker_of[t.id] = str(worker)
         self._counts["issued"] += 1
         self._write({"event": "issue", "ticket": t.id, "batch": b, "slot": j, "head": t.head, "prompt": t.prompt,
                      "cursor": cursor, "version": t.version, "worker": str(worker)})
@@ -150,9 +152,18 @@ class TicketBook:
         t = self._running.pop(ticket_id, None) if isinstance(ticket_id, int) else None
         if t is None:
             raise ValueError(f"ticket {ticket_id!r} is not running: unknown, or already finished")
+        self._worker_of.pop(t.id, None)
         self._apply_finish(t, status)
         self._write({"event": "finish", "ticket": t.id, "status": status, **stats})
         return t
+
+    def release(self, worker: str, reason: str) -> List[Ticket]:
+        """A rollout worker is gone: every ticket it was running fails (slot and prompt come back, re-issued to the
+        others). A trajectory it pushed before dying is not trained twice: a trainer head keeps the first of a slot."""
+        tickets = [self._running[tid] for tid, w in list(self._worker_of.items()) if w == worker]
+        for t in tickets:
+            self.finish(t.id, "failed", {"error": f"{worker} lost: {reason}"[:500]})
+        return tickets
 
     def _apply_finish(self, t: Ticket, status: str) -> None:
         self._counts[status] += 1
@@ -223,6 +234,7 @@ class TicketBook:
         # trained batches stay accepted (a later restore from an older checkpoint re-queues them); set_version prunes
         self._accepted = {k: t for k, t in self._accepted.items() if t.batch < G}
         self._running = {}
+        self._worker_of = {}
         self.version = G
         self._next_new = max(self._next_new, G * self.B)
         self._cursor = max(self._cursor, G * self.B)
