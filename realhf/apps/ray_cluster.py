@@ -8,7 +8,8 @@
 ``start`` runs ``ray start --head --port PORT`` on the head and ``ray start --address HEAD:PORT`` on every worker
 (workers in parallel), waits until Ray reports one alive node per host, then runs
 ``python -m realhf.apps.check_cluster --mode ray`` against the cluster (GPUs per node, a shared fileroot, ports
-between the nodes); its exit code is the check's. A run then joins with ``mode=ray ray_address=HEAD:PORT``.
+between the nodes) on the head (``--check-on here``: on this machine); its exit code is the check's. A run then
+joins with ``mode=ray ray_address=HEAD:PORT``.
 
 ``stop`` stops, on every host, the Ray processes of *this* cluster only: those whose command line names its GCS port
 (``--gcs-address=...:PORT``, ``--gcs_server_port=PORT``) and their children, raylets first and the GCS last, with
@@ -17,8 +18,11 @@ instead (every Ray process of the host). ``status`` prints ``ray status`` from t
 cluster's raylet runs there.
 
 Each host runs this same file as a script (``PYTHON - --remote SPEC`` with the file on stdin), so the hosts need
-only Python with Ray (``--python``, default: this interpreter's path, i.e. the same environment at the same path
-on every node, as a shared file system or the image of docker/Dockerfile gives). ``--isolated`` gives every Ray
+only Python with Ray, and the head realhf for the check (``--python``, shell words, default: this interpreter's
+path, i.e. the same environment at the same path on every node, as a shared file system or the image of
+docker/Dockerfile gives; ``--python "docker exec -i realhf python"`` drives Ray inside running containers).
+Ray's token auth (Ray 2.5x+: ``ray start --head`` turns it on when ``~/.ray/auth_token`` exists) is set to the
+head's mode on every host (``RAY_AUTH_MODE``); each node then needs the token (a shared home, or a copy). ``--isolated`` gives every Ray
 service but the GCS a free port (hosts shared with other Ray instances); a host listed twice gets it by itself.
 Every SSH call has a time limit (``--timeout``).
 """
@@ -198,9 +202,19 @@ def _remote_status(spec: dict) -> int:
     return _ray_cli(["status", f"--address={spec['address']}"], spec)
 
 
+def _remote_check(spec: dict) -> int:
+    """``python -m realhf.apps.check_cluster ARGS`` on this host (realhf installed, or its source tree at the path the
+    caller has it: a shared file system)."""
+    env = dict(os.environ, RAY_AUTH_MODE=_auth_mode(spec))
+    if spec.get("source_root"):
+        env["PYTHONPATH"] = spec["source_root"] + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return subprocess.call([sys.executable, "-m", "realhf.apps.check_cluster", *spec["args"]], env=env,
+                           stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
 def remote_main(spec: dict) -> int:
     return {"start": _remote_start, "stop": _remote_stop, "ps": _remote_ps, "wait_nodes": _remote_wait_nodes,
-            "status": _remote_status}[spec["action"]](spec)
+            "status": _remote_status, "check": _remote_check}[spec["action"]](spec)
 
 
 # ============================================================================= the local side
@@ -227,7 +241,7 @@ class Cluster:
         """Run this file on ``host`` over SSH with ``spec``; raises HostError when SSH fails or times out."""
         with open(os.path.abspath(__file__)) as f:
             source = f.read()
-        remote_cmd = " ".join(shlex.quote(x) for x in [self.python, "-", "--remote", json.dumps(spec)])
+        remote_cmd = " ".join(shlex.quote(x) for x in [*shlex.split(self.python), "-", "--remote", json.dumps(spec)])
         cmd = self.ssh + [host, remote_cmd]
         try:
             p = subprocess.run(cmd, input=source, capture_output=True, text=True, timeout=timeout or self.timeout,
@@ -312,14 +326,24 @@ def cmd_start(a) -> int:
     print(f"Ray cluster up: {n} node(s) at {c.address} ({', '.join(got['ips'])})", flush=True)
     if a.no_check:
         return 0
-    check = [sys.executable, "-m", "realhf.apps.check_cluster", "--mode", "ray", "--ray-address", c.address,
-             "--nodes", str(n), "--timeout", f"{a.check_timeout:g}"]
+    args = ["--mode", "ray", "--ray-address", c.address, "--nodes", str(n), "--timeout", f"{a.check_timeout:g}"]
     if a.num_gpus:
-        check += ["--gpus-per-node", str(a.num_gpus)]
+        args += ["--gpus-per-node", str(a.num_gpus)]
     if a.fileroot:
-        check += ["--fileroot", a.fileroot]
-    print(f"checking it: RAY_AUTH_MODE={c.auth_mode} " + " ".join(shlex.quote(x) for x in check), flush=True)
-    code = subprocess.call(check, stdin=subprocess.DEVNULL, env=dict(os.environ, RAY_AUTH_MODE=c.auth_mode))
+        args += ["--fileroot", a.fileroot]
+    where = c.head if a.check_on == "head" else "here"
+    print(f"checking it ({where}): RAY_AUTH_MODE={c.auth_mode} python -m realhf.apps.check_cluster "
+          + " ".join(shlex.quote(x) for x in args), flush=True)
+    if a.check_on == "head":
+        from realhf.base.process import source_root
+
+        p = c.remote(c.head, dict(action="check", args=args, auth_mode=c.auth_mode, source_root=source_root()),
+                     timeout=a.check_timeout + a.timeout + 60)
+        print((p.stdout + p.stderr).rstrip(), flush=True)
+        code = p.returncode
+    else:
+        code = subprocess.call([sys.executable, "-m", "realhf.apps.check_cluster", *args], stdin=subprocess.DEVNULL,
+                               env=dict(os.environ, RAY_AUTH_MODE=c.auth_mode))
     if code == 0:
         print(f"ready: run with mode=ray ray_address={c.address} n_nodes={n}")
     return code
@@ -392,7 +416,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=6379, help="the head's GCS port (default 6379)")
     ap.add_argument("--ssh", default=DEFAULT_SSH, help=f"the SSH command, split as shell words (default {DEFAULT_SSH!r})")
     ap.add_argument("--python", default=sys.executable,
-                    help="Python with Ray (and realhf) on every host (default: this interpreter's path)")
+                    help="Python with Ray (and realhf) on every host, as shell words (default: this interpreter's "
+                         "path); e.g. 'docker exec -i realhf python' for Ray inside a running container")
     ap.add_argument("--num-gpus", type=int, help="GPUs Ray offers on each node (default: Ray detects them)")
     ap.add_argument("--num-cpus", type=int, help="CPUs Ray offers on each node (default: Ray detects them)")
     ap.add_argument("--temp-dir", help="Ray's temp dir on every host (default /tmp/ray; keep it short: socket paths "
@@ -406,6 +431,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--worker-args", default="", help="extra `ray start` flags of the workers, as shell words")
     ap.add_argument("--fileroot", help="start: the run's fileroot, checked as shared by every node (check_cluster)")
     ap.add_argument("--no-check", action="store_true", help="start: skip check_cluster")
+    ap.add_argument("--check-on", choices=["head", "here"], default="head",
+                    help="start: run check_cluster on the head over SSH (default) or on this machine")
     ap.add_argument("--timeout", type=float, default=120, help="seconds one SSH call may take (default 120)")
     ap.add_argument("--nodes-timeout", type=float, default=60,
                     help="start: seconds to wait until every node has joined (default 60)")
