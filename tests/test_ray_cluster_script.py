@@ -117,7 +117,7 @@ def test_start_status_stop(sshd, tmp_path):
         assert p.returncode == 0, out
         assert f"Ray cluster up: 2 node(s) at 127.0.0.1:{port}" in out
         assert "READY: 2 node(s) answered" in out  # check_cluster in ray mode: shared dir and ports between nodes
-        assert f"ready: run with mode=ray ray_address=127.0.0.1:{port} n_nodes=2" in out
+        assert f"mode=ray ray_address=127.0.0.1:{port} n_nodes=2" in out and "ready: run with" in out
         p, out = script("status", *hosts)
         assert p.returncode == 0, out
         assert "127.0.0.1: raylet running" in out and "Active:" in out

@@ -419,14 +419,18 @@ def collect_ray(req: Request, session: str) -> Report:
     from realhf.scheduler.ray_launcher import connect
 
     done, _, err = _run_with_timeout(lambda: connect(req.ray_address, 0, 0), req.connect_timeout)
+    # Ray 2.5x+: a head started while ~/.ray/auth_token exists requires the token; drivers must say so themselves
+    auth = ("" if os.environ.get("RAY_AUTH_MODE") else
+            " If the head uses Ray token auth (~/.ray/auth_token on the head), set RAY_AUTH_MODE=token here.")
     if not done:
         rep.stuck = True
         rep.errors.append(f"could not join the Ray cluster at {req.ray_address!r} within {req.connect_timeout:g} s "
                           "(ray.init did not return): check that the address is the head's GCS port "
-                          "(ray start --head --port ...) and that this machine can reach it.")
+                          f"(ray start --head --port ...) and that this machine can reach it.{auth}")
         return rep
     if err is not None:
-        rep.errors.append(f"{err}. Start the cluster (scripts/ray_cluster.sh start) or fix --ray-address.")
+        rep.errors.append(f"{err}. Start the cluster (scripts/ray_cluster.sh start) or fix --ray-address."
+                          + (auth if "refused" not in str(err) else ""))
         return rep
     try:
         alive = [n for n in ray.nodes() if n.get("Alive")]

@@ -345,7 +345,8 @@ def cmd_start(a) -> int:
         code = subprocess.call([sys.executable, "-m", "realhf.apps.check_cluster", *args], stdin=subprocess.DEVNULL,
                                env=dict(os.environ, RAY_AUTH_MODE=c.auth_mode))
     if code == 0:
-        print(f"ready: run with mode=ray ray_address={c.address} n_nodes={n}")
+        env = "RAY_AUTH_MODE=token " if c.auth_mode == "token" else ""
+        print(f"ready: run with {env}python -m realhf.apps.quickstart ... mode=ray ray_address={c.address} n_nodes={n}")
     return code
 
 
