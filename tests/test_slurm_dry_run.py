@@ -97,4 +97,6 @@ def test_dry_run_from_the_command_line(tmp_path):
     q = run_quickstart(base, timeout=120)
     assert q.returncode == 0, q.stderr[-2000:]
     assert "# model_worker_1 (local, device slots 1..1)" in q.stdout and "--role model_worker --rank 1" in q.stdout
+    r = run_quickstart(base + ["mode=ray"], timeout=120)
+    assert r.returncode == 0 and "# model_worker_0 (ray, device slots 0..0)" in r.stdout, r.stderr[-2000:]
     assert not os.path.exists(tmp_path / "root")

@@ -184,7 +184,10 @@ def connect(address: str, need_cpus: float, need_gpus: float):
             try:
                 ray.init(address=address, **kw)
             except Exception as e:  # ConnectionError and friends, with ray's own message
-                raise ValueError(f"mode=ray: cannot connect to the Ray cluster at ray_address={address!r}: {e}") from e
+                hint = ("; the cluster uses Ray token authentication: set RAY_AUTH_MODE=token (and its token) here"
+                        if "auth" in str(e).lower() and os.environ.get("RAY_AUTH_MODE") != "token" else "")
+                raise ValueError(f"mode=ray: cannot connect to the Ray cluster at ray_address={address!r}: {e}{hint}") \
+                    from e
         else:
             # A private instance for this run ("local": never a cluster found on this machine); its CPU count covers
             # the requests (they are bookkeeping only: the jobs share this machine's cores as under mode=local).
@@ -315,7 +318,10 @@ class RayScheduler(WaitMixin):
 def _register():
     from realhf.scheduler import Launcher, register_launcher
 
-    register_launcher(Launcher("ray", make=RayScheduler, check=connect_for, remote=True, own_devices=True))
+    from realhf.scheduler.local import PrintScheduler
+
+    register_launcher(Launcher("ray", make=RayScheduler, check=connect_for, remote=True, own_devices=True,
+                               dry_run=lambda log_dir, config, n, out: PrintScheduler(log_dir, out, "ray")))
 
 
 _register()
