@@ -283,6 +283,10 @@ PPO: Dict[str, Any] = {
     "group_size": Reach("2", _attrs("actor_gen.gconfig.n", "actor_train.group_size"), expect=lambda x: _n(x, 2)),
     # the reward interface
     "reward_allow_last_number": Reach("true", _attrs("rew_inf.allow_last_number")),
+    # rw-math scores unfinished answers wrong, reading actor_gen's seq_no_eos_mask
+    "reward_unfinished_as_wrong": Reach("true", lambda b: (b.iface("rew_inf").unfinished_as_wrong,
+                                                           "seq_no_eos_mask" in b.mfc("rew_inf").input_keys),
+                                        expect=(True, True)),
     "correct_reward": Reach("3.0", _attrs("rew_inf.correct_reward")),
     "wrong_reward": Reach("-1.0", _attrs("rew_inf.wrong_reward")),
     "reward_timeout_secs": Reach("2.0", _attrs("rew_inf.timeout_secs")),
@@ -323,6 +327,12 @@ def _gconf(k):
     return lambda b: b.spec.rollout.gconfig[k]
 
 
+def _rollout_reward(b):
+    from realhf.impl.workflow.rewards import load_reward_fn
+
+    return load_reward_fn(b.spec.rollout.reward_fn, **b.spec.rollout.reward_args)
+
+
 def _fleet(field):
     return lambda b: getattr(b.spec.served().gen_servers, field)
 
@@ -332,7 +342,8 @@ ASYNC: Dict[str, Any] = {
     **{k: v for k, v in PPO.items() if not k.startswith(("actor_gen.", "rew_inf.", "ppo.gen.", "gen_server.", "dataset.",
                                                             "critic_inf.", "critic_train.", "actor_train.", "ref_inf."))
        and k not in ("param_realloc", "actor.offload", "critic.offload", "use_chat_template", "prompt_template",
-                     "group_size", "reward_allow_last_number", "correct_reward", "wrong_reward", "reward_timeout_secs",
+                     "group_size", "reward_allow_last_number", "reward_unfinished_as_wrong", "correct_reward",
+                     "wrong_reward", "reward_timeout_secs",
                      "ppo.reward_output_scaling", "ppo.reward_output_bias", "ppo.behav_imp_weight_cap")},
     # the trainer: the same spec fields and interfaces as ppo-math
     "allocation_mode": Reach("gen.d1m1p1+d2m1p1", lambda b: b.model("actor").layout.dp, expect=2,
@@ -367,6 +378,8 @@ ASYNC: Dict[str, Any] = {
     **{k: Reach(v, lambda b, a=a: b.spec.rollout.reward_args[a]) for k, v, a in (
         ("reward_allow_last_number", "true", "allow_last_number"), ("correct_reward", "3.0", "correct_reward"),
         ("wrong_reward", "-1.0", "wrong_reward"), ("reward_timeout_secs", "2.0", "timeout_secs"))},
+    # the reward the rollout workers build from the spec (as RolloutWorker.setup does) scores unfinished answers wrong
+    "reward_unfinished_as_wrong": Reach("true", lambda b: _rollout_reward(b).unfinished_as_wrong),
     "ppo.reward_output_scaling": Reach("2.0", _rollout("reward_output_scaling")),
     "ppo.reward_output_bias": Reach("1.0", _rollout("reward_output_bias")),
     **{f"ppo.gen.{k}": Reach(v, _gconf(k)) for k, v in (("max_new_tokens", "64"), ("min_new_tokens", "2"),

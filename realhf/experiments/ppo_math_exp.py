@@ -2,7 +2,7 @@
 
 DFG (keys infer the edges):
   actor_gen   (actor,  generate)   packed_prompts -> packed_input_ids, packed_logprobs, prompt_mask, seq_no_eos_mask
-  rew_inf     (reward, inference)  packed_input_ids, prompt_mask -> rewards
+  rew_inf     (reward, inference)  packed_input_ids, prompt_mask -> rewards   (+ seq_no_eos_mask: reward_unfinished_as_wrong)
   ref_inf     (ref,    inference)  packed_input_ids, prompt_mask -> packed_ref_logprobs        [KL on]
   critic_inf  (critic, inference)  packed_input_ids, prompt_mask -> values                     [critic on]
   actor_train (actor,  train_step) all of the above
@@ -118,8 +118,10 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
         MFCDef("rew_inf", model_of["rew_inf"], "inference", "rw-math",
                dict(correct_reward=cfg.correct_reward, wrong_reward=cfg.wrong_reward,
                     reward_output_scaling=p.reward_output_scaling, reward_output_bias=p.reward_output_bias,
-                    timeout_secs=cfg.reward_timeout_secs, allow_last_number=cfg.reward_allow_last_number),
-               input_keys=("packed_input_ids", "prompt_mask"), output_keys=("rewards",)),
+                    timeout_secs=cfg.reward_timeout_secs, allow_last_number=cfg.reward_allow_last_number,
+                    unfinished_as_wrong=cfg.reward_unfinished_as_wrong),
+               input_keys=("packed_input_ids", "prompt_mask") + (("seq_no_eos_mask",) if cfg.reward_unfinished_as_wrong
+                                                                 else ()), output_keys=("rewards",)),
     ]
     if is_async:
         train_inputs.append("packed_versions")
@@ -179,7 +181,8 @@ def async_rollout_spec(cfg: AsyncPPOMathConfig, prompts: DatasetSpec, n_samples:
 
     a = cfg.async_rl
     reward_args = dict(correct_reward=cfg.correct_reward, wrong_reward=cfg.wrong_reward,
-                       timeout_secs=cfg.reward_timeout_secs, allow_last_number=cfg.reward_allow_last_number)
+                       timeout_secs=cfg.reward_timeout_secs, allow_last_number=cfg.reward_allow_last_number,
+                       unfinished_as_wrong=cfg.reward_unfinished_as_wrong)
     return RolloutSpec(
         n_workers=a.n_rollout_workers, batch_size=cfg.dataset.train_bs_n_seqs, dp_size=dp, total_batches=steps,
         n_prompts=n_samples, max_head_offpolicyness=a.max_head_offpolicyness,

@@ -526,6 +526,8 @@ class PPOMathConfig(BaseExperimentConfig):
                                   "text around each prompt before the chat template; '{prompt}' is replaced")
     reward_allow_last_number: bool = option(False, "grade the last number of an answer when it has no \\boxed{} "
                                                    "or 'The answer is' (a lenient format for small models)")
+    reward_unfinished_as_wrong: bool = option(False, "an answer cut by ppo.gen.max_new_tokens before it ends (no EOS/"
+                                                     "stop token) scores wrong_reward, whatever it states")
     group_size: int = option(1, "answers generated per prompt")
     ppo: PPOHyperparameters = option(help="PPO hyperparameters", factory=PPOHyperparameters)
     actor_gen: MFCConfig = option(help="actor generation MFC", factory=MFCConfig)

@@ -5,6 +5,11 @@
 by ``timeout_secs`` and runs symbolic work in isolated worker processes); the grading runs in a thread of its
 own executor, so the rollout worker's event loop never waits on it.
 
+A workflow that knows how an answer ended passes it to :func:`call_reward` (``finish_reason``: "stop" when a stop
+token ended it, "length" when max_new_tokens cut it); the reward then sees ``data["finish_reason"]``. With
+``unfinished_as_wrong`` :class:`MathReward` scores an answer that did not end with a stop token ``wrong_reward``,
+as a synchronous run's ``rw-math`` does with ``seq_no_eos_mask``.
+
 A user's reward is named by import path (:func:`load_reward_fn`): a class, built with the experiment's reward
 options, whose instances are called ``(completion_text, data)``, or a function taking ``(completion_text, data)``.
 Either may be ``async``; a synchronous one is run in a thread (:func:`call_reward`), as it may block.
@@ -30,10 +35,14 @@ class MathReward:
     """``correct_reward`` when the answer of the completion (its last ``\\boxed{}``, ``#### N``, "the answer
     is ..."; with ``allow_last_number`` also its last number) equals one of ``data["solutions"]``, else
     ``wrong_reward`` (also when no answer is stated, and when grading timed out or failed: those are counted in
-    :attr:`stats`)."""
+    :attr:`stats`). With ``unfinished_as_wrong``, also when ``data["finish_reason"]`` is not ``"stop"`` (the
+    answer was cut before it ended; not graded, counted as ``unfinished``); the workflow must give the finish
+    reason (:func:`call_reward`'s ``finish_reason``), else grading raises a ``KeyError`` rather than let the
+    option pass unused."""
 
     def __init__(self, correct_reward: float = 5.0, wrong_reward: float = -5.0, timeout_secs: float = 5.0,
-                 allow_last_number: bool = False, max_workers: int = 2, max_threads: int = 8):
+                 allow_last_number: bool = False, unfinished_as_wrong: bool = False, max_workers: int = 2,
+                 max_threads: int = 8):
         for name, v in (("correct_reward", correct_reward), ("wrong_reward", wrong_reward)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"MathReward {name} must be a finite number, got {v!r}")
@@ -42,6 +51,8 @@ class MathReward:
         self.correct_reward, self.wrong_reward = float(correct_reward), float(wrong_reward)
         self.timeout_secs = float(timeout_secs)
         self.allow_last_number = bool(allow_last_number)
+        self.unfinished_as_wrong = bool(unfinished_as_wrong)
+        self.n_unfinished = 0
         self.max_workers, self.max_threads = int(max_workers), int(max_threads)
         self._verifier = None
         self._executor: Optional[ThreadPoolExecutor] = None
@@ -63,8 +74,8 @@ class MathReward:
 
     @property
     def stats(self) -> Dict[str, int]:
-        """Counts of graded answers: total, ok, timeout, error, correct."""
-        return self.verifier.stats
+        """Counts of graded answers: total, ok, timeout, error, correct; and unfinished (scored wrong ungraded)."""
+        return {**self.verifier.stats, "unfinished": self.n_unfinished}
 
     def grade(self, completion_text: str, data: Dict[str, Any]) -> float:
         """The reward, computed in the calling thread (blocking: at most about ``timeout_secs``)."""
@@ -74,6 +85,15 @@ class MathReward:
         if not sols:
             raise KeyError(f"MathReward needs data['solutions'] (the reference answers) for query "
                            f"{data.get('query_id')!r}; a math prompt dataset provides them")
+        if self.unfinished_as_wrong:
+            if "finish_reason" not in data:
+                raise KeyError(f"MathReward(unfinished_as_wrong=True) needs data['finish_reason'] for query "
+                               f"{data.get('query_id')!r}: the workflow must say how each answer ended "
+                               "(call_reward(..., finish_reason=...)), as rlvr does")
+            if data["finish_reason"] != "stop":
+                with self._lock:
+                    self.n_unfinished += 1
+                return self.wrong_reward
         text = completion_text or ""
         if self.allow_last_number and extract_answer(text) is None:  # lenient: the last number is the answer
             a = extract_answer(text, allow_last_number=True)
@@ -101,9 +121,13 @@ def _is_async(fn) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-async def call_reward(fn: Callable, completion_text: str, data: Dict[str, Any]) -> float:
+async def call_reward(fn: Callable, completion_text: str, data: Dict[str, Any],
+                      finish_reason: Optional[str] = None) -> float:
     """``fn(completion_text, data)`` as a float without blocking the event loop: awaited when ``fn`` is async,
-    else run in a thread of the loop's default executor."""
+    else run in a thread of the loop's default executor. ``finish_reason`` (how the answer ended: "stop",
+    "length", ...), when given, reaches ``fn`` as ``data["finish_reason"]`` (in a copy of ``data``)."""
+    if finish_reason is not None:
+        data = {**data, "finish_reason": str(finish_reason)}
     if _is_async(fn):
         r = await fn(completion_text, data)
     else:

@@ -119,7 +119,8 @@ def decode(tokenizer, ids: List[int]) -> str:
 
 class RLVRWorkflow(RolloutWorkflow):
     """``reward_fn``: ``(completion_text, data) -> float`` (async or not; see ``realhf.impl.workflow.rewards``),
-    an import path of one, or None for the default ``MathReward``. ``gconfig``: sampling options and ``n``."""
+    an import path of one, or None for the default ``MathReward``; it sees how each answer ended as
+    ``data["finish_reason"]`` ("stop": a stop token; else cut). ``gconfig``: sampling options and ``n``."""
 
     def __init__(self, reward_fn: Union[Callable, str, None], gconfig: Union[Dict[str, Any], Any], tokenizer):
         self.reward_fn = load_reward_fn(reward_fn)
@@ -132,7 +133,8 @@ class RLVRWorkflow(RolloutWorkflow):
         res = await engine.agenerate(prompt, sp, new_rid(data))
         outs = res.outputs
         texts = [decode(self.tokenizer, o.output_ids) for o in outs]
-        rewards = await asyncio.gather(*(call_reward(self.reward_fn, t, data) for t in texts))
+        rewards = await asyncio.gather(*(call_reward(self.reward_fn, t, data, finish_reason=o.finish_reason)
+                                         for t, o in zip(texts, outs)))
         samples = []
         for o, r in zip(outs, rewards):
             b = SequenceBuilder(prompt)

@@ -1,11 +1,14 @@
 """`rw-math`: rule-based reward of math answers, graded by ``realhf.reward`` (safe and time-bounded).
 
 Input: ``packed_input_ids`` + ``prompt_mask`` (several answers per prompt sample) and the sample
-metadata ``solutions``. Output: ``rewards``, one float per answer:
+metadata ``solutions``; with ``unfinished_as_wrong`` also ``seq_no_eos_mask`` (actor_gen's: the answer was cut
+by max_new_tokens before a stop token). Output: ``rewards``, one float per answer:
 ``((correct_reward if correct else wrong_reward) + reward_output_bias) * reward_output_scaling``.
-Verification timeouts and errors score as wrong and are counted in the stats. The options are the
-experiment's (``correct_reward``, ``wrong_reward``, ``reward_timeout_secs``, ``reward_allow_last_number``,
-``ppo.reward_output_scaling``, ``ppo.reward_output_bias``) and have no defaults here, so none can be left out.
+Verification timeouts and errors score as wrong and are counted in the stats; with ``unfinished_as_wrong`` an
+unfinished answer scores ``wrong_reward`` whatever it states (not graded; counted as ``n_unfinished``). The
+options are the experiment's (``correct_reward``, ``wrong_reward``, ``reward_timeout_secs``,
+``reward_allow_last_number``, ``reward_unfinished_as_wrong``, ``ppo.reward_output_scaling``,
+``ppo.reward_output_bias``) and have no defaults here, so none can be left out.
 """
 from __future__ import annotations
 
@@ -23,11 +26,13 @@ logger = logging.getLogger(__name__)
 
 class MathRewardInterface(ModelInterface):
     def __init__(self, *, correct_reward: float, wrong_reward: float, reward_output_scaling: float,
-                 reward_output_bias: float, timeout_secs: float, allow_last_number: bool, max_workers: int = 2):
+                 reward_output_bias: float, timeout_secs: float, allow_last_number: bool, unfinished_as_wrong: bool,
+                 max_workers: int = 2):
         self.correct_reward, self.wrong_reward = correct_reward, wrong_reward
         self.reward_output_scaling, self.reward_output_bias = reward_output_scaling, reward_output_bias
         self.timeout_secs = timeout_secs
         self.allow_last_number = allow_last_number
+        self.unfinished_as_wrong = unfinished_as_wrong
         self.max_workers = max_workers  # grading processes (not an option: grading is cheap next to generation)
         self._verifier = None
 
@@ -54,6 +59,18 @@ class MathRewardInterface(ModelInterface):
             off += n
         return texts
 
+    def unfinished(self, data: SequenceSample, n_answers: int) -> List[bool]:
+        """Per answer: cut before it ended (all False unless ``unfinished_as_wrong``)."""
+        if not self.unfinished_as_wrong:
+            return [False] * n_answers
+        if "seq_no_eos_mask" not in data.data:
+            raise KeyError("rw-math with unfinished_as_wrong=True needs 'seq_no_eos_mask' (actor_gen's output) among "
+                           f"its inputs; it got {sorted(data.data)}")
+        mask = data.data["seq_no_eos_mask"].bool().flatten().tolist()
+        if len(mask) != n_answers:
+            raise ValueError(f"rw-math: seq_no_eos_mask has {len(mask)} entries for {n_answers} answers")
+        return mask
+
     @torch.no_grad()
     def inference(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
         from realhf.reward import extract_answer
@@ -64,10 +81,16 @@ class MathRewardInterface(ModelInterface):
             raise KeyError("rw-math needs the sample metadata 'solutions' (a math dataset provides it)")
         per_sample = [len(x) for x in data.seqlens["packed_input_ids"]]
         sol_per_answer = [s for s, k in zip(sols, per_sample) for _ in range(k)]
+        cut = self.unfinished(data, len(texts))
         if self.allow_last_number:  # lenient format: the last number counts as the answer
             texts = [t if extract_answer(t) is not None else (f"\\boxed{{{a}}}" if (a := extract_answer(t, allow_last_number=True)) else t)
                      for t in texts]
-        results = self.verifier.verify_batch(texts, [list(map(str, s)) for s in sol_per_answer], timeout=self.timeout_secs)
+        graded = [i for i, c in enumerate(cut) if not c]  # an unfinished answer is wrong: no need to grade it
+        results = [(False, "unfinished")] * len(texts)
+        for i, r in zip(graded, self.verifier.verify_batch([texts[i] for i in graded],
+                                                           [list(map(str, sol_per_answer[i])) for i in graded],
+                                                           timeout=self.timeout_secs)):
+            results[i] = r
         raw = torch.tensor([self.correct_reward if ok else self.wrong_reward for ok, _ in results], dtype=torch.float32)
         rewards = (raw + self.reward_output_bias) * self.reward_output_scaling
         n_to = sum(1 for _, st in results if st == "timeout")
@@ -77,6 +100,8 @@ class MathRewardInterface(ModelInterface):
         out = SequenceSample(keys={"rewards"}, ids=list(data.ids), seqlens={"rewards": [[1] * k for k in per_sample]},
                              trailing_shapes={"rewards": ()}, dtypes={"rewards": torch.float32}, data={"rewards": rewards})
         self.last_stats = {"n_verify_timeout": float(n_to), "n_verify_error": float(n_err)}
+        if self.unfinished_as_wrong:
+            self.last_stats["n_unfinished"] = float(sum(cut))
         return out
 
 
