@@ -11,24 +11,29 @@
   ``["52"]``: with ``max_value=99`` there are 1,000 distinct problems, too many to memorise from a
   few hundred examples, so a tiny model trained from scratch has to learn the rule (the units digit
   and the carry), and its accuracy on held-out problems tracks its accuracy on training problems
-  (the fast GRPO learning test, ``scripts/tiny_arith_learning.py``, uses it).
+  (the fast GRPO learning test, ``scripts/tiny_arith_learning.py``, uses it);
+* ``"mix"``: one- and two-step word problems of the kinds :data:`MIX_KINDS` (each row's ``"kind"``),
+  ending with an instruction that states the answer format; :func:`make_mix_split` gives training and
+  held-out rows whose templates and numbers are disjoint (see there). ``make_arithmetic_problems(kind=
+  "mix")`` gives rows of the training family.
 
 The same ``(n, seed, kind, max_value)`` always gives the same rows; ``query_id`` is unique
 (``arith-<kind>-<seed>-<i>``).
 
 Helpers for learning tests: :func:`make_heldout_split` gives training and held-out rows with disjoint
-prompts; :func:`to_sft_rows` / :func:`write_sft_jsonl` turn math rows into SFT ``{id, prompt, answer}``
+prompts (for "mix": disjoint templates and numbers, :func:`make_mix_split`); :func:`to_sft_rows` / :func:`write_sft_jsonl` turn math rows into SFT ``{id, prompt, answer}``
 rows (the answer is the first solution, or a sloppy teacher's answer).
 """
 from __future__ import annotations
 
 import random
 import re
-from typing import Iterable, List, Optional, Tuple
+import zlib
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 NAMES = ("Tom", "Anna", "Ravi", "Mei", "Lucas", "Sara", "Omar", "Ines", "Kofi", "Yuki")
 OBJECTS = ("apples", "pencils", "marbles", "stickers", "books", "coins", "cookies", "shells")
-KINDS = ("add", "mixed", "easy", "bare")
+KINDS = ("add", "mixed", "easy", "bare", "mix")
 
 
 def _word_problem(rng: random.Random, op: str, max_value: int):
@@ -54,6 +59,8 @@ def make_arithmetic_problems(n: int, seed: int = 1, kind: str = "add", max_value
         raise ValueError(f"n must be a positive integer, got {n!r}")
     if not isinstance(max_value, int) or max_value < 1:
         raise ValueError(f"max_value must be a positive integer, got {max_value!r}")
+    if kind == "mix":
+        return make_mix_problems(n, seed=seed, family="train", max_value=max_value)
     rng = random.Random(f"arith-{kind}-{seed}")
     rows = []
     for i in range(n):
@@ -79,6 +86,8 @@ def make_heldout_split(n_train: int, n_test: int, seed: int = 1, kind: str = "ad
     in the generator) from ``seed``, with every prompt of ``test`` left out. Raises ``ValueError``
     when the kind has too few distinct problems for the sizes asked.
     """
+    if kind == "mix":  # held out by template and by numbers, not only by prompt
+        return make_mix_split(n_train, n_test, seed=seed, max_value=max_value, test_seed=test_seed)
     if not isinstance(n_test, int) or n_test < 1:
         raise ValueError(f"n_test must be a positive integer, got {n_test!r}")
     if not isinstance(n_train, int) or n_train < 1:
@@ -109,6 +118,153 @@ def make_heldout_split(n_train: int, n_test: int, seed: int = 1, kind: str = "ad
         pool_n *= 4
     if len(train) < n_train:
         raise ValueError(f"kind={kind!r} (max_value={max_value}) has no problems left outside the {n_test} held-out ones")
+    return train, test
+
+
+# ---------------------------------------------------------------------------------------------- the "mix" kind
+MIX_KINDS = ("add1", "sub1", "mul1", "add_sub2", "mul_add2", "mul_sub2")
+DEFAULT_INSTRUCTION = "Give the final answer as \\boxed{N}."
+# Two template families: the training rows use only "train", the held-out rows only "test" (names, objects and
+# sentence frames all differ). Every frame states the operands in the order of the formula of its kind:
+# add1 a+b, sub1 a-b, mul1 a*b, add_sub2 a+b-c, mul_add2 a*b+c, mul_sub2 a*b-c.
+MIX_NAMES = {"train": ("Tom", "Anna", "Ravi", "Mei", "Lucas", "Sara", "Omar", "Ines"),
+             "test": ("Kofi", "Yuki", "Elena", "Marco", "Priya", "Jonas")}
+MIX_OBJECTS = {"train": ("apples", "pencils", "marbles", "stickers", "books", "coins"),
+               "test": ("cookies", "shells", "cards", "stamps", "beads", "buttons")}
+MIX_FRAMES = {
+    "train": {
+        "add1": ("{n} has {a} {o} and buys {b} more. How many {o} does {n} have now?",
+                 "{n} had {a} {o}. A friend gave {n} {b} more {o}. How many {o} does {n} have now?"),
+        "sub1": ("{n} has {a} {o} and gives away {b}. How many {o} does {n} have left?",
+                 "{n} had {a} {o} and lost {b} of them. How many {o} does {n} have now?"),
+        "mul1": ("{n} buys {a} bags with {b} {o} in each bag. How many {o} does {n} buy in all?",),
+        "add_sub2": ("{n} has {a} {o}, buys {b} more, then gives away {c}. How many {o} does {n} have left?",),
+        "mul_add2": ("{n} buys {a} bags with {b} {o} in each bag and already had {c} {o}. How many {o} does {n} "
+                     "have now?",),
+        "mul_sub2": ("{n} buys {a} bags with {b} {o} in each bag, then gives away {c} {o}. How many {o} does {n} "
+                     "have left?",),
+    },
+    "test": {
+        "add1": ("There are {a} {o} in a box. {n} puts in {b} more {o}. What is the number of {o} in the box now?",),
+        "sub1": ("A basket holds {a} {o}. {n} takes out {b} {o}. What is the number of {o} still in the basket?",),
+        "mul1": ("{n} lays out {a} rows of {o}, {b} {o} per row. What is the total number of {o}?",),
+        "add_sub2": ("A shelf has {a} {o}. {n} adds {b} {o} and later removes {c} {o}. What is the number of {o} on "
+                     "the shelf at the end?",),
+        "mul_add2": ("{n} fills {a} jars, {b} {o} per jar, and {c} more {o} lie on the table. What is the total "
+                     "number of {o}?",),
+        "mul_sub2": ("{n} packs {a} boxes, {b} {o} per box, then hands out {c} {o}. What is the number of {o} still "
+                     "packed?",),
+    },
+}
+MIX_FAMILIES = ("train", "test")
+MUL_MAX = 9  # factors of the multiplications are in [2, MUL_MAX]
+HELDOUT_EVERY = 4  # one operand combination in HELDOUT_EVERY (by hash) belongs to the held-out family
+
+
+def mix_answer(kind: str, ops: Tuple[int, ...]) -> int:
+    """The answer of a ``kind`` problem with operands ``ops`` (in the order the prompt states them)."""
+    a, b, *c = ops
+    return {"add1": lambda: a + b, "sub1": lambda: a - b, "mul1": lambda: a * b, "add_sub2": lambda: a + b - c[0],
+            "mul_add2": lambda: a * b + c[0], "mul_sub2": lambda: a * b - c[0]}[kind]()
+
+
+def operand_key(kind: str, ops: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The operand combination of a problem, with the operands of the commutative first step sorted
+    (``3+4`` and ``4+3``, ``2*5`` and ``5*2`` are one combination; the subtrahend keeps its place)."""
+    if kind == "sub1":
+        return tuple(ops)
+    return tuple(sorted(ops[:2])) + tuple(ops[2:])
+
+
+def operand_family(kind: str, ops: Tuple[int, ...]) -> str:
+    """``"test"`` for the operand combinations held out (a fixed hash of ``(kind, operand_key)``: about one
+    combination in ``HELDOUT_EVERY``), else ``"train"``; so the two families never share a combination."""
+    h = zlib.crc32(f"{kind}:{','.join(map(str, operand_key(kind, ops)))}".encode())
+    return "test" if h % HELDOUT_EVERY == 0 else "train"
+
+
+def _draw_operands(rng: random.Random, kind: str, max_value: int) -> Tuple[int, ...]:
+    hi = max(3, max_value)
+    if kind == "add1":
+        return rng.randint(2, hi), rng.randint(2, hi)
+    if kind == "sub1":
+        a = rng.randint(3, hi)
+        return a, rng.randint(1, a - 1)
+    if kind == "mul1":
+        return rng.randint(2, MUL_MAX), rng.randint(2, MUL_MAX)
+    if kind == "add_sub2":
+        a, b = rng.randint(2, hi), rng.randint(2, hi)
+        return a, b, rng.randint(1, min(hi, a + b - 1))
+    if kind == "mul_add2":
+        return rng.randint(2, MUL_MAX), rng.randint(2, MUL_MAX), rng.randint(1, hi)
+    if kind == "mul_sub2":
+        a, b = rng.randint(2, MUL_MAX), rng.randint(2, MUL_MAX)
+        return a, b, rng.randint(1, min(hi, a * b - 1))
+    raise ValueError(f"unknown mix kind {kind!r}; choose from {list(MIX_KINDS)}")
+
+
+def make_mix_problems(n: int, seed: int = 1, family: str = "train", max_value: int = 20,
+                      kinds: Sequence[str] = MIX_KINDS, instruction: str = DEFAULT_INSTRUCTION) -> List[dict]:
+    """``n`` math rows ``{query_id, prompt, solutions, task, kind}`` of the template ``family`` ("train" or "test"),
+    whose operand combinations all belong to that family (:func:`operand_family`). Kinds are balanced: each
+    block of ``len(kinds)`` rows holds every kind once, in a random order. Additions and subtractions use numbers
+    in ``[1, max_value]`` (results never negative), multiplications factors in ``[2, MUL_MAX]``
+    (the number added to or taken from a product is in ``[1, max_value]``). ``instruction``
+    (e.g. how to state the final answer) ends every prompt, on a line of its own ("" = none)."""
+    if family not in MIX_FAMILIES:
+        raise ValueError(f"family={family!r} is not allowed; choose one of {list(MIX_FAMILIES)}")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    if not isinstance(max_value, int) or max_value < 3:
+        raise ValueError(f"max_value must be an integer >= 3 for the mix kind, got {max_value!r}")
+    kinds = tuple(kinds)
+    bad = [k for k in kinds if k not in MIX_KINDS]
+    if not kinds or bad:
+        raise ValueError(f"kinds must be a non-empty subset of {list(MIX_KINDS)}, got {list(kinds)}")
+    rng = random.Random(f"arith-mix-{family}-{seed}-{max_value}-{','.join(kinds)}")
+    rows: List[dict] = []
+    order: List[str] = []
+    for i in range(n):
+        if not order:
+            order = list(kinds)
+            rng.shuffle(order)
+        kind = order.pop()
+        ops = _draw_operands(rng, kind, max_value)
+        while operand_family(kind, ops) != family:
+            ops = _draw_operands(rng, kind, max_value)
+        frame = rng.choice(MIX_FRAMES[family][kind])
+        text = frame.format(n=rng.choice(MIX_NAMES[family]), o=rng.choice(MIX_OBJECTS[family]), a=ops[0], b=ops[1],
+                            c=ops[2] if len(ops) > 2 else "")
+        prompt = f"{text}\n{instruction}" if instruction else text
+        rows.append({"query_id": f"arith-mix-{family}-{seed}-{i}", "prompt": prompt,
+                     "solutions": [str(mix_answer(kind, ops))], "task": "math", "kind": kind})
+    return rows
+
+
+def make_mix_split(n_train: int, n_test: int, seed: int = 1, max_value: int = 20, kinds: Sequence[str] = MIX_KINDS,
+                   instruction: str = DEFAULT_INSTRUCTION, test_seed: Optional[int] = None
+                   ) -> Tuple[List[dict], List[dict]]:
+    """``(train, test)`` rows of the "mix" kind, held out twice over: ``test`` uses only the "test" template
+    family (names, objects and sentence frames that no training prompt uses) and only operand combinations that
+    :func:`operand_family` reserves for it (so no training problem has the same numbers in the same roles, up to
+    the order of a commutative first step). ``test`` prompts are distinct (drawn with ``test_seed``, default
+    ``seed + 1000``); ``train`` prompts may repeat. Both are balanced over ``kinds``."""
+    if not isinstance(n_test, int) or n_test < 1:
+        raise ValueError(f"n_test must be a positive integer, got {n_test!r}")
+    tseed = seed + 1000 if test_seed is None else test_seed
+    kinds = tuple(kinds)
+    quota = {k: n_test // len(kinds) + (i < n_test % len(kinds)) for i, k in enumerate(kinds)}  # balanced
+    test, seen = [], set()
+    for r in make_mix_problems(8 * n_test, seed=tseed, family="test", max_value=max_value, kinds=kinds,
+                               instruction=instruction):
+        if r["prompt"] not in seen and quota[r["kind"]] > 0:
+            seen.add(r["prompt"])
+            quota[r["kind"]] -= 1
+            test.append(r)
+    if len(test) < n_test:
+        raise ValueError(f"the mix kind (max_value={max_value}) has too few distinct problems for n_test={n_test}")
+    train = make_mix_problems(n_train, seed=seed, family="train", max_value=max_value, kinds=kinds,
+                              instruction=instruction)
     return train, test
 
 
