@@ -6,9 +6,11 @@ wrong even when it boxes the right number; an answer that ends without stating i
 wrong answer scores wrong; a stated right answer that ends scores right. Checked on both paths, each built from an
 experiment spec as the workers build it: a synchronous run's ``rw-math`` interface (``rew_inf``, fed an actor_gen
 sample through a real tokenizer) and an asynchronous run's ``rlvr`` workflow with the reward the rollout workers
-build from the spec's ``reward_args``.
+build from the spec's ``reward_args``. And the held-out grading of ``realhf.experiments.math_eval`` (strict:
+``require_eos``, no last-number fallback): accuracy per problem kind, the EOS rate, answer lengths and examples.
 """
 import asyncio
+import json
 
 import pytest
 import torch
@@ -195,3 +197,68 @@ def test_math_reward_sees_how_the_answer_ended():
             r.grade("\\boxed{4}", data)
     finally:
         r.close()
+
+
+# ------------------------------------------------------------------------------------------- held-out grading
+def _eval_rows():
+    return [{"query_id": "a0", "prompt": "Tom has 7 apples and buys 5 more.", "solutions": ["12"], "kind": "add1"},
+            {"query_id": "a1", "prompt": "Mei has 2 coins and buys 3 more.", "solutions": ["5"], "kind": "add1"},
+            {"query_id": "m0", "prompt": "Anna buys 2 bags of 3 books.", "solutions": ["6"], "kind": "mul1"},
+            {"query_id": "m1", "prompt": "Omar buys 2 bags of 4 shells.", "solutions": ["8"], "kind": "mul1"}]
+
+
+def test_math_accuracy_per_kind_eos_and_length(env, monkeypatch):
+    """Scripted answers through math_accuracy (the tiny model's tokenizer and prompts): strict grading counts only
+    stated answers that ended; the EOS rate, lengths and per-kind figures are those of the answers."""
+    import realhf.impl.model.nn.generation as generation
+    from realhf.experiments.math_eval import math_accuracy
+
+    tok = env["tok"]
+    script = [("5 + 7 = 12. The answer is 12.", True), ("so 5 apples and", False),  # right; unstated and cut
+              ("2 * 3 = \\boxed{6}", False), ("\\boxed{9}", True)]  # right but cut; stated, wrong
+    ids = [_answer_ids(tok, t, e) for t, e in script]
+    batches = []
+
+    def fake_generate(model, prompts, g, eos_token_id=None, **kw):
+        assert g.greedy and g.max_new_tokens == 16 and eos_token_id == tok.eos_token_id
+        first = sum(batches)
+        batches.append(len(prompts))
+        return generation.GenerationOutput(tokens=ids[first:first + len(prompts)], logprobs=[[0.0] * len(t) for t in
+                                           ids[first:first + len(prompts)]],
+                                           no_eos=[not e for _, e in script[first:first + len(prompts)]])
+
+    monkeypatch.setattr(generation, "generate", fake_generate)
+    rows = _eval_rows()
+    strict = math_accuracy(env["model"], rows, max_new_tokens=16, batch_size=3, require_eos=True)
+    assert batches == [3, 1]
+    assert (strict.n, strict.n_correct, strict.eos_rate) == (4, 1, 0.5)
+    assert strict.mean_answer_tokens == pytest.approx(sum(map(len, ids)) / 4)
+    assert strict.per_kind["add1"] == {"n": 2, "n_correct": 1, "accuracy": 0.5, "eos_rate": 0.5,
+                                       "mean_answer_tokens": pytest.approx((len(ids[0]) + len(ids[1])) / 2)}
+    assert strict.per_kind["mul1"]["accuracy"] == 0.0 and strict.per_kind["mul1"]["eos_rate"] == 0.5
+    assert [r["answer"] for r in strict.rows] == ["12", None, "6", "9"]
+    assert [r["ended"] for r in strict.rows] == [True, False, False, True]
+    # lenient (the old grading): the last number counts and a cut answer may count
+    batches.clear()
+    lenient = math_accuracy(env["model"], rows, max_new_tokens=16, allow_last_number=True)
+    assert batches == [4] and [r["correct"] for r in lenient.rows] == [True, True, True, False]
+    # a few examples for a summary: one per kind, or the same problems as another run's
+    assert [r["query_id"] for r in strict.examples(3)] == ["a0", "m0", "a1"]
+    assert [r["query_id"] for r in lenient.examples(query_ids=["m1", "a0"])] == ["m1", "a0"]
+    s = strict.summary(n_examples=2)
+    assert s["grading"] == {"require_eos": True, "allow_last_number": False} and len(s["examples"]) == 2
+    json.dumps(s)
+
+
+def test_math_accuracy_on_a_tiny_model(env):
+    """A real greedy run (random tiny weights): the bookkeeping agrees with the answers it reports."""
+    from realhf.experiments.math_eval import math_accuracy
+
+    rows = _eval_rows()
+    res = math_accuracy(env["model"], rows, max_new_tokens=6, require_eos=True, batch_size=3, threads=1)
+    assert res.n == 4 and set(res.per_kind) == {"add1", "mul1"}
+    assert res.eos_rate == pytest.approx(sum(r["ended"] for r in res.rows) / 4)
+    assert all(r["answer_tokens"] <= 6 and (r["ended"] or r["answer_tokens"] == 6) for r in res.rows)
+    assert all(not r["correct"] or r["ended"] for r in res.rows)
+    assert sum(k["n"] for k in res.per_kind.values()) == 4
+    assert res.mean_answer_tokens == pytest.approx(sum(r["answer_tokens"] for r in res.rows) / 4)
