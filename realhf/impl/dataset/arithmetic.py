@@ -123,7 +123,7 @@ def make_heldout_split(n_train: int, n_test: int, seed: int = 1, kind: str = "ad
 
 # ---------------------------------------------------------------------------------------------- the "mix" kind
 MIX_KINDS = ("add1", "sub1", "mul1", "add_sub2", "mul_add2", "mul_sub2")
-# SmolLM2-135M-Instruct copies a placeholder such as "\\boxed{N}" literally; this one it follows (ends, states the number)
+# SmolLM2-135M-Instruct copies a placeholder such as "\boxed{N}" literally; this one it follows (ends, states the number)
 DEFAULT_INSTRUCTION = 'End your answer with "The answer is" and the number.'
 # Two template families: the training rows use only "train", the held-out rows only "test" (names, objects and
 # sentence frames all differ). Every frame states the operands in the order of the formula of its kind:
