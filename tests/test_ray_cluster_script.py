@@ -107,6 +107,7 @@ def cluster_pids(port: int, temp_dir: str):
     return pids
 
 
+@pytest.mark.slow  # ~25 s: sshd, a Ray head and a worker
 def test_start_status_stop(sshd, tmp_path):
     port = network.find_free_port("0.0.0.0")
     temp_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths below it must fit 107 bytes

@@ -74,6 +74,7 @@ def test_cluster_too_small_is_refused():
         ray.shutdown()
 
 
+@pytest.mark.slow  # the default suite kills a worker on a fake cluster's other node (tests/test_ray_multinode.py)
 def test_killed_worker_under_ray_fails_fast_and_leaves_nothing(setup):
     """kill -9 of a model worker started through Ray: the run stops within seconds, names the worker,
     and no job process stays behind."""

@@ -111,8 +111,8 @@ def test_bad_allocations_fail_before_workers_start(tiny_math_run, extra, fragmen
     assert not os.path.exists(os.path.join(d, "bad", "trial0", "logs", "model_worker_0.log"))
 
 
-def test_unimplemented_launcher_is_refused(tiny_math_run):
+def test_unknown_launcher_is_refused(tiny_math_run):
     model, d = tiny_math_run
-    p = run_quickstart(_args(model, d, "slurm", 1, "mode=slurm"), timeout=120)
-    assert p.returncode == 2 and "mode='slurm' is not implemented yet" in p.stderr
-    assert not os.path.exists(os.path.join(d, "slurm", "trial0", "logs", "master.log"))
+    p = run_quickstart(_args(model, d, "k8s", 1, "mode=kubernetes"), timeout=120)
+    assert p.returncode == 2 and "mode='kubernetes'" in p.stderr and "local" in p.stderr, p.stderr[-2000:]
+    assert not os.path.exists(os.path.join(d, "k8s", "trial0", "logs", "master.log"))

@@ -75,7 +75,8 @@ def test_killed_worker_in_the_job_ends_the_run_named(slurm_cluster, tiny_sft, tm
             q.kill()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "launcher-kill-9"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)],
+                         ids=["ctrl-c", "launcher-kill-9"])
 def test_stopping_the_launcher_cancels_the_run(slurm_cluster, tiny_sft, tmp_path, sig):
     """Ctrl-C: every job is cancelled at once. kill -9 of the launcher: its lease goes stale and every process of
     the jobs ends (so the jobs end too)."""
@@ -144,6 +145,7 @@ def test_requests_the_cluster_cannot_hold_fail_before_start(slurm_cluster, tiny_
     assert not slurm_cluster.jobs() and not os.path.exists(os.path.join(root, "big", "trial0", "logs", "master.log"))
 
 
+@pytest.mark.slow  # ~20 s; the async run's roles under the local and Ray launchers are in the default suite
 def test_async_run_under_slurm_starts_every_role(slurm_cluster, tiny_math_run):
     """An asynchronous run: generation server, rollout manager, master, model worker and two rollout workers, each
     group its own Slurm job; it trains its steps and leaves nothing behind."""

@@ -32,6 +32,7 @@ def start(recipe, tmp_path_factory):
     return s
 
 
+@pytest.mark.slow  # ~40-60 s; the default suite learns through realhf's own server and checks vLLM's answers
 def test_grpo_learns_through_a_vllm_server(recipe, start):
     before = start["heldout_acc_before"]
     colocated = recipe.learn("grpo", start["out"], start, eval_threads=None, exp="grpo-colocated")

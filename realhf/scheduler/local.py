@@ -70,6 +70,8 @@ class WaitMixin:
                                      reason=f"{main} stopped responding: {name} heard no heartbeat from it and ended "
                                             f"(exit code {code}); the {main} was stopped")
                 if code is not None and code != 0:
+                    if name in tolerated:  # its group may end normally later (rollout workers finish their work)
+                        continue
                     prefix = next((p for p in survivable if name.startswith(p)), None)
                     alive = [n for n in codes if prefix and n.startswith(prefix) and codes[n] is None]
                     if alive:

@@ -143,7 +143,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
         turn, interruptions = 1, 0
         while True:
             seq.generated(out)
-            r = await call_reward(self.reward_fn, decode(self.tokenizer, out.output_ids), data)
+            r = await call_reward(self.reward_fn, decode(self.tokenizer, out.output_ids), data,
+                                  finish_reason=out.finish_reason)
             correct = self.is_correct(r)
             if correct:
                 reward = r * self.turn_discount ** (turn - 1)
