@@ -162,3 +162,29 @@ def test_async_run_under_slurm_starts_every_role(slurm_cluster, tiny_math_run):
     st = read_stats(str(d), "asyncslurm")
     assert [s["global_step"] for s in st] == [1, 2, 3] and all(s["version_lag_max"] <= 1 for s in st)
     assert not _no_job_left(slurm_cluster) and not wait_until_gone(os.path.join(str(d), "asyncslurm"))
+
+
+def test_a_task_that_dies_with_its_wrapper_is_named_with_the_job_state(slurm_cluster, tiny_sft, tmp_path):
+    """The worker and its task wrapper die at once (kill -9 of both, as when a node is lost): no exit code can be
+    recorded; the job ends and the launcher names the worker with the job's Slurm state."""
+    root = str(tmp_path)
+    p = start_quickstart(sft_cmd(*tiny_sft, root, "long", "allocation_mode=d1m1p1", "n_devices_per_node=1",
+                                 "exp_ctrl.total_train_epochs=500", *SLURM_CPU))
+    try:
+        wait_for_steps(root, "long", 2, proc=p)
+        jobs = slurm_cluster.run(["squeue", "-h", "-o", "%i %j"]).stdout.split("\n")
+        (job,) = [line.split()[0] for line in jobs if line.endswith(":model_worker_0")]
+        victims = [q for q in run_processes(root) if q.name() == "bash"
+                   and any(a.endswith("model_worker_0.task.sh") for a in q.cmdline())]
+        victims.append(run_worker(root, 0))
+        assert len(victims) == 2, victims
+        for q in victims:
+            q.send_signal(signal.SIGKILL)
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 1
+        assert f"model_worker_0 was lost: Slurm job {job} ended: " in out, out[-3000:]
+        assert not _no_job_left(slurm_cluster) and not wait_until_gone(root)
+    finally:
+        p.kill()
+        for q in run_processes(root):
+            q.kill()

@@ -111,6 +111,7 @@ class SlurmScheduler(WaitMixin):
         self._job_of_group: Dict[str, str] = {}
         self._states: Dict[str, str] = {}
         self._states_t = 0.0
+        self._states_at = 0.0  # when the queue was last read whole (0: never)
         self._gone_since: Dict[str, float] = {}
         self._pending_logged: Dict[str, float] = {}
         self._stop = threading.Event()
@@ -267,7 +268,7 @@ exit $CODE
     def _refresh_states(self, every: float = 2.0):
         if time.monotonic() - self._states_t < every or not self.job_ids:
             return
-        self._states_t = time.monotonic()
+        self._states_t = t_asked = time.monotonic()
         try:
             p = subprocess.run(["squeue", "-h", "-j", ",".join(self.job_ids), "-o", "%i %T %r"], capture_output=True,
                                text=True, timeout=30)
@@ -284,7 +285,7 @@ exit $CODE
                 states[parts[0]] = parts[1]
                 if parts[1] == "PENDING":
                     self._log_pending(parts[0], parts[2] if len(parts) > 2 else "")
-        self._states = states
+        self._states, self._states_at = states, t_asked  # a queue seen whole at t_asked (failed calls keep the old)
 
     def _log_pending(self, job_id: str, reason: str):
         now = time.monotonic()
@@ -312,12 +313,14 @@ exit $CODE
                 out[name] = code
                 continue
             state = self._states.get(t.job_id)
-            if state is None or state in _ENDED_STATES:  # Slurm ended the job before the task reported
-                since = self._gone_since.setdefault(t.job_id, time.monotonic())
-                if time.monotonic() - since > 5.0:  # the task's exit file may lag (shared file systems)
+            if self._states_at and (state is None or state in _ENDED_STATES):  # Slurm ended it before the task reported
+                since = self._gone_since.setdefault(t.job_id, self._states_at)
+                if self._states_at - since > 5.0:  # seen gone for 5 s (the task's exit file may lag on shared disks)
                     self.lost[name] = f"{name} was lost: {self._end_reason(t.job_id)} before it exited"
                     out[name] = -1
                     continue
+            elif state is not None:
+                self._gone_since.pop(t.job_id, None)
             out[name] = None
         return out
 
