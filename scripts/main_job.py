@@ -32,9 +32,16 @@ def write_rows(rows, path):
     write_math_jsonl(rows, path)
 
 
-def make_data(out_dir: str, n_train: int, n_test: int):
+def make_data(out_dir: str, n_train: int, n_test: int, task: str = "add"):
     from realhf.impl.dataset import make_arithmetic_problems
 
+    if task == "mix":  # one- and two-step problems; held-out templates and operand combinations never trained on
+        from realhf.impl.dataset.arithmetic import make_mix_split
+
+        train, test = make_mix_split(n_train, n_test, seed=1)
+        write_rows(train, os.path.join(out_dir, "train.jsonl"))
+        write_rows(test, os.path.join(out_dir, "test.jsonl"))
+        return train, test
     test = make_arithmetic_problems(n_test, seed=1001, kind="add", max_value=30)
     held = {r["prompt"] for r in test}
     train = [r for r in make_arithmetic_problems(n_train + n_test, seed=1, kind="add", max_value=30) if r["prompt"] not in held][:n_train]
@@ -48,6 +55,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "main_job"))
     ap.add_argument("--steps", type=int, default=14, help="GRPO steps")
     ap.add_argument("--n-test", type=int, default=64)
+    ap.add_argument("--task", choices=["add", "mix"], default="add",
+                    help="add: one-step addition, lenient grading (the last number counts), 40 new tokens; mix: one- "
+                         "and two-step add/sub/mul problems with disjoint held-out templates and numbers, strict "
+                         "grading (the answer stated, the answer ended before the limit), --max-new-tokens")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="--task mix: the answer length limit")
     ap.add_argument("overrides", nargs="*", help="extra ppo-math key=value overrides")
     a = ap.parse_args(argv)
     t_start = time.time()
@@ -58,9 +70,11 @@ def main(argv=None) -> int:
 
     log = logging.getLogger("main_job")
     model = ensure_smollm2(dtype="float32")
-    train, test = make_data(a.out, n_train=2000, n_test=a.n_test)
-    eval_kw = dict(max_new_tokens=MAX_NEW_TOKENS, prompt_template=PROMPT_TEMPLATE, use_chat_template=True,
-                   allow_last_number=True, threads=os.cpu_count())
+    train, test = make_data(a.out, n_train=2000, n_test=a.n_test, task=a.task)
+    strict = a.task == "mix"
+    max_new = a.max_new_tokens if strict else MAX_NEW_TOKENS
+    eval_kw = dict(max_new_tokens=max_new, prompt_template=PROMPT_TEMPLATE, use_chat_template=True,
+                   allow_last_number=not strict, require_eos=strict, threads=os.cpu_count())
     before = math_accuracy(model, test, **eval_kw)
     log.info(f"held-out greedy accuracy before: {before.accuracy:.1%} ({before.n_correct}/{before.n}) in {before.seconds:.0f}s")
 
@@ -72,8 +86,8 @@ def main(argv=None) -> int:
         f"actor.path={model}", f"dataset.path={a.out}/train.jsonl", f"fileroot={a.out}/runs", "experiment_name=grpo-smollm2",
         "trial_name=main", "allocation_mode=d1m1p1", "n_devices_per_node=1", f"cpus_per_worker={os.cpu_count()}",
         "use_critic=false", "ppo.kl_ctl=0", "group_size=8", "dataset.train_bs_n_seqs=4", "dataset.max_prompt_len=128",
-        f"prompt_template={PROMPT_TEMPLATE}", "reward_allow_last_number=true", "use_chat_template=true",
-        f"ppo.gen.max_new_tokens={MAX_NEW_TOKENS}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2",
+        f"prompt_template={PROMPT_TEMPLATE}", f"reward_allow_last_number={str(not strict).lower()}",
+        f"reward_unfinished_as_wrong={str(strict).lower()}", "use_chat_template=true", f"ppo.gen.max_new_tokens={max_new}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2",
         "ppo.adv_norm=false", "ppo.group_adv_norm=true", "ppo.eps_clip=0.2",
         "actor.optimizer.lr=3e-5", "actor.optimizer.gradient_clipping=1.0", "actor.optimizer.weight_decay=0.0",
         f"exp_ctrl.benchmark_steps={a.steps}", "exp_ctrl.save_freq_steps=1000000",
@@ -98,7 +112,8 @@ def main(argv=None) -> int:
         "n_heldout": before.n, "batch_acc_first_quarter": sum((r + 5) / 10 for r in rewards[:k]) / k,
         "batch_acc_last_quarter": sum((r + 5) / 10 for r in rewards[-k:]) / k,
         "train_seconds": round(train_secs), "total_seconds": round(time.time() - t_start), "checkpoint": ckpts[-1],
-        "reward_curve": png,
+        "reward_curve": png, "task": a.task, "max_new_tokens": max_new,
+        "before": before.summary(6), "after": after.summary(6, example_ids=[r["query_id"] for r in before.examples(6)]),
     }
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
