@@ -43,6 +43,7 @@ import uuid
 from typing import Dict, List, Optional
 
 from realhf.base import network
+from realhf.scheduler.slurm import sinfo, srun_step_args
 
 PROBE_TAG = "REALHF_CHECK_CLUSTER_PROBE "
 SESSION_DIR = ".check_cluster"
@@ -353,12 +354,7 @@ def _request_from(cfg) -> Request:
         req.partition = getattr(slurm, "partition", "") or ""
         req.account = getattr(slurm, "account", "") or ""
         req.host_cmd = getattr(slurm, "host_cmd", "") or ""
-        req.srun_args = shlex.split(getattr(slurm, "srun_args", "") or "")
-        image = getattr(slurm, "container_image", "") or ""
-        if image:
-            req.srun_args += [f"--container-image={image}"]
-            if getattr(slurm, "container_mounts", ""):
-                req.srun_args += [f"--container-mounts={slurm.container_mounts}"]
+        req.srun_args = srun_step_args(cfg)
     if cfg.mode == "ray" and cfg.ray_gpus_per_worker > 0:
         req.gpus_per_node = math.ceil(cfg.n_devices_per_node * cfg.ray_gpus_per_worker - 1e-9)
     elif cfg.mode == "slurm" and slurm is not None and getattr(slurm, "gpus_per_slot", 0) > 0:
@@ -474,30 +470,15 @@ def _scancel_by_name(name: str) -> None:
             pass
 
 
-def _sinfo(partition: str, fmt: str, timeout: float = 20.0) -> tuple:
-    """(rows of ``sinfo -h -o fmt`` for ``partition`` (every partition when empty), None), or (None, why sinfo
-    failed)."""
-    cmd = ["sinfo", "-h", "-o", fmt] + ([f"--partition={partition}"] if partition else [])
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, f"sinfo did not answer within {timeout:g} s"
-    except OSError as e:
-        return None, f"sinfo cannot run: {e}"
-    if p.returncode != 0:
-        return None, f"sinfo failed: {' '.join(p.stderr.split())[-400:]}"
-    return [" ".join(line.split()) for line in p.stdout.splitlines() if line.strip()], None
-
-
 def _sinfo_summary(partition: str) -> str:
-    rows, _ = _sinfo(partition, "%P %D %T %G")
+    rows, _ = sinfo(partition, "%P %D %T %G")
     return f" (sinfo: partition nodes state gres: {'; '.join(rows)})" if rows else ""
 
 
 def _slurm_preflight(req: Request) -> Optional[str]:
     """Why the probe step cannot run (the controller does not answer, no such partition, too few nodes), or None."""
     where = f"partition {req.partition!r}" if req.partition else "the default partition"
-    rows, err = _sinfo("", "%P %D %T %G")
+    rows, err = sinfo("", "%P %D %T %G")
     if err:
         conf = os.environ.get("SLURM_CONF") or "unset: /etc/slurm/slurm.conf"
         return (f"the Slurm controller does not answer ({err}): check SLURM_CONF ({conf}) and that slurmctld runs "

@@ -75,11 +75,10 @@ class WaitMixin:
                     prefix = next((p for p in survivable if name.startswith(p)), None)
                     alive = [n for n in codes if prefix and n.startswith(prefix) and codes[n] is None]
                     if alive:
-                        if name not in tolerated:
-                            tolerated.add(name)
-                            logger.warning(f"{name} exited with code {code}; the run goes on with {', '.join(alive)}")
-                            if on_survived is not None:
-                                on_survived(name, code)
+                        tolerated.add(name)
+                        logger.warning(f"{name} exited with code {code}; the run goes on with {', '.join(alive)}")
+                        if on_survived is not None:
+                            on_survived(name, code)
                         continue
                     raise JobFailure(name, code, tail(self.jobs[name].log_path),
                                      reason=getattr(self, "lost", {}).get(name))

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, TextIO
+from typing import Callable, Dict, List, Optional, TextIO, Tuple
 
 from realhf.base import logging
 from realhf.base.process import LEASE_ENV, LEASE_SECS_ENV
@@ -103,7 +103,7 @@ def _mem_per_cpu(mem_per_slot: str, cpus_per_slot: int) -> str:
 
 class SlurmScheduler(WaitMixin):
     def __init__(self, log_dir: str, config, n_slots: int = 0, dry_run: bool = False, out: Optional[TextIO] = None):
-        self.log_dir, self.config, self.opts = log_dir, config, config.slurm
+        self.log_dir, self.config = log_dir, config
         self.dry_run, self.out = dry_run, out or sys.stdout
         self.script_dir = os.path.join(log_dir, "slurm")
         self.jobs: Dict[str, SlurmTask] = {}
@@ -113,16 +113,15 @@ class SlurmScheduler(WaitMixin):
         self._states_t = 0.0
         self._states_at = 0.0  # when the queue was last read whole (0: never)
         self._gone_since: Dict[str, float] = {}
+        self.lost: Dict[str, str] = {}  # job -> why it counts as failed without an exit code (read by WaitMixin.wait)
         self._pending_logged: Dict[str, float] = {}
         self._stop = threading.Event()
         self.lease = os.path.join(self.script_dir, "lease")
-        self._lease_thread: Optional[threading.Thread] = None
         if not dry_run:
             os.makedirs(self.script_dir, mode=0o700, exist_ok=True)
             os.chmod(self.script_dir, 0o700)
             self._touch_lease()
-            self._lease_thread = threading.Thread(target=self._keep_lease, daemon=True, name="slurm-lease")
-            self._lease_thread.start()
+            threading.Thread(target=self._keep_lease, daemon=True, name="slurm-lease").start()
 
     # ------------------------------------------------------------------ lease
     def _touch_lease(self):
@@ -131,7 +130,7 @@ class SlurmScheduler(WaitMixin):
         os.utime(self.lease, None)
 
     def _keep_lease(self):
-        while not self._stop.wait(min(10.0, self.opts.launcher_lease_secs / 4)):
+        while not self._stop.wait(min(10.0, self.config.slurm.launcher_lease_secs / 4)):
             try:
                 self._touch_lease()
             except OSError as e:
@@ -203,11 +202,7 @@ class SlurmScheduler(WaitMixin):
             argv += [f"--nodes={shape.nodes}", f"--ntasks-per-node={shape.ntasks_per_node}"]
         if shape.gpus_per_task:
             argv.append(f"--gpus-per-task={shape.gpus_per_task}")
-        if config.slurm.container_image:
-            argv += [f"--container-image={config.slurm.container_image}", f"--container-workdir={os.getcwd()}"]
-            if config.slurm.container_mounts:
-                argv.append(f"--container-mounts={config.slurm.container_mounts}")
-        return argv + shlex.split(config.slurm.srun_args) + ["/bin/bash", task_path]
+        return argv + srun_step_args(config) + ["/bin/bash", task_path]
 
     def _batch_script(self, group: str, shape: GroupShape) -> str:
         srun = " ".join(shlex.quote(a) for a in self._srun_argv(shape, os.path.join(self.script_dir, f"{group}.task.sh")))
@@ -305,7 +300,6 @@ exit $CODE
 
     def _codes(self) -> Dict[str, Optional[int]]:
         self._refresh_states()
-        self.lost = getattr(self, "lost", {})
         out: Dict[str, Optional[int]] = {}
         for name, t in self.jobs.items():
             code = _read_exit(t.exit_path)
@@ -348,6 +342,32 @@ exit $CODE
                 pass
 
 
+def srun_step_args(config) -> List[str]:
+    """The ``srun`` flags every step of a run takes from ``slurm.*`` (also check_cluster's probe step): the container
+    image (pyxis), its working folder and mounts, then ``slurm.srun_args``."""
+    argv = []
+    if config.slurm.container_image:
+        argv += [f"--container-image={config.slurm.container_image}", f"--container-workdir={os.getcwd()}"]
+        if config.slurm.container_mounts:
+            argv.append(f"--container-mounts={config.slurm.container_mounts}")
+    return argv + shlex.split(config.slurm.srun_args)
+
+
+def sinfo(partition: str, fmt: str, timeout: float = 20.0) -> Tuple[Optional[List[str]], Optional[str]]:
+    """(rows of ``sinfo -h -o fmt`` for ``partition`` (every partition when empty), whitespace collapsed, None), or
+    (None, why sinfo failed)."""
+    cmd = ["sinfo", "-h", "-o", fmt] + ([f"--partition={partition}"] if partition else [])
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"sinfo did not answer within {timeout:g} s"
+    except OSError as e:
+        return None, f"sinfo cannot run: {e}"
+    if p.returncode != 0:
+        return None, f"sinfo failed: {' '.join(p.stderr.split())[-400:]}"
+    return [" ".join(line.split()) for line in p.stdout.splitlines() if line.strip()], None
+
+
 def _read_exit(path: str) -> Optional[int]:
     if not path or not os.path.exists(path):
         return None
@@ -370,14 +390,10 @@ def check(config, n_slots: int) -> None:
     """Before anything starts: the Slurm client works and the partition can hold the run's biggest device group."""
     if not shutil.which("sbatch"):
         raise ValueError("mode=slurm needs the Slurm client commands (sbatch, squeue, scancel, sinfo) on PATH")
-    argv = ["sinfo", "-h", "-o", "%D|%c|%G|%P"] + (["-p", config.slurm.partition] if config.slurm.partition else [])
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        raise ValueError("mode=slurm: sinfo did not answer within 60 s; is slurmctld reachable (SLURM_CONF)?") from None
-    if p.returncode != 0:
-        raise ValueError(f"mode=slurm: sinfo failed: {p.stderr.strip()}")
-    rows = [line.split("|") for line in p.stdout.splitlines() if line.count("|") == 3]
+    lines, err = sinfo(config.slurm.partition, "%D|%c|%G|%P", timeout=60)
+    if err:
+        raise ValueError(f"mode=slurm: {err}; is slurmctld reachable (SLURM_CONF)?")
+    rows = [line.split("|") for line in lines if line.count("|") == 3]
     if not rows:
         where = f"partition {config.slurm.partition!r}" if config.slurm.partition else "the default partition"
         raise ValueError(f"mode=slurm: {where} has no nodes (sinfo)")
