@@ -32,13 +32,13 @@ def write_rows(rows, path):
     write_math_jsonl(rows, path)
 
 
-def make_data(out_dir: str, n_train: int, n_test: int, task: str = "add"):
+def make_data(out_dir: str, n_train: int, n_test: int, task: str = "add", mix_max_value: int = 10):
     from realhf.impl.dataset import make_arithmetic_problems
 
     if task == "mix":  # one- and two-step problems; held-out templates and operand combinations never trained on
         from realhf.impl.dataset.arithmetic import make_mix_split
 
-        train, test = make_mix_split(n_train, n_test, seed=1)
+        train, test = make_mix_split(n_train, n_test, seed=1, max_value=mix_max_value)
         write_rows(train, os.path.join(out_dir, "train.jsonl"))
         write_rows(test, os.path.join(out_dir, "test.jsonl"))
         return train, test
@@ -60,6 +60,10 @@ def main(argv=None) -> int:
                          "and two-step add/sub/mul problems with disjoint held-out templates and numbers, strict "
                          "grading (the answer stated, the answer ended before the limit), --max-new-tokens")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="--task mix: the answer length limit")
+    ap.add_argument("--mix-max-value", type=int, default=10,
+                    help="--task mix: the largest number added or subtracted (factors are 2..9)")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per step (8 answers each); default 4 for "
+                    "add, 8 for mix")
     ap.add_argument("overrides", nargs="*", help="extra ppo-math key=value overrides")
     a = ap.parse_args(argv)
     t_start = time.time()
@@ -70,7 +74,7 @@ def main(argv=None) -> int:
 
     log = logging.getLogger("main_job")
     model = ensure_smollm2(dtype="float32")
-    train, test = make_data(a.out, n_train=2000, n_test=a.n_test, task=a.task)
+    train, test = make_data(a.out, n_train=2000, n_test=a.n_test, task=a.task, mix_max_value=a.mix_max_value)
     strict = a.task == "mix"
     max_new = a.max_new_tokens if strict else MAX_NEW_TOKENS
     eval_kw = dict(max_new_tokens=max_new, prompt_template=PROMPT_TEMPLATE, use_chat_template=True,
@@ -85,10 +89,10 @@ def main(argv=None) -> int:
     overrides = [
         f"actor.path={model}", f"dataset.path={a.out}/train.jsonl", f"fileroot={a.out}/runs", "experiment_name=grpo-smollm2",
         "trial_name=main", "allocation_mode=d1m1p1", "n_devices_per_node=1", f"cpus_per_worker={os.cpu_count()}",
-        "use_critic=false", "ppo.kl_ctl=0", "group_size=8", "dataset.train_bs_n_seqs=4", "dataset.max_prompt_len=128",
+        "use_critic=false", "ppo.kl_ctl=0", "group_size=8", f"dataset.train_bs_n_seqs={a.prompts or (8 if strict else 4)}", "dataset.max_prompt_len=128",
         f"prompt_template={PROMPT_TEMPLATE}", f"reward_allow_last_number={str(not strict).lower()}",
         f"reward_unfinished_as_wrong={str(strict).lower()}", "use_chat_template=true", f"ppo.gen.max_new_tokens={max_new}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2",
-        "ppo.adv_norm=false", "ppo.group_adv_norm=true", "ppo.eps_clip=0.2",
+        "ppo.adv_norm=false", "ppo.group_adv_norm=true", "ppo.eps_clip=0.2", f"ppo.skip_zero_advantage={str(strict).lower()}",
         "actor.optimizer.lr=3e-5", "actor.optimizer.gradient_clipping=1.0", "actor.optimizer.weight_decay=0.0",
         f"exp_ctrl.benchmark_steps={a.steps}", "exp_ctrl.save_freq_steps=1000000",
     ] + list(a.overrides)

@@ -304,6 +304,8 @@ PPO: Dict[str, Any] = {
     **{f"ppo.{k}": Reach(v, _attrs(f"actor_train.cfg.{k}")) for k, v in (
         ("kl_loss_coef", "0.1"), ("eps_clip", "0.3"), ("c_clip", "3.0"), ("entropy_coef", "0.01"), ("adv_norm", "false"))},
     "ppo.group_adv_norm": Reach("true", _attrs("actor_train.cfg.group_adv_norm"), needs=("group_size=2",)),
+    "ppo.skip_zero_advantage": Reach("true", _attrs("actor_train.cfg.skip_zero_advantage"),
+                                     needs=("ppo.kl_loss_coef=0",)),
     "ppo.value_eps_clip": Reach("0.5", _attrs("critic_train.cfg.value_eps_clip")),
     "ppo.value_norm": Reach("false", _attrs("critic_train.cfg.value_norm", "critic_inf.cfg.value_norm"),
                             expect=lambda x: _n(x, 2)),

@@ -73,6 +73,11 @@ class PPOHyperparameters:
     mask_too_long: bool = option(False, "drop answers cut at max_new_tokens from the loss")
     adv_norm: bool = option(True, "normalise advantages over the batch")
     group_adv_norm: bool = option(False, "normalise advantages within each prompt's group (GRPO)")
+    skip_zero_advantage: bool = option(
+        False, "actor_train runs only on answers whose advantage is nonzero at some token (GRPO: the groups whose "
+        "rewards differ); the others give no policy gradient, so this saves their forward and backward passes. The "
+        "loss becomes a token mean over the kept answers, and a step where no answer has a nonzero advantage makes "
+        "no update. Needs kl_loss_coef=0 and entropy_coef=0 (those terms train every answer)")
     behav_imp_weight_cap: Optional[float] = option(
         None, "decoupled PPO (async-ppo-math): tokens whose behaviour importance weight exp(proximal - behaviour "
         "log-prob) exceeds this cap leave the loss (null = no cap; > 1)")
@@ -91,5 +96,9 @@ class PPOHyperparameters:
         check_number("reward_output_scaling", self.reward_output_scaling)
         check_number("reward_output_bias", self.reward_output_bias)
         check_number("entropy_coef", self.entropy_coef, lo=0)
+        if self.skip_zero_advantage and (self.kl_loss_coef > 0 or self.entropy_coef > 0):
+            raise ValueError(f"ppo.skip_zero_advantage=true needs ppo.kl_loss_coef=0 and ppo.entropy_coef=0 (got "
+                             f"{self.kl_loss_coef} and {self.entropy_coef}): those loss terms train every answer, "
+                             f"whatever its advantage")
         if self.behav_imp_weight_cap is not None:
             check_number("behav_imp_weight_cap", self.behav_imp_weight_cap, lo=1, lo_open=True)

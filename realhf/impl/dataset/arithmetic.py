@@ -123,8 +123,10 @@ def make_heldout_split(n_train: int, n_test: int, seed: int = 1, kind: str = "ad
 
 # ---------------------------------------------------------------------------------------------- the "mix" kind
 MIX_KINDS = ("add1", "sub1", "mul1", "add_sub2", "mul_add2", "mul_sub2")
-# SmolLM2-135M-Instruct copies a placeholder such as "\boxed{N}" literally; this one it follows (ends, states the number)
-DEFAULT_INSTRUCTION = 'End your answer with "The answer is" and the number.'
+# SmolLM2-135M-Instruct copies a placeholder such as "\boxed{N}" (or an example calculation) literally; this one it
+# follows: on 48 held-out problems (greedy, 128 tokens) 12.5% strictly right with every answer ended, against 0%
+# for 'End your answer with "The answer is" and the number.', which it mostly answers without a calculation
+DEFAULT_INSTRUCTION = 'Write the calculation with the numbers, then end with "The answer is" and the number.'
 # Two template families: the training rows use only "train", the held-out rows only "test" (names, objects and
 # sentence frames all differ). Every frame states the operands in the order of the formula of its kind:
 # add1 a+b, sub1 a-b, mul1 a*b, add_sub2 a+b-c, mul_add2 a*b+c, mul_sub2 a*b-c.

@@ -16,7 +16,7 @@ prompt), ``use_critic`` and ``seed``.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,26 @@ def _per_token(sample: SequenceSample, tensors: Dict[str, torch.Tensor]) -> Sequ
                          data=dict(sample.data), metadata=dict(sample.metadata))
     out.update_(extra)
     return out
+
+
+def _keep_nonzero_advantage(sample: SequenceSample, grid, device) -> Tuple[Optional[SequenceSample], Dict[str, float]]:
+    """The samples (a prompt and its answers) of ``sample`` with an answer whose advantage is nonzero at some loss
+    token (with no KL loss or entropy bonus the others add nothing to the policy gradient: the clipped PPO loss of
+    a zero advantage is 0), and ``actor_kept_frac``, the fraction of samples kept over all data-parallel ranks.
+    ``None`` when no rank keeps any (the step makes no update). A rank that keeps none while others keep some
+    trains its shortest sample, whose gradient is 0, so that every rank runs the same collectives."""
+    lens = [sum(x) for x in sample.seqlens["packed_input_ids"]]
+    signal = ((sample.data["advantages"] != 0) & sample.data["loss_mask"].bool()).split(lens)
+    keep = [i for i, x in enumerate(signal) if bool(x.any())]
+    t = torch.tensor([len(keep), len(lens)], dtype=torch.float64, device=device)
+    if grid is not None and grid.dp_group is not None:
+        dist.all_reduce(t, group=grid.dp_group)
+    stats = {"actor_kept_frac": float(t[0]) / max(float(t[1]), 1.0)}
+    if float(t[0]) == 0:
+        return None, stats
+    if not keep:
+        keep = [min(range(len(lens)), key=lambda i: lens[i])]
+    return (sample if len(keep) == len(lens) else sample.take(keep)), stats
 
 
 def n_minibatches(requested: int, local_bs: int, grid, device) -> int:
@@ -206,6 +226,9 @@ class PPOActorInterface(GenerationInterface):
         sample = _per_token(data, {"advantages": adv.float(), "loss_mask": mask})
         tp = model.module.tp_group
         use_ref = cfg.kl_loss_coef > 0 and "packed_ref_logprobs" in sample.keys
+        kept_stats = {}
+        if cfg.skip_zero_advantage:
+            sample, kept_stats = _keep_nonzero_advantage(sample, grid, model.module.device)
 
         # the output head runs only on the loss positions (their next token is a trained answer token)
         def rows_fn(mb):
@@ -233,10 +256,12 @@ class PPOActorInterface(GenerationInterface):
                           "behave_capped_ratio": float(st["behave_capped_ratio"]) * float(m.sum()),
                           "n_loss_tokens": float(m.sum())}
 
-        n_mb = n_minibatches(cfg.ppo_n_minibatches, data.bs, grid, model.module.device)
         sums: Dict[str, float] = {}
         grad_norms = []
-        for part in sample.split(n_mb):
+        # no sample (skip_zero_advantage, and no answer on any rank has an advantage): no update on any rank
+        parts = [] if sample is None else sample.split(n_minibatches(cfg.ppo_n_minibatches, sample.bs, grid,
+                                                                      model.module.device))
+        for part in parts:
             st = model.engine.train_batch(part, loss_fn, lambda mb: float(mb.data["loss_mask"].sum()),
                                           max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs,
                                           head_rows_fn=rows_fn)
@@ -247,8 +272,9 @@ class PPOActorInterface(GenerationInterface):
         keys = ["actor_loss", "importance_weight", "actor_clip_ratio", "ppo_approx_kl"]
         if "proximal_logprobs" in data.keys:
             keys += ["behave_imp_weight", "behave_capped_ratio"]
-        stats = {k: sums[k] / n_tok for k in keys}
-        stats["actor_grad_norm"] = sum(grad_norms) / len(grad_norms)
+        stats = {k: sums.get(k, 0.0) / n_tok for k in keys}
+        stats["actor_grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        stats.update(kept_stats)
         # batch statistics (data-parallel averages)
         lens = data.flat_seqlens("packed_input_ids")
         n = len(lens)
