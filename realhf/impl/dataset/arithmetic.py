@@ -137,15 +137,34 @@ MIX_OBJECTS = {"train": ("apples", "pencils", "marbles", "stickers", "books", "c
 MIX_FRAMES = {
     "train": {
         "add1": ("{n} has {a} {o} and buys {b} more. How many {o} does {n} have now?",
-                 "{n} had {a} {o}. A friend gave {n} {b} more {o}. How many {o} does {n} have now?"),
+                 "{n} had {a} {o}. A friend gave {n} {b} more {o}. How many {o} does {n} have now?",
+                 "A jar contains {a} {o}. {n} drops {b} more {o} into the jar. How many {o} are in the jar?",
+                 "{n} picked {a} {o} in the morning and {b} {o} in the afternoon. How many {o} did {n} pick "
+                 "altogether?"),
         "sub1": ("{n} has {a} {o} and gives away {b}. How many {o} does {n} have left?",
-                 "{n} had {a} {o} and lost {b} of them. How many {o} does {n} have now?"),
-        "mul1": ("{n} buys {a} bags with {b} {o} in each bag. How many {o} does {n} buy in all?",),
-        "add_sub2": ("{n} has {a} {o}, buys {b} more, then gives away {c}. How many {o} does {n} have left?",),
+                 "{n} had {a} {o} and lost {b} of them. How many {o} does {n} have now?",
+                 "A bag contains {a} {o}. {n} removes {b} {o} from the bag. How many {o} remain in the bag?",
+                 "{n} made {a} {o} and sold {b} of them. How many {o} are not sold?"),
+        "mul1": ("{n} buys {a} bags with {b} {o} in each bag. How many {o} does {n} buy in all?",
+                 "A classroom has {a} tables, and each table has {b} {o}. How many {o} are there in total?",
+                 "{n} stacks {a} piles of {o} with {b} {o} in every pile. How many {o} are in the piles?",
+                 "There are {a} plates with {b} {o} on each plate. How many {o} are on the plates?"),
+        "add_sub2": ("{n} has {a} {o}, buys {b} more, then gives away {c}. How many {o} does {n} have left?",
+                     "A jar contains {a} {o}. {n} drops in {b} more {o} and then takes {c} {o} out. How many {o} "
+                     "are in the jar?",
+                     "{n} had {a} {o}, found {b} more and lost {c}. How many {o} does {n} have now?"),
         "mul_add2": ("{n} buys {a} bags with {b} {o} in each bag and already had {c} {o}. How many {o} does {n} "
-                     "have now?",),
+                     "have now?",
+                     "{n} has {a} piles of {o} with {b} {o} in every pile, plus {c} loose {o}. How many {o} does "
+                     "{n} have in all?",
+                     "There are {a} plates with {b} {o} on each plate and {c} extra {o} beside them. How many {o} are "
+                     "there altogether?"),
         "mul_sub2": ("{n} buys {a} bags with {b} {o} in each bag, then gives away {c} {o}. How many {o} does {n} "
-                     "have left?",),
+                     "have left?",
+                     "{n} has {a} piles of {o} with {b} {o} in every pile and sells {c} of them. How many {o} are "
+                     "not sold?",
+                     "There are {a} plates with {b} {o} on each plate. {n} takes {c} {o} away. How many {o} are "
+                     "still on the plates?"),
     },
     "test": {
         "add1": ("There are {a} {o} in a box. {n} puts in {b} more {o}. What is the number of {o} in the box now?",),
