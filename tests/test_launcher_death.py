@@ -68,3 +68,28 @@ def test_a_stopped_master_ends_the_run_with_a_named_error(tiny_sft, tmp_path):
         if p.poll() is None:
             p.kill()
             p.communicate()
+
+
+def test_background_and_nohup_launch_interrupt_and_hangup(tiny_sft, tmp_path):
+    """Started as ``nohup cmd &`` does (SIGINT and SIGHUP ignored): a hang-up does not stop the run (nohup's
+    promise), and kill -INT still stops every process of it, with exit code 130."""
+    root = str(tmp_path)
+    p = start_quickstart(sft_cmd(*tiny_sft, root, "long", "allocation_mode=d2m1p1", "n_devices_per_node=2",
+                                 "exp_ctrl.total_train_epochs=500"), ignored_signals=(signal.SIGINT, signal.SIGHUP))
+    try:
+        wait_for_steps(root, "long", 2, proc=p)
+        p.send_signal(signal.SIGHUP)
+        with open(f"{root}/long/trial0/logs/stats.jsonl") as f:
+            n = sum(1 for _ in f)
+        wait_for_steps(root, "long", n + 3, proc=p)  # still training after the hang-up
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 130, out[-3000:]
+        assert "interrupted: all processes stopped" in out, out[-3000:]
+        assert not wait_until_gone(root, timeout=30), "processes left behind"
+    finally:
+        for q in run_processes(root):
+            q.kill()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()

@@ -216,9 +216,13 @@ def run_experiment(exp_name: str, config, console: Optional[Console] = None) -> 
         return 2
     retries = config.recover_retries if config.recover_mode == "auto" else 0
     attempt = 0
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
-    for s in handlers:  # a closed terminal (SIGHUP) or a kill (SIGTERM) stops every process of the run
-        signal.signal(s, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for s, h in handlers.items():
+        # Ctrl-C or kill -INT (also when a shell started the launcher in the background, which ignores SIGINT), a
+        # kill (SIGTERM) or a closed terminal (SIGHUP) stops every process of the run; under nohup (SIGHUP
+        # ignored) the run outlives its terminal
+        if not (s == signal.SIGHUP and h == signal.SIG_IGN):
+            signal.signal(s, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         while True:
             t0 = time.time()

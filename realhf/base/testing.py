@@ -138,9 +138,11 @@ def read_stats(fileroot: str, experiment: str, trial: str = "trial0") -> List[di
         return [json.loads(line) for line in f]
 
 
-def start_quickstart(args, env=None):
+def start_quickstart(args, env=None, ignored_signals=()):
     """``python -m realhf.apps.quickstart *args`` started in the background in its own session (so a test can
-    signal it like a terminal would); output captured as text. Returns the ``subprocess.Popen``."""
+    signal it like a terminal would); output captured as text. ``ignored_signals`` start ignored (as a shell's
+    ``cmd &`` leaves SIGINT, and ``nohup`` SIGHUP). Returns the ``subprocess.Popen``."""
+    import signal
     import subprocess
     import sys
 
@@ -150,7 +152,9 @@ def start_quickstart(args, env=None):
     full.update(env or {})
     started = time.time()
     p = subprocess.Popen([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=source_root(), env=full,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         preexec_fn=(lambda: [signal.signal(s, signal.SIG_IGN) for s in ignored_signals])
+                         if ignored_signals else None)
     p.started_at = started
     return p
 
