@@ -18,6 +18,15 @@ def long_run(setup, root, *extra):
                                     "exp_ctrl.total_train_epochs=500", *extra))
 
 
+def _stop_all(root, p):
+    """Whatever a failed test left running: the run's processes, then the launcher."""
+    for q in run_processes(root):
+        q.kill()
+    if p.poll() is None:
+        p.kill()
+        p.communicate()
+
+
 def _listening(procs):
     out = []
     for p in procs:
@@ -63,11 +72,7 @@ def test_a_stopped_master_ends_the_run_with_a_named_error(tiny_sft, tmp_path):
         assert "master stopped responding" in out and "sent no heartbeat" in out, out[-3000:]
         assert not wait_until_gone(root, timeout=30), "processes left behind"
     finally:
-        for q in run_processes(root):
-            q.kill()
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        _stop_all(root, p)
 
 
 def test_background_and_nohup_launch_interrupt_and_hangup(tiny_sft, tmp_path):
@@ -88,8 +93,4 @@ def test_background_and_nohup_launch_interrupt_and_hangup(tiny_sft, tmp_path):
         assert "interrupted: all processes stopped" in out, out[-3000:]
         assert not wait_until_gone(root, timeout=30), "processes left behind"
     finally:
-        for q in run_processes(root):
-            q.kill()
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        _stop_all(root, p)
