@@ -3,7 +3,7 @@ SmolLM2-135M-Instruct over arithmetic word problems, 4 prompts x 8 answers x at 
 machine's CPU cores. Slow: about 25 minutes with SmolLM2 at the default 12 steps (4-7 minutes a configuration).
 
     python benchmarks/bench_async.py [--model smollm2|tiny] [--steps 12] [--configs colocated,split,async1,async4]
-                                     [--root DIR] [--reuse] [--async-extra key=value ...]
+                                     [--root DIR] [--reuse] [--async-extra key=value ...] [--task add|mix]
     # a variant: a named configuration plus @key=value overrides (env.NAME=value: an environment variable)
     python benchmarks/bench_async.py --root DIR --reuse --configs colocated,split,async1@async_rl.recompute_logprob=false
 
@@ -63,6 +63,12 @@ CONFIGS = {
     "async4": ("async-ppo-math", SPLIT + ["async_rl.max_head_offpolicyness=4"]),
 }
 PROMPTS, GROUP = 4, 8
+# --task: "add" (the earlier main job: one-step additions, 4 prompts, <= 40 new tokens, the last number counts) or
+# "mix" (today's main job, scripts/main_job.py: one- and two-step problems, 8 prompts, <= 128 new tokens, strict
+# reward, flat groups skipped in training): (prompts a step, max new tokens, extra overrides)
+TASKS = {"add": (4, 40, ["reward_allow_last_number=true"]),
+         "mix": (8, 128, ["reward_allow_last_number=false", "reward_unfinished_as_wrong=true",
+                          "ppo.skip_zero_advantage=true"])}
 
 
 def model_path(which: str) -> str:
@@ -75,23 +81,30 @@ def model_path(which: str) -> str:
     return ensure_tiny_model("qwen2", tie_word_embeddings=True)
 
 
-def make_data(root: str) -> str:
-    """The main job's training problems (scripts/main_job.py: additions up to 30, seed 1, held-out ones removed)."""
+def make_data(root: str, task: str = "add") -> str:
+    """The main job's training problems (scripts/main_job.py: for "add", additions up to 30, seed 1, held-out ones
+    removed; for "mix", the mix's training split, numbers up to 10, seed 1)."""
     from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
 
     path = os.path.join(root, "train.jsonl")
+    if task == "mix":
+        from realhf.impl.dataset.arithmetic import make_mix_split
+
+        write_math_jsonl(make_mix_split(2000, 96, seed=1, max_value=10)[0], path)
+        return path
     test = {r["prompt"] for r in make_arithmetic_problems(64, seed=1001, kind="add", max_value=30)}
     train = [r for r in make_arithmetic_problems(2064, seed=1, kind="add", max_value=30) if r["prompt"] not in test][:2000]
     write_math_jsonl(train, path)
     return path
 
 
-def common_overrides(model: str, data: str, steps: int, root: str, tiny: bool):
+def common_overrides(model: str, data: str, steps: int, root: str, tiny: bool, task: str = "add"):
     """The main job's GRPO options (scripts/main_job.py), with a fixed seed and no checkpoints."""
+    _, max_new, task_ov = TASKS[task]
     out = [f"actor.path={model}", f"dataset.path={data}", f"fileroot={root}", "seed=1", "use_critic=false",
            "ppo.kl_ctl=0", f"group_size={GROUP}", f"dataset.train_bs_n_seqs={PROMPTS}", "dataset.max_prompt_len=128",
-           "prompt_template={prompt}", "reward_allow_last_number=true", "use_chat_template=true",
-           "ppo.gen.max_new_tokens=40", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2", "ppo.adv_norm=false",
+           "prompt_template={prompt}", *task_ov, "use_chat_template=true",
+           f"ppo.gen.max_new_tokens={max_new}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2", "ppo.adv_norm=false",
            "ppo.group_adv_norm=true", "ppo.eps_clip=0.2", "actor.optimizer.lr=3e-5",
            "actor.optimizer.gradient_clipping=1.0", "actor.optimizer.weight_decay=0.0",
            f"exp_ctrl.benchmark_steps={steps}", "exp_ctrl.save_freq_steps=1000000", "-q"]
@@ -321,17 +334,24 @@ def main():
     ap.add_argument("--reuse", action="store_true",
                     help="take the result of a configuration already measured under --root (results.jsonl, same "
                          "model and steps) instead of running it again")
-    ap.add_argument("--async4-concurrency", type=int, default=2 * PROMPTS,
+    ap.add_argument("--task", default="add", choices=sorted(TASKS),
+                    help="add: the earlier main job (4 prompts, <= 40 tokens); mix: today's (8 prompts, <= 128 tokens, "
+                         "strict reward, flat groups skipped)")
+    ap.add_argument("--async4-concurrency", type=int, default=None,
                     help="async_rl.max_concurrent_rollouts of async4 (episodes = prompts in flight)")
     ap.add_argument("--async-extra", nargs="*", default=[], help="key=value overrides of the asynchronous runs only")
     a = ap.parse_args()
+    global PROMPTS
+    PROMPTS = TASKS[a.task][0]
+    a.async4_concurrency = a.async4_concurrency or 2 * PROMPTS
     assert a.steps >= 3, "--steps must be at least 3 (the first step is left out of the throughput)"
     root = a.root or tempfile.mkdtemp(prefix="bench-async-")
     os.makedirs(root, exist_ok=True)
     model = model_path(a.model)
-    data = make_data(root)
-    base = common_overrides(model, data, a.steps, root, a.model == "tiny")
-    emit(what="setup", model=a.model, steps=a.steps, prompts=PROMPTS, group_size=GROUP, max_new_tokens=40,
+    data = make_data(root, a.task)
+    base = common_overrides(model, data, a.steps, root, a.model == "tiny", a.task)
+    emit(what="setup", model=a.model, task=a.task, steps=a.steps, prompts=PROMPTS, group_size=GROUP,
+         max_new_tokens=TASKS[a.task][1],
          root=root, cpu_count=os.cpu_count(), loadavg=[round(x, 2) for x in os.getloadavg()])
     done_path = os.path.join(root, "results.jsonl")
     done = {}
@@ -339,7 +359,7 @@ def main():
         with open(done_path) as f:
             for line in f:
                 r = json.loads(line)
-                if r.get("model") == a.model and r.get("steps") == a.steps:
+                if r.get("model") == a.model and r.get("steps") == a.steps and r.get("task", "add") == a.task:
                     done[r["config"]] = r
     results = {}
     for spec in [c for c in a.configs.split(",") if c]:
@@ -353,7 +373,7 @@ def main():
             r.update({k: old[k] for k in ("env", "loadavg_after") if k in old}, config=spec, model=a.model)
         else:
             r = run_config(tag, exp, ov, base, root, a.steps, env)
-            r.update(config=spec, model=a.model, loadavg_after=[round(x, 2) for x in os.getloadavg()])
+            r.update(config=spec, model=a.model, task=a.task, loadavg_after=[round(x, 2) for x in os.getloadavg()])
             with open(done_path, "a") as f:
                 f.write(json.dumps(r) + "\n")
         results[spec] = r
