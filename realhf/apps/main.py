@@ -194,10 +194,21 @@ def _first_launch(config, store: RecoverStore):
     return uuid.uuid4().hex[:12], False
 
 
+def check_process_env() -> None:
+    """The environment variables the workers read for their CPU settings (``REALHF_CPU_GEMM``,
+    ``REALHF_CPU_MALLOC``), checked here so that a bad value fails before any process starts."""
+    from realhf.base import host_memory
+    from realhf.impl.model.nn import cpu_gemm
+
+    cpu_gemm.requested()
+    host_memory.mode()
+
+
 def run_experiment(exp_name: str, config, console: Optional[Console] = None) -> int:
     """Run the experiment; ``console`` shows its progress (default: a normal one on stdout)."""
     console = console or Console()
     spec = build_spec(exp_name, config)  # validates: raises before any process starts
+    check_process_env()  # (the quickstart checked both already, with exit code 2)
     run_dir = os.path.dirname(spec.log_dir)
     lock = RunLock(run_dir)
     try:

@@ -19,7 +19,7 @@ from realhf.base import logging
 def run(name: str, cfg, console=None, dry_run: bool = False) -> int:
     """Build experiment ``name`` from ``cfg`` (every check runs here, before anything starts: exit code 2 with the
     message) and run it through its launcher (``dry_run``: print what would be submitted, start nothing)."""
-    from realhf.apps.main import dry_run as print_plan, run_experiment
+    from realhf.apps.main import check_process_env, dry_run as print_plan, run_experiment
     from realhf.experiments import build_spec
     from realhf.impl.dataset import DatasetError
     from realhf.scheduler import get_launcher
@@ -29,6 +29,7 @@ def run(name: str, cfg, console=None, dry_run: bool = False) -> int:
         if dry_run:
             return print_plan(name, cfg)
         spec = build_spec(name, cfg)  # fail fast, with a clear message, before anything starts
+        check_process_env()
         if launcher.check is not None:  # e.g. the Ray cluster must exist and hold the workers
             launcher.check(cfg, spec.device_slots())
     except (ValueError, KeyError, FileNotFoundError, DatasetError) as e:

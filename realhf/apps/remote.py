@@ -35,6 +35,10 @@ def main(argv=None) -> int:
     from realhf.base.process import exit_when_parent_dies
 
     exit_when_parent_dies()
+    if a.role == "model_worker":
+        from realhf.base.host_memory import retain_freed_memory
+
+        retain_freed_memory()  # big CPU tensors reuse freed memory instead of fresh mmaps every step
     from realhf.apps.main import name_resolve_root
     from realhf.base import name_resolve
     from realhf.experiments import build_spec

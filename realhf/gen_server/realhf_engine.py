@@ -51,6 +51,7 @@ import torch
 from realhf.base import logging
 from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerateResult, GenerationEngine, RequestError,
                                    SampleOutput, TensorMeta, WeightGroupSpec, sample_seed)
+from realhf.impl.model.nn import cpu_gemm
 from realhf.impl.model.nn.generation import RowStreams, sample_with_mask
 from realhf.impl.model.nn.kv_cache import KVCache
 
@@ -500,7 +501,8 @@ class RealhfEngine(GenerationEngine):
     # ================================================================== the engine thread
     def _run(self):
         try:
-            with torch.no_grad():
+            # packed weight copies live as long as the loop; every weight update drops them first
+            with torch.no_grad(), cpu_gemm.packed_weights():
                 while not self._stop_flag:
                     try:
                         self._iteration()
@@ -830,6 +832,7 @@ class RealhfEngine(GenerationEngine):
         from realhf.impl.model.conversion.hf_io import config_from_hf_path, load_hf_into
 
         self._check_config(config_from_hf_path(path), path)
+        cpu_gemm.drop_packed()
         watch = _CopyWatch(self.model)
         try:
             load_hf_into(watch, path)
@@ -840,6 +843,7 @@ class RealhfEngine(GenerationEngine):
         self._updated(version)
 
     def _updated(self, version: int):
+        cpu_gemm.drop_packed()
         self._version = int(version)
         self._broken = None
         self._stats["weight_updates"] += 1
@@ -914,6 +918,7 @@ class RealhfEngine(GenerationEngine):
                         plan.append((real, n))
             plans.append(plan)
         copied = False
+        cpu_gemm.drop_packed()
         try:
             for (name, t), m, plan in zip(receive(self._weight_group, metas), metas, plans):
                 if errors or not plan:

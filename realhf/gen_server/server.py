@@ -252,6 +252,9 @@ def main(argv=None) -> int:
     from realhf.base.process import exit_when_parent_dies
 
     exit_when_parent_dies()
+    from realhf.base.host_memory import retain_freed_memory
+
+    retain_freed_memory()
     try:
         return asyncio.run(serve(a))
     except SystemExit:

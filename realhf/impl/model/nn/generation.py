@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.impl.model.nn import cpu_gemm
 from realhf.impl.model.nn.kv_cache import KVCache
 from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, even_range, make_packed_input
 from realhf.impl.model.parallelism.tensor_parallel import gather_from_tp
@@ -260,6 +261,7 @@ def _drop_finished(cache: KVCache, keep: List[int], alive: torch.Tensor, tok: to
 
 
 @torch.no_grad()
+@cpu_gemm.with_packed_weights
 def generate(
     model: ReaLModel,
     prompts: Sequence[Sequence[int]],

@@ -1,0 +1,210 @@
+"""The matrix multiplication kernel of every linear layer on CPU.
+
+``torch.nn.functional.linear`` on CPU calls the BLAS PyTorch was built with (MKL in the x86 wheels). On
+some CPUs that is far from the machine's peak: on the AMD EPYC with AVX-512 of our CI, MKL's fp32 GEMM ran
+at 150-210 GFLOP/s while oneDNN (also inside PyTorch, ``torch.ops.mkldnn``) ran the same products at
+290-490 GFLOP/s (``benchmarks/bench_gemm.py`` prints both). :func:`linear` runs a layer with the kernel
+chosen for this process:
+
+- ``aten``: ``torch.nn.functional.linear``;
+- ``onednn``: oneDNN's linear, forward and backward (``_OneDNNLinear``: the input gradient and the weight
+  gradient are oneDNN products too), for float32, bfloat16 and float16 CPU tensors; anything else (CUDA,
+  float64) and code being compiled (``torch.compile`` chooses its own kernels) go to ``aten``.
+
+The choice is ``REALHF_CPU_GEMM`` (``auto`` | ``aten`` | ``onednn``), read once per process; ``auto`` (the
+default) times both kernels on a small product when first needed and keeps oneDNN only when it is clearly
+faster (:data:`AUTO_MARGIN`), so a machine where MKL is the better kernel keeps MKL. Both compute in the
+tensors' dtype (no lower-precision shortcut): results differ from each other only by the order of the
+additions.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import statistics
+import time
+import weakref
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("realhf.cpu_gemm")
+
+KERNELS = ("auto", "aten", "onednn")
+ENV_VAR = "REALHF_CPU_GEMM"
+# auto keeps oneDNN only when its time is below this fraction of aten's on the probe product
+AUTO_MARGIN = 0.85
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_choice: Optional[str] = None
+# packed (oneDNN-blocked) copies of parameters, kept while a packed_weights() context is open
+_pack_depth = 0
+# id(parameter) -> (weak reference to it, (version, storage, dtype, shape) when packed, packed copy)
+_packed: dict = {}
+# the row count oneDNN packs for: a decode step's batch (a packed weight serves any row count)
+PACK_ROWS = 32
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def _median_seconds(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def probe(m: int = 128, k: int = 1024, n: int = 1024, reps: int = 5) -> dict:
+    """Seconds of one ``[m, k] x [k, n]`` float32 product with each kernel (alternating, median of ``reps``)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    out = {"aten": [], "onednn": []}
+    F.linear(x, w), _onednn_linear(x, w)  # warm-up (oneDNN builds its kernel on first use)
+    for _ in range(reps):
+        out["aten"].append(_median_seconds(lambda: F.linear(x, w), 1))
+        out["onednn"].append(_median_seconds(lambda: _onednn_linear(x, w), 1))
+    return {kname: statistics.median(v) for kname, v in out.items()}
+
+
+def requested(name: Optional[str] = None) -> str:
+    """The kernel asked for: ``name``, else ``$REALHF_CPU_GEMM``, else ``auto``; checked (no probing). Raises
+    ValueError for an unknown name, or for ``onednn`` where this PyTorch has no oneDNN. The launcher calls it
+    before any worker starts."""
+    name = (name if name is not None else os.environ.get(ENV_VAR, "auto")).strip().lower() or "auto"
+    if name not in KERNELS:
+        raise ValueError(f"{ENV_VAR}={name!r} is not a CPU GEMM kernel; allowed: {', '.join(KERNELS)}")
+    if name == "onednn" and not onednn_available():
+        raise ValueError(f"{ENV_VAR}=onednn, but this PyTorch build has no oneDNN (torch.backends.mkldnn); "
+                         "allowed here: aten, auto")
+    return name
+
+
+def choose(requested_name: Optional[str] = None) -> str:
+    """Resolve the requested kernel (:func:`requested`) to ``aten`` or ``onednn``, probing for ``auto``."""
+    name = requested(requested_name)
+    if name != "auto":
+        return name
+    if not onednn_available():
+        return "aten"
+    t = probe()
+    pick = "onednn" if t["onednn"] < AUTO_MARGIN * t["aten"] else "aten"
+    logger.info("CPU GEMM kernel: %s (probe 128x1024x1024: aten %.2f ms, onednn %.2f ms)", pick,
+                t["aten"] * 1e3, t["onednn"] * 1e3)
+    return pick
+
+
+def kernel() -> str:
+    """This process's CPU GEMM kernel, chosen on first call (see :func:`choose`)."""
+    global _choice
+    if _choice is None:
+        _choice = choose()
+    return _choice
+
+
+def set_kernel(name: Optional[str]) -> str:
+    """Choose the kernel again (``None``: from the environment); returns the choice. For tests and benchmarks."""
+    global _choice
+    _choice = None if name is None else choose(name)
+    return kernel()
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return _onednn_linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        gx = gw = gb = None
+        gy2 = gy.reshape(-1, gy.shape[-1])
+        if ctx.needs_input_grad[0]:
+            # dx = dy @ W: a linear whose [out, in] weight is W^T
+            gx = _onednn_linear(gy, w.t())
+        if ctx.needs_input_grad[1]:
+            # dW = dy^T @ x: a linear of dy^T [N, T] against the [K, T] "weight" x^T
+            gw = _onednn_linear(gy2.t().contiguous(), x.reshape(-1, x.shape[-1]).t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = gy2.sum(0)
+        return gx, gw, gb
+
+
+@contextmanager
+def packed_weights():
+    """Within this context, inference (no autograd) with the oneDNN kernel multiplies by a copy of each
+    weight parameter laid out in oneDNN's blocked format, made on first use and made again when the
+    parameter changes (its version counter or storage): 1.6x faster products at 32 rows than the plain
+    layout (which oneDNN reorders on every call), for one extra copy of the weights while the context is
+    open. Generation opens it; contexts nest, and the copies are dropped when the outermost one closes.
+    The version counter catches in-place changes made through the parameter itself only: a change through
+    ``.data`` or through a flat buffer the parameters are views of (ReaLModel's) does not move it, so
+    whoever keeps a context open across weight updates calls :func:`drop_packed` when it loads new weights
+    (``generate`` opens one per call, the generation server drops the copies on every update)."""
+    global _pack_depth
+    _pack_depth += 1
+    try:
+        yield
+    finally:
+        _pack_depth -= 1
+        if _pack_depth == 0:
+            _packed.clear()
+
+
+def drop_packed() -> None:
+    """Forget every packed copy. Call before changing weights in a way their version counters do not see
+    (``param.data.copy_``, loading a checkpoint into ``.data``) while a :func:`packed_weights` context stays
+    open (a generation server's loop)."""
+    _packed.clear()
+
+
+def with_packed_weights(fn):
+    """Decorator: run ``fn`` inside :func:`packed_weights`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with packed_weights():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _packed_weight(w: torch.Tensor) -> torch.Tensor:
+    key = (w._version, w.data_ptr(), w.dtype, tuple(w.shape))
+    hit = _packed.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == key:
+        return hit[2]
+    p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+    _packed[id(w)] = (weakref.ref(w), key, p)
+    return p
+
+
+def packing() -> bool:
+    """Whether a :func:`packed_weights` context is open and the oneDNN kernel is in use."""
+    return _pack_depth > 0 and kernel() == "onednn"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch.nn.functional.linear`` with this process's CPU GEMM kernel (see the module docstring)."""
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in _ONEDNN_DTYPES or weight.dtype != x.dtype or x.dim() < 2
+            or kernel() != "onednn"):
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _OneDNNLinear.apply(x, weight, bias)
+    if _pack_depth > 0 and isinstance(weight, torch.nn.Parameter) and weight.dim() == 2:
+        return _onednn_linear(x, _packed_weight(weight), bias)
+    return _onednn_linear(x, weight, bias)
