@@ -770,8 +770,10 @@ class RealhfEngine(GenerationEngine):
             seqlens = [len(p) for p in prompts]
             max_len = max(len(r.ids) + r.sp.max_new_tokens for r in batch) + 1
             cfg = model.config
-            cache = KVCache(model.n_local_layers, len(prompts), max_len, model.n_local_kv_heads, cfg.head_dim,
-                            model.dtype, dev)
+            # the prefill's own cache holds the prompts only: its rows are copied into the running batch's slots
+            # (room for max_len positions there), so decode positions here would be zeroed memory never used
+            cache = KVCache(model.n_local_layers, len(prompts), max(seqlens) + 1, model.n_local_kv_heads,
+                            cfg.head_dim, model.dtype, dev)
             inp = make_packed_input(seqlens, device=dev)
             inp.cache = cache
             inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
