@@ -118,6 +118,7 @@ ON_HOST = {
     ("attention.py", "rotary_inv_freq"): "rotary tables computed on the host like HF's, then moved",
     ("generation.py", "RowStreams.uniforms"): "per-sequence host generators: the same samples on any device",
     ("engine.py", "InferenceEngine.offload"): "the offloaded copy is host memory by definition",
+    ("cpu_gemm.py", "probe"): "times the CPU GEMM kernels: host tensors by definition",
 }
 
 

@@ -194,8 +194,10 @@ class RolloutWorker:
             versions = [traj.min_version(), traj.max_version()]
             stats = {**traj.stats, **stats, "reward": sum(s.reward for s in traj.samples) / len(traj.samples),
                      "versions": versions, "n_tokens": sum(len(s.input_ids) for s in traj.samples)}
-            self.pusher.push(t["head"], traj.to_sample(sid), {"batch": t["batch"], "slot": t["slot"], "ticket": t["id"],
-                                                             "versions": versions})
+            sent = self.pusher.push(t["head"], traj.to_sample(sid), {"batch": t["batch"], "slot": t["slot"],
+                                                                     "ticket": t["id"], "versions": versions})
+            # reported accepted only once on the wire: a kill -9 right after cannot lose an accepted group
+            await self.pusher.wait_sent(sent)
             self.counts["accepted"] += 1
             await self.manager.finish(t["id"], "accepted", stats)
 

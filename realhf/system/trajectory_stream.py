@@ -15,6 +15,7 @@ recover checkpoint, like the dataset position of a synchronous run.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -56,17 +57,28 @@ class TrajectoryPusher:
             addr = self.nr.wait(names.trajectory_head(self.exp, self.trial, head), timeout=self.timeout)
             s = zmq.Context.instance().socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 5000)  # a trajectory pushed just before exit still leaves
+            s.copy_threshold = 0  # every send zero-copy, so that its tracker says when libzmq let go of it
             s.connect(addr)
             self.socks[head] = s
         return self.socks[head]
 
-    def push(self, head: int, sample: SequenceSample, info: dict) -> None:
+    def push(self, head: int, sample: SequenceSample, info: dict) -> "zmq.MessageTracker":
         """Send one trajectory (``sample``: one id, the group's sequences) with ``info`` (plain JSON: batch,
-        slot, ticket, ...) to trainer head ``head``."""
+        slot, ticket, ...) to trainer head ``head``. Returns the send's tracker (see :meth:`wait_sent`)."""
         header, tensors = sample.to_wire()
         frames = encode_payload(self.secret, Payload(handler=f"head_{head}", handle_name=HANDLE,
                                                      data={"info": info, "sample": header}, tensors=tensors))
-        self._sock(head).send_multipart(frames, copy=False)
+        return self._sock(head).send_multipart(frames, copy=False, track=True)
+
+    async def wait_sent(self, tracker: "zmq.MessageTracker", timeout: Optional[float] = None) -> None:
+        """Wait until libzmq has written the pushed trajectory to its connection (the kernel delivers it even if
+        this process is killed right after), so that a trajectory reported ``accepted`` is never one that died
+        in this process's send queue. TimeoutError after ``timeout`` (default: the pusher's) seconds."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while not tracker.done:
+            if time.monotonic() > deadline:
+                raise TimeoutError("a pushed trajectory was not sent to its trainer head in time; is the trainer up?")
+            await asyncio.sleep(0.001)
 
     def close(self):
         for s in self.socks.values():

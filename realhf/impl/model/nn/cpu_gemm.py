@@ -199,7 +199,7 @@ def packing() -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``torch.nn.functional.linear`` with this process's CPU GEMM kernel (see the module docstring)."""
-    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in _ONEDNN_DTYPES or weight.dtype != x.dtype or x.dim() < 2
+    if (torch.compiler.is_compiling() or not x.is_cpu or x.dtype not in _ONEDNN_DTYPES or weight.dtype != x.dtype or x.dim() < 2
             or kernel() != "onednn"):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
