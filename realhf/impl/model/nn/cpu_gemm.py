@@ -56,13 +56,10 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] =
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-def _median_seconds(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+def _seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def probe(m: int = 128, k: int = 1024, n: int = 1024, reps: int = 5) -> dict:
@@ -73,8 +70,8 @@ def probe(m: int = 128, k: int = 1024, n: int = 1024, reps: int = 5) -> dict:
     out = {"aten": [], "onednn": []}
     F.linear(x, w), _onednn_linear(x, w)  # warm-up (oneDNN builds its kernel on first use)
     for _ in range(reps):
-        out["aten"].append(_median_seconds(lambda: F.linear(x, w), 1))
-        out["onednn"].append(_median_seconds(lambda: _onednn_linear(x, w), 1))
+        out["aten"].append(_seconds(lambda: F.linear(x, w)))
+        out["onednn"].append(_seconds(lambda: _onednn_linear(x, w)))
     return {kname: statistics.median(v) for kname, v in out.items()}
 
 
