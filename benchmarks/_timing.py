@@ -81,12 +81,11 @@ def matmul_peak_gflops(dtype=torch.float32, n: int = 2048, reps: int = 7) -> dic
     return out
 
 
-def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3, detail: dict = None) -> float:
+def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3) -> float:
     """Median time of multiplying ``rows`` activation rows by every weight of ``linear_weights``: the GEMM
     work of one forward pass over ``rows`` tokens and nothing else (no attention, norms or sampling). Run
     with each weight alone and with each group as one wide GEMM, with every kernel of :func:`gemm_kernels`;
-    the fastest is kept, so it is a floor for fused and unfused implementations and any of these kernels.
-    ``detail``, when given, receives the seconds of each (kernel, plain|wide)."""
+    the fastest is kept, so it is a floor for fused and unfused implementations and any of these kernels."""
 
     def sweep(ws, prep, mul):
         ws = [prep(w) for w in ws]
@@ -102,10 +101,7 @@ def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3, detail: dict =
     plain = [w for g in groups for w in g]
     wide = [torch.cat(g, 0) if len(g) > 1 else g[0] for g in groups]
     best = float("inf")
-    for name, (prep, mul) in gemm_kernels().items():
-        for shape, ws in (("plain", plain), ("wide", wide)):
-            t = sweep(ws, prep, mul)
-            if detail is not None:
-                detail[f"{name}_{shape}"] = round(t, 4)
-            best = min(best, t)
+    for prep, mul in gemm_kernels().values():
+        for ws in (plain, wide):
+            best = min(best, sweep(ws, prep, mul))
     return best

@@ -59,10 +59,11 @@ def _peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _set_kernel(impl):
-    """The CPU settings of a realhf worker: ``realhf``: the GEMM kernel realhf chooses and freed host memory
-    kept for reuse (``realhf.base.host_memory``), as a model worker runs; ``realhf_aten``: the same with
-    aten's (MKL) GEMM forced; ``realhf_glibc_malloc``: realhf's kernel with glibc's default malloc."""
+def _set_kernel(impl) -> dict:
+    """Apply the CPU settings of a realhf worker and return them (``gemm_kernel``, ``malloc``): ``realhf``: the
+    GEMM kernel realhf chooses and freed host memory kept for reuse (``realhf.base.host_memory``), as a model
+    worker runs; ``realhf_aten``: the same with aten's (MKL) GEMM forced; ``realhf_glibc_malloc``: realhf's
+    kernel with glibc's default malloc."""
     import os
 
     from realhf.base import host_memory
@@ -70,21 +71,9 @@ def _set_kernel(impl):
 
     if impl == "realhf_glibc_malloc":
         os.environ[host_memory.ENV_VAR] = "default"
-    host_memory.retain_freed_memory()
-    cpu_gemm.set_kernel("aten" if impl == "realhf_aten" else None)
-    return cpu_gemm.kernel()
-
-
-def cpu_gemm_kernel():
-    from realhf.impl.model.nn import cpu_gemm
-
-    return cpu_gemm.kernel()
-
-
-def host_memory_mode():
-    from realhf.base import host_memory
-
-    return host_memory.mode() if host_memory._applied is not None else "default"
+    retained = host_memory.retain_freed_memory()
+    return {"gemm_kernel": cpu_gemm.set_kernel("aten" if impl == "realhf_aten" else None),
+            "malloc": "retain" if retained else "default"}
 
 
 def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, q):
@@ -128,7 +117,7 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, q):
         from realhf.impl.model.conversion.hf_io import build_from_hf
         from realhf.impl.model.nn.generation import generate
 
-        _set_kernel(impl)
+        settings = _set_kernel(impl)
 
         model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
 
@@ -141,7 +130,7 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, q):
     t = time.perf_counter()
     n = run(new_tokens)
     dt_s = time.perf_counter() - t
-    extra = {} if impl == "hf" else {"gemm_kernel": cpu_gemm_kernel(), "malloc": host_memory_mode()}
+    extra = {} if impl == "hf" else settings
     q.put(dict(impl=impl, tokens=n, seconds=round(dt_s, 3), tok_per_s=round(n / dt_s, 1), peak_rss_mb=round(_peak_mb()),
                **extra))
 
@@ -169,7 +158,7 @@ def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
             opt.step()
             opt.zero_grad()
     else:
-        _set_kernel(impl)
+        settings = _set_kernel(impl)
         from realhf.api.core.data_api import SequenceSample
         from realhf.base.topology import single_process_grid
         from realhf.impl.model.backend.engine import TrainEngine
@@ -198,7 +187,7 @@ def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
     tokens = bs * seqlen
     L, H = cfg.num_hidden_layers, cfg.hidden_size
     flops = 6 * n_params * tokens + 6 * L * H * seqlen * tokens  # matmuls + causal attention (fwd+bwd)
-    extra = {} if impl == "hf" else {"gemm_kernel": cpu_gemm_kernel(), "malloc": host_memory_mode()}
+    extra = {} if impl == "hf" else settings
     q.put(dict(impl=impl, tokens=tokens, step_seconds=round(sec, 3), tok_per_s=round(tokens / sec, 1),
                gflops=round(flops / sec / 1e9, 1), params=n_params, peak_rss_mb=round(_peak_mb()), **extra))
 
