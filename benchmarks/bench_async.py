@@ -5,7 +5,7 @@ machine's CPU cores. Slow: about 25 minutes with SmolLM2 at the default 12 steps
     python benchmarks/bench_async.py [--model smollm2|tiny] [--steps 12] [--configs colocated,split,async1,async4]
                                      [--root DIR] [--reuse] [--async-extra key=value ...] [--task add|mix]
     # a variant: a named configuration plus @key=value overrides (env.NAME=value: an environment variable)
-    python benchmarks/bench_async.py --root DIR --reuse --configs colocated,split,async1@async_rl.recompute_logprob=false
+    python benchmarks/bench_async.py --root DIR --reuse --configs colocated,split,async1@async_rl.prox_logp=behaviour
 
 Configurations (every one through the real quickstart launcher, in a subprocess, one after another; same seed,
 same training file, same prompt order, same number of steps):
@@ -18,7 +18,7 @@ same training file, same prompt order, same number of steps):
   (for 4, ``async_rl.max_concurrent_rollouts`` = 2 batches of prompts, ``--async4-concurrency``: 64 sequences,
   which the server's ``gen_server.max_num_seqs=64`` decodes as one batch, so a second batch in flight costs the
   server's single thread little extra per decode step). ``--async-extra`` adds overrides to the asynchronous runs
-  only (e.g. ``async_rl.recompute_logprob=false``).
+  only (e.g. ``async_rl.prox_logp=behaviour``).
 
 ``--reuse`` keeps every configuration already measured under ``--root`` (``results.jsonl``; its figures are
 summarized again from its ``stats.jsonl``) and runs only the others, so variants can be added to one comparison.
@@ -329,7 +329,7 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--configs", default="colocated,split,async1,async4",
                     help="comma-separated: colocated, split, async1, async4, each optionally followed by @key=value "
-                         "overrides, e.g. async1@async_rl.recompute_logprob=false")
+                         "overrides, e.g. async1@async_rl.prox_logp=behaviour")
     ap.add_argument("--root", default=None, help="fileroot of the runs (default: a new temporary folder)")
     ap.add_argument("--reuse", action="store_true",
                     help="take the result of a configuration already measured under --root (results.jsonl, same "

@@ -86,10 +86,10 @@ ASYNC = ["allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2", "param_rea
 def test_async_with_offpolicyness_zero_is_the_synchronous_run(recipe, start, served):
     """async-ppo-math with max_head_offpolicyness=0 generates each batch with the weights that train on it (version
     lag 0 everywhere); its rollout workers seed each prompt's samples as the synchronous run does, so with the
-    behaviour log-probs as the PPO base (recompute_logprob=false) the run is the synchronous served run, step for
+    behaviour log-probs as the PPO base (async_rl.prox_logp=behaviour) the run is the synchronous served run, step for
     step, to the same held-out accuracy."""
     res = recipe.learn("grpo", start["out"], start, ASYNC + ["async_rl.max_head_offpolicyness=0",
-                                                             "async_rl.recompute_logprob=false"],
+                                                             "async_rl.prox_logp=behaviour"],
                        eval_threads=None, exp="grpo-async-ofp0", experiment="async-ppo-math")
     assert res["steps"] == 40
     for i, (s, a) in enumerate(zip(served["stats"], res["stats"])):

@@ -400,7 +400,9 @@ ASYNC: Dict[str, Any] = {
     "async_rl.workflow_args": Reach('{"max_turns": 3}', _rollout("workflow_args"), expect=lambda x: json.loads(x)),
     "async_rl.reward_fn": Reach("realhf.reward:MathVerifier", _rollout("reward_fn")),  # any importable callable
     "async_rl.dynamic_filtering": Reach("true", _rollout("dynamic_filtering")),
-    "async_rl.recompute_logprob": Reach("false", lambda b: "actor_inf" in b.ifaces),
+    # loglinear: no actor_inf, and actor_train interpolates the proximal log-probs itself
+    "async_rl.prox_logp": Reach("loglinear", lambda b: ("actor_inf" in b.ifaces, b.iface("actor_train").prox_logp),
+                                expect=lambda v: (False, v)),
     "async_rl.episode_timeout_secs": Reach("60.0", _rollout("episode_timeout_secs")),
 }
 # the critic's options of ppo-math, which read the critic's interfaces as they are

@@ -156,7 +156,7 @@ def test_ray_runs_asynchronous_rl(tiny_math_run):
     assert q.returncode == 0, q.stderr[-4000:]
     b = read_stats(d, "sync-local-for-async")
     args_async = ["async-ppo-math"] + args("async-ray", "mode=ray", "param_realloc=disk",
-                                            "async_rl.recompute_logprob=false")[1:]
+                                            "async_rl.prox_logp=behaviour")[1:]
     p = run_quickstart(args_async, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     out = p.stdout + p.stderr

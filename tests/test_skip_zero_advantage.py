@@ -8,40 +8,14 @@ import torch
 from realhf.base.testing import run_distributed
 from realhf.impl.model.tiny import ensure_tiny_model
 
+from ppo_samples import grpo_sample
+
 GROUP = 2
 
 
 def _sample(vocab, rewards, seed=3):
     """One sample per prompt, each with GROUP answers; ``rewards`` per answer (prompt-major)."""
-    from realhf.api.core.data_api import SequenceSample
-
-    g = torch.Generator().manual_seed(seed)
-    n_prompts = len(rewards) // GROUP
-    ids, lps, pms, seqlens = [], [], [], []
-    for p in range(n_prompts):
-        P = 4 + p
-        prompt = torch.randint(3, vocab, (P,), generator=g)
-        per = []
-        for a in range(GROUP):
-            A = 3 + (p + a) % 4
-            ids.append(torch.cat([prompt, torch.randint(3, vocab, (A,), generator=g)]))
-            lp = torch.zeros(P + A)
-            lp[P - 1 : P + A - 1] = -2.0 - torch.rand(A, generator=g)
-            lps.append(lp)
-            pm = torch.zeros(P + A, dtype=torch.bool)
-            pm[:P] = True
-            pms.append(pm)
-            per.append(P + A)
-        seqlens.append(per)
-    keys = ("packed_input_ids", "packed_logprobs", "prompt_mask")
-    data = {"packed_input_ids": torch.cat(ids), "packed_logprobs": torch.cat(lps), "prompt_mask": torch.cat(pms),
-            "seq_no_eos_mask": torch.zeros(len(rewards), dtype=torch.bool),
-            "rewards": torch.tensor(rewards, dtype=torch.float32)}
-    return SequenceSample(
-        keys=set(data), ids=list(range(n_prompts)),
-        seqlens={**{k: seqlens for k in keys}, "seq_no_eos_mask": [[1] * GROUP] * n_prompts,
-                 "rewards": [[1] * GROUP] * n_prompts},
-        trailing_shapes={k: () for k in data}, dtypes={k: v.dtype for k, v in data.items()}, data=data)
+    return grpo_sample(vocab, rewards, GROUP, seed)
 
 
 def _step(path, grid, sample, skip, lr=1e-3):

@@ -18,9 +18,10 @@ trajectories instead of actor_gen + rew_inf: a rollout manager and rollout worke
 generation on the servers, then the reward) and push them to the trainer's data-parallel heads
 (``realhf.system.trajectory_stream``); the trained weights reach the servers through the manager after every
 step. Its DFG:
-  actor_inf   (actor,  inference)  packed_input_ids, prompt_mask -> proximal_logprobs   [async_rl.recompute_logprob]
+  actor_inf   (actor,  inference)  packed_input_ids, prompt_mask -> proximal_logprobs   [async_rl.prox_logp=recompute]
   ref_inf, critic_inf, critic_train as above
   actor_train (actor,  train_step) the stream's keys (incl. packed_versions, rewards) + the above: decoupled PPO
+              (with async_rl.prox_logp=loglinear the proximal log-probs are interpolated there, without actor_inf)
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
                                                 "reward": [("rew_inf", False)]}
     if is_async:  # the workflows reward the answers; the trainer may recompute the proximal log-probs
         del roles["reward"]
-        if cfg.async_rl.recompute_logprob:
+        if cfg.async_rl.prox_logp == "recompute":
             roles["actor"].append(("actor_inf", False))
     if use_ref:
         roles["ref"] = [("ref_inf", False)]
@@ -111,6 +112,8 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
 
     # the interfaces take the validated config sections as they are (see realhf/impl/model/interface/ppo_interface.py)
     actor_args = dict(ppo=p, group_size=cfg.group_size, use_critic=use_critic, seed=cfg.seed)
+    if is_async and cfg.async_rl.prox_logp == "loglinear":
+        actor_args["prox_logp"] = "loglinear"
     train_inputs = list(GEN_KEYS) + ["rewards"]
     mfcs = [] if is_async else [
         MFCDef("actor_gen", model_of["actor_gen"], "generate", "ppo_actor", actor_args, input_keys=("packed_prompts",),
@@ -125,7 +128,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     ]
     if is_async:
         train_inputs.append("packed_versions")
-        if cfg.async_rl.recompute_logprob:
+        if cfg.async_rl.prox_logp == "recompute":
             mfcs.append(MFCDef("actor_inf", model_of["actor_inf"], "inference", "ppo_actor", actor_args,
                                input_keys=("packed_input_ids", "prompt_mask"), output_keys=("logprobs",),
                                output_key_remap={"logprobs": "proximal_logprobs"}, mb_spec=cfg.actor_inf.mb_spec.to_spec()))

@@ -590,6 +590,9 @@ class PPOMathConfig(BaseExperimentConfig):
         return self.critic.path or self.actor.path
 
 
+PROX_LOGP_METHODS = ("recompute", "loglinear", "behaviour")
+
+
 @dataclasses.dataclass
 class AsyncRLConfig:
     """Asynchronous RL (``async-ppo-math``): rollout workers generate on the generation servers while the trainer
@@ -610,9 +613,12 @@ class AsyncRLConfig:
                             "reward_timeout_secs, reward_allow_last_number) or of an async callable (text, data)")
     dynamic_filtering: bool = option(False, "drop (and replace with new prompts) groups whose answers all got the "
                                             "same reward: they carry no GRPO signal")
-    recompute_logprob: bool = option(True, "recompute the proximal log-probs with the trained parameters (actor_inf) "
-                                           "for the decoupled PPO loss; false = plain PPO against the behaviour "
-                                           "log-probs of generation")
+    prox_logp: str = option(
+        "recompute", "the proximal log-probs of the decoupled PPO loss: recompute (actor_inf runs a forward pass with "
+                     "the parameters being trained: exact) | loglinear (no forward pass: each token's proximal log-prob "
+                     "is interpolated in log space between its behaviour log-prob and the trained policy's, by weight "
+                     "versions; exact at a step's first minibatch and for tokens of the current version) | behaviour "
+                     "(plain PPO against the behaviour log-probs of generation)")
     episode_timeout_secs: float = option(3600.0, "time limit of one episode; a timed-out episode is retried")
 
     def __post_init__(self):
@@ -622,6 +628,8 @@ class AsyncRLConfig:
         check_int("async_rl.max_concurrent_rollouts", self.max_concurrent_rollouts, 1, optional=True)
         check_int("async_rl.n_rollout_workers", self.n_rollout_workers, 1)
         check_number("async_rl.episode_timeout_secs", self.episode_timeout_secs, lo=0, lo_open=True)
+        if self.prox_logp not in PROX_LOGP_METHODS:
+            raise ValueError(f"async_rl.prox_logp={self.prox_logp!r} is not allowed; allowed: {', '.join(PROX_LOGP_METHODS)}")
         for key in ("workflow", "reward_fn"):
             v = getattr(self, key)
             if not isinstance(v, str) or not v.strip():
@@ -647,7 +655,7 @@ class AsyncPPOMathConfig(PPOMathConfig):
     param_realloc: str = option("disk", "how trained weights reach the generation servers: disk (the rollout manager "
                                         "pauses the servers, which load the checkpoint, and resumes them)")
     async_rl: AsyncRLConfig = option(help="asynchronous RL", factory=AsyncRLConfig)
-    actor_inf: MFCConfig = option(help="proximal log-prob MFC (async_rl.recompute_logprob)", factory=MFCConfig)
+    actor_inf: MFCConfig = option(help="proximal log-prob MFC (async_rl.prox_logp=recompute)", factory=MFCConfig)
 
     def __post_init__(self):
         super().__post_init__()
@@ -683,7 +691,7 @@ class AsyncPPOMathConfig(PPOMathConfig):
 
     def mfc_names(self) -> List[str]:
         names = ["actor_gen"]
-        if self.async_rl.recompute_logprob:
+        if self.async_rl.prox_logp == "recompute":
             names.append("actor_inf")
         if self.use_ref():
             names.append("ref_inf")

@@ -178,11 +178,17 @@ class PPOActorInterface(GenerationInterface):
     """generate (from GenerationInterface: ``group_size`` answers per prompt sampled as ``ppo.gen`` says),
     inference (log-probs, e.g. as the reference) and train_step."""
 
-    def __init__(self, ppo: PPOHyperparameters, *, group_size: int, use_critic: bool, seed: int):
+    def __init__(self, ppo: PPOHyperparameters, *, group_size: int, use_critic: bool, seed: int,
+                 prox_logp: str = "recompute"):
         super().__init__(gconfig=ppo.gen.to_hyperparameters(n=group_size), seed=seed)
         self.cfg = ppo
         self.group_size = group_size
         self.use_critic = use_critic
+        # decoupled PPO's proximal log-probs: "recompute" (the proximal_logprobs key, when actor_inf made it) or
+        # "loglinear" (interpolated per token from the behaviour log-probs and packed_versions, no forward pass)
+        if prox_logp not in ("recompute", "loglinear"):
+            raise ValueError(f"prox_logp={prox_logp!r} is not allowed; allowed: recompute, loglinear")
+        self.prox_logp = prox_logp
 
     @property
     def temperature(self) -> float:
@@ -229,6 +235,11 @@ class PPOActorInterface(GenerationInterface):
         kept_stats = {}
         if cfg.skip_zero_advantage:
             sample, kept_stats = _keep_nonzero_advantage(sample, grid, model.module.device)
+        loglinear = self.prox_logp == "loglinear"
+        if loglinear and "packed_versions" not in data.keys:
+            raise ValueError("prox_logp=loglinear needs packed_versions (the weight version of every generated token): "
+                             "train on trajectories from generation servers (async-ppo-math)")
+        progress = [0.0]  # m / M at the m-th of the step's M optimizer updates (loglinear proximal log-probs)
 
         # the output head runs only on the loss positions (their next token is a trained answer token)
         def rows_fn(mb):
@@ -240,10 +251,15 @@ class PPOActorInterface(GenerationInterface):
             m = torch.ones_like(lp, dtype=torch.bool)
             at = {k: mb.data[k][rows].float().to(lp.device)
                   for k in ("packed_logprobs", "advantages", "packed_ref_logprobs", "proximal_logprobs") if k in mb.data}
-            # decoupled PPO when actor_inf recomputed the proximal log-probs (asynchronous runs)
+            # decoupled PPO when actor_inf recomputed the proximal log-probs, or interpolated here (asynchronous runs)
+            prox = at.get("proximal_logprobs")
+            if loglinear:
+                # version of the token each loss row predicts: packed_versions is aligned with the tokens, the
+                # log-probs with the position before them
+                lag = model.version - mb.data["packed_versions"][rows.to(mb.data["packed_versions"].device) + 1]
+                prox = F.loglinear_proximal_logprobs(at["packed_logprobs"], lp, lag.to(lp.device), progress[0])
             loss, st = F.actor_loss(lp, at["packed_logprobs"], at["advantages"], cfg.eps_clip, m, cfg.c_clip,
-                                    proximal_logprobs=at.get("proximal_logprobs"),
-                                    behav_imp_weight_cap=cfg.behav_imp_weight_cap)
+                                    proximal_logprobs=prox, behav_imp_weight_cap=cfg.behav_imp_weight_cap)
             if cfg.entropy_coef > 0:
                 ent = packed_entropy(out if temp == 1.0 else out.float() / temp, tp)
                 loss = loss - cfg.entropy_coef * F.entropy_bonus(ent, m)
@@ -261,7 +277,8 @@ class PPOActorInterface(GenerationInterface):
         # no sample (skip_zero_advantage, and no answer on any rank has an advantage): no update on any rank
         parts = [] if sample is None else sample.split(n_minibatches(cfg.ppo_n_minibatches, sample.bs, grid,
                                                                       model.module.device))
-        for part in parts:
+        for i, part in enumerate(parts):
+            progress[0] = i / len(parts)
             st = model.engine.train_batch(part, loss_fn, lambda mb: float(mb.data["loss_mask"].sum()),
                                           max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs,
                                           head_rows_fn=rows_fn)
@@ -270,7 +287,7 @@ class PPOActorInterface(GenerationInterface):
                 sums[k] = sums.get(k, 0.0) + v
         n_tok = max(sums.get("n_loss_tokens", 0.0), 1.0)
         keys = ["actor_loss", "importance_weight", "actor_clip_ratio", "ppo_approx_kl"]
-        if "proximal_logprobs" in data.keys:
+        if "proximal_logprobs" in data.keys or loglinear:
             keys += ["behave_imp_weight", "behave_capped_ratio"]
         stats = {k: sums.get(k, 0.0) / n_tok for k in keys}
         stats["actor_grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
