@@ -10,7 +10,7 @@ the loop:
 2. unless paused, *admits* waiting requests (first come, first served) while the running samples stay
    within ``max_num_seqs``: their prompts are prefilled in one packed forward (each distinct prompt once;
    its samples copy its cache row), the first token of every sample is drawn, and the new rows are
-   written into free slots of the running batch's KV cache (``_SlotCache``: preallocated row slots, so a
+   written into free slots of the running batch's KV cache (``SlotCache``: preallocated row slots, so a
    row joining or leaving copies only its own keys/values);
 3. runs ONE decode step for every running row in one forward pass, samples a token per row (rows grouped
    by identical sampling parameters, ``generation.sample_with_mask``), records it with the current weight
@@ -50,9 +50,9 @@ import torch
 
 from realhf.base import logging
 from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerateResult, GenerationEngine, RequestError,
-                                   SampleOutput, TensorMeta, WeightGroupSpec, sample_seed)
+                                   SampleOutput, TensorMeta, WeightGroupSpec)
 from realhf.impl.model.nn import cpu_gemm
-from realhf.impl.model.nn.generation import RowStreams, sample_with_mask
+from realhf.gen_server.engine_batch import Group, Req, Row, SlotCache, sample_groups, sampling_key
 from realhf.impl.model.nn.kv_cache import KVCache
 
 logger = logging.getLogger("realhf.gen_server.engine")
@@ -63,7 +63,6 @@ _EXTRA_KEYS = {"compile_decode": bool, "max_prefill_tokens": int, "pp_size": int
 # The only ReaLModelConfig fields a weight update from disk may change: the served model keeps its config, so
 # a folder whose architecture differs anywhere else would be run wrongly.
 _TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-_CHUNK = RowStreams.CHUNK  # a seeded sample's random numbers are drawn this many at a time, as generate does
 
 
 class EngineClosed(RuntimeError):
@@ -85,151 +84,6 @@ class _CopyWatch:
         return self._model.local_param(name)
 
 
-@dataclasses.dataclass(eq=False)
-class _Req:
-    """One request as the engine thread sees it."""
-
-    rid: str
-    ids: List[int]
-    sp: Any  # SamplingParams
-    fut: asyncio.Future
-    outputs: List[Optional[SampleOutput]] = dataclasses.field(default_factory=list)
-    rows: List["_Row"] = dataclasses.field(default_factory=list)  # its samples, once admitted
-    n_done: int = 0
-    state: str = "waiting"  # waiting | running | done
-
-
-class _Row:
-    """One sample of a running request (one row of the running batch and its KV cache)."""
-
-    __slots__ = ("req", "j", "ids", "lps", "vers", "stop", "max_new", "min_new", "gen", "chunk", "done")
-
-    def __init__(self, req: _Req, j: int):
-        sp = req.sp
-        self.req, self.j = req, j
-        self.ids: List[int] = []
-        self.lps: List[float] = []
-        self.vers: List[int] = []
-        self.stop = frozenset(sp.stop_token_ids)
-        self.max_new = sp.max_new_tokens
-        self.min_new = sp.min_new_tokens if self.stop else 0  # nothing to ban without stop tokens
-        # a seeded sample's own random stream, as RowStreams draws it: CHUNK float64 numbers at a time
-        self.gen: Optional[torch.Generator] = None
-        self.chunk: Optional[List[float]] = None
-        if sp.seed is not None and not sp.greedy:
-            self.gen = torch.Generator().manual_seed(sample_seed(sp.seed, j) % (2**63))
-            self.chunk = torch.rand(_CHUNK, generator=self.gen, dtype=torch.float64).tolist()
-        self.done = False
-
-
-def _sampling_key(sp) -> tuple:
-    """Rows whose keys are equal are sampled together by one ``sample_with_mask`` call."""
-    if sp.greedy:
-        return (True, 1.0, 0, 1.0, False)
-    return (False, float(sp.temperature), int(sp.top_k), float(sp.top_p), sp.seed is not None)
-
-
-class _Group:
-    __slots__ = ("key", "rows", "idx", "all", "min_new")
-
-    def __init__(self, key, rows: List[_Row], idx: List[int], n_total: int, device):
-        self.key, self.rows = key, rows
-        self.all = len(idx) == n_total
-        self.idx = None if self.all else torch.tensor(idx, dtype=torch.long, device=device)
-        self.min_new = any(r.min_new for r in rows)
-
-
-class _SlotCache(KVCache):
-    """The running batch's KV cache: a ``KVCache`` (same decode interface: ``lens``, ``k``/``v`` lists of
-    ``[B, h_kv, positions, d]`` buffers, ``decode_attention``, ``advance``) whose rows live in slots of
-    preallocated storage, so that rows joining and leaving the batch copy only their own keys/values:
-    ``add`` writes new rows into free slots after the running ones, ``remove`` moves the last surviving
-    rows into the holes finished rows leave (the batch order changes; the caller reorders its rows alike).
-    Storage grows (rows and positions, geometrically) only when a new row does not fit. Invariant: every
-    position after a row's ``lens`` and every free slot are zero, so masked positions never hold stale data."""
-
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, device, max_rows: int,
-                 max_positions: int):
-        self._n_layers, self._h, self._d, self._dtype, self._device = n_layers, n_kv_heads, head_dim, dtype, device
-        self._max_rows, self._max_positions = max_rows, max_positions
-        self._sk: List[torch.Tensor] = []
-        self._sv: List[torch.Tensor] = []
-        self._rows_cap = 0
-        self.max_len = 0  # positions of the storage (KVCache.advance checks against it)
-        self.lens = torch.zeros(0, dtype=torch.long, device=device)
-        self.decoding = True
-        self._prefill_idx = None
-        self._mask = None
-        self.k: List[torch.Tensor] = []
-        self.v: List[torch.Tensor] = []
-
-    def _views(self):
-        B = self.lens.numel()
-        self.k = [s[:B] for s in self._sk]
-        self.v = [s[:B] for s in self._sv]
-        self._mask = None
-
-    def _used(self) -> int:
-        return int(self.lens.max()) + 1 if self.lens.numel() else 0
-
-    def _reserve(self, rows: int, positions: int):
-        if rows <= self._rows_cap and positions <= self.max_len:
-            return
-        R = min(self._max_rows, max(rows, 2 * self._rows_cap, 8)) if rows > self._rows_cap else self._rows_cap
-        R = max(R, rows)
-        P = max(positions, min(self._max_positions, self.max_len + self.max_len // 2)) \
-            if positions > self.max_len else self.max_len
-        B, u = self.lens.numel(), self._used()
-        sk, sv = [], []
-        for i in range(self._n_layers):
-            nk = torch.zeros((R, self._h, P, self._d), dtype=self._dtype, device=self._device)
-            nv = torch.zeros_like(nk)
-            if B:
-                nk[:B, :, :u] = self._sk[i][:B, :, :u]
-                nv[:B, :, :u] = self._sv[i][:B, :, :u]
-            sk.append(nk)
-            sv.append(nv)
-        self._sk, self._sv, self._rows_cap, self.max_len = sk, sv, R, P
-        self._views()
-
-    def add(self, other, rows: torch.Tensor, positions: int):
-        """Append rows ``rows`` of the decoding cache ``other`` (freshly prefilled) as new last rows; make
-        room for ``positions`` positions."""
-        B, m = self.lens.numel(), rows.numel()
-        o_lens = other.lens[rows]
-        self._reserve(B + m, positions)
-        u = int(o_lens.max()) + 1
-        for i in range(self._n_layers):
-            self._sk[i][B:B + m, :, :u] = other.k[i][rows, :, :u]
-            self._sv[i][B:B + m, :, :u] = other.v[i][rows, :, :u]
-        self.lens = torch.cat([self.lens, o_lens.to(self.lens.device)])
-        self._views()
-
-    def remove(self, keep: List[int]) -> List[int]:
-        """Keep the rows at positions ``keep`` (ascending): the last survivors move into the holes of the
-        others. Returns the new order (old position of each row)."""
-        B, n = self.lens.numel(), len(keep)
-        kept = set(keep)
-        holes = [p for p in range(n) if p not in kept]
-        movers = [p for p in keep if p >= n]
-        order = list(range(n))
-        for h, m in zip(holes, movers):
-            order[h] = m
-        u = self._used()
-        dev = self._device
-        if holes:
-            ht = torch.tensor(holes, dtype=torch.long, device=dev)
-            mt = torch.tensor(movers, dtype=torch.long, device=dev)
-            for s in self._sk + self._sv:
-                s[ht, :, :u] = s[mt, :, :u]
-        if n < B:
-            for s in self._sk + self._sv:
-                s[n:B, :, :u].zero_()
-        self.lens = self.lens[torch.tensor(order, dtype=torch.long, device=self.lens.device)]
-        self._views()
-        return order
-
-
 class RealhfEngine(GenerationEngine):
     backend = "gen"
 
@@ -239,7 +93,7 @@ class RealhfEngine(GenerationEngine):
         self._q: "queue.Queue[tuple]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()  # guards the request registry and its counters
-        self._live: Dict[str, _Req] = {}  # rid -> request not yet answered
+        self._live: Dict[str, Req] = {}  # rid -> request not yet answered
         self._n_waiting = 0
         self._n_running = 0
         self._version = 0
@@ -247,9 +101,9 @@ class RealhfEngine(GenerationEngine):
         self._dead: Optional[BaseException] = None  # the loop itself failed: every call fails with this
         self._weight_group = None
         # engine-thread state
-        self._waiting: List[_Req] = []
-        self._rows: List[_Row] = []
-        self._groups: List[_Group] = []
+        self._waiting: List[Req] = []
+        self._rows: List[Row] = []
+        self._groups: List[Group] = []
         self._cache = None
         self._tok: Optional[torch.Tensor] = None  # last sampled token of every running row
         self._paused = False
@@ -379,7 +233,7 @@ class RealhfEngine(GenerationEngine):
             raise RequestError(f"sampling.n={sp.n} exceeds the server's max_num_seqs ({self.cfg.max_num_seqs}); "
                                "split the request")
         fut = asyncio.get_running_loop().create_future()
-        r = _Req(rid=req.rid, ids=ids, sp=sp, fut=fut, outputs=[None] * sp.n)
+        r = Req(rid=req.rid, ids=ids, sp=sp, fut=fut, outputs=[None] * sp.n)
         with self._lock:
             if req.rid in self._live:
                 raise RequestError(f"a request with rid {req.rid!r} is already running on this server")
@@ -484,7 +338,7 @@ class RealhfEngine(GenerationEngine):
             except RuntimeError:  # the caller's event loop is closed: nobody waits any more
                 pass
 
-    def _unregister(self, r: _Req, was: str):
+    def _unregister(self, r: Req, was: str):
         with self._lock:
             if self._live.get(r.rid) is r:
                 del self._live[r.rid]
@@ -493,14 +347,14 @@ class RealhfEngine(GenerationEngine):
             elif was == "running":
                 self._n_running -= 1
 
-    def _answer(self, r: _Req):
+    def _answer(self, r: Req):
         """All samples of ``r`` are finished: answer it."""
         was, r.state = r.state, "done"
         self._unregister(r, was)
         self._stats["finished_requests"] += 1
         self._resolve(r.fut, GenerateResult(rid=r.rid, outputs=list(r.outputs)))
 
-    def _fail(self, r: _Req, exc: BaseException):
+    def _fail(self, r: Req, exc: BaseException):
         if r.state == "done":
             return
         was, r.state = r.state, "done"
@@ -613,7 +467,7 @@ class RealhfEngine(GenerationEngine):
         """``which``: None (all), a list of rids, or a list of request objects."""
         if which is None:
             match = lambda r: True  # noqa: E731
-        elif which and isinstance(which[0], _Req):
+        elif which and isinstance(which[0], Req):
             objs = {id(r) for r in which}
             match = lambda r: id(r) in objs  # noqa: E731
         else:
@@ -644,7 +498,7 @@ class RealhfEngine(GenerationEngine):
         return count
 
     # ------------------------------------------------------------------ rows
-    def _finish_row(self, row: _Row, reason: str):
+    def _finish_row(self, row: Row, reason: str):
         row.done = True
         r = row.req
         r.outputs[row.j] = SampleOutput(output_ids=row.ids, logprobs=row.lps, versions=row.vers, finish_reason=reason)
@@ -652,7 +506,7 @@ class RealhfEngine(GenerationEngine):
         if r.n_done == len(r.outputs):
             self._answer(r)
 
-    def _record(self, rows: List[_Row], tl: List[int], ll: List[float]) -> List[int]:
+    def _record(self, rows: List[Row], tl: List[int], ll: List[float]) -> List[int]:
         """Append one sampled token per row; finish the rows that are done; return the positions of the rest."""
         v = self._version
         keep = []
@@ -669,8 +523,7 @@ class RealhfEngine(GenerationEngine):
                 self._finish_row(row, "length")
             else:
                 keep.append(i)
-                if row.gen is not None and n % _CHUNK == 0:  # the next step starts a new chunk of its stream
-                    row.chunk = torch.rand(_CHUNK, generator=row.gen, dtype=torch.float64).tolist()
+                row.refill_stream()
         self._stats["generated_tokens"] += len(rows)
         return keep
 
@@ -698,32 +551,8 @@ class RealhfEngine(GenerationEngine):
         s["tokens_in_flight"] = sum(len(r.req.ids) + len(r.ids) for r in self._rows)
 
     # ------------------------------------------------------------------ sampling
-    def _sample(self, logits: torch.Tensor, groups: List[_Group]):
-        """logits [B, V] (fp32) of rows in ``groups`` -> (tokens [B], log-probs [B])."""
-        if len(groups) == 1 and groups[0].all:
-            return self._sample_group(logits, groups[0])
-        tok = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        lp = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for g in groups:
-            t, l = self._sample_group(logits.index_select(0, g.idx), g)
-            tok[g.idx] = t
-            lp[g.idx] = l.float()
-        return tok, lp
-
-    def _sample_group(self, logits, g: _Group):
-        greedy, temperature, top_k, top_p, seeded = g.key
-        rows = g.rows
-        ban = None
-        if g.min_new:
-            banned = [k for k, r in enumerate(rows) if len(r.ids) < r.min_new]
-            if banned:
-                ban = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-                for k in banned:
-                    ban[k, list(rows[k].stop)] = True
-        u = None
-        if seeded:
-            u = torch.tensor([r.chunk[len(r.ids) % _CHUNK] for r in rows], dtype=torch.float64)
-        return sample_with_mask(logits, greedy, temperature, top_k, top_p, self._gen, ban, u)
+    def _sample(self, logits: torch.Tensor, groups: List[Group]):
+        return sample_groups(logits, groups, self._gen)
 
     # ------------------------------------------------------------------ admission (prefill)
     def _admit(self):
@@ -736,7 +565,7 @@ class RealhfEngine(GenerationEngine):
             return
 
         room = self.cfg.max_num_seqs - len(self._rows)
-        batch: List[_Req] = []
+        batch: List[Req] = []
         n_tok = 0
         while self._waiting:
             r = self._waiting[0]
@@ -759,12 +588,12 @@ class RealhfEngine(GenerationEngine):
             distinct: Dict[tuple, int] = {}
             prompts: List[List[int]] = []
             src: List[int] = []  # distinct prompt of each new row
-            new_rows: List[_Row] = []
+            new_rows: List[Row] = []
             for r in batch:
                 k = distinct.setdefault(tuple(r.ids), len(prompts))
                 if k == len(prompts):
                     prompts.append(r.ids)
-                r.rows = [_Row(r, j) for j in range(r.sp.n)]
+                r.rows = [Row(r, j) for j in range(r.sp.n)]
                 new_rows.extend(r.rows)
                 src.extend([k] * r.sp.n)
             seqlens = [len(p) for p in prompts]
@@ -791,7 +620,7 @@ class RealhfEngine(GenerationEngine):
             if keep:
                 kt = torch.tensor(keep, dtype=torch.long, device=dev)
                 if self._cache is None:
-                    self._cache = _SlotCache(model.n_local_layers, model.n_local_kv_heads, cfg.head_dim, model.dtype,
+                    self._cache = SlotCache(model.n_local_layers, model.n_local_kv_heads, cfg.head_dim, model.dtype,
                                              dev, self.cfg.max_num_seqs, self._len_limit[1] + 1)
                 self._cache.add(cache, src_t[kt], max_len)
                 self._tok = tok[kt] if self._tok is None else torch.cat([self._tok, tok[kt]])
@@ -806,13 +635,13 @@ class RealhfEngine(GenerationEngine):
             if any(row.done and row.req in batch for row in self._rows):
                 self._drop_failed_rows()
 
-    def _groups_of(self, rows: List[_Row]) -> List[_Group]:
+    def _groups_of(self, rows: List[Row]) -> List[Group]:
         groups: Dict[tuple, tuple] = {}
         for i, row in enumerate(rows):
-            g = groups.setdefault(_sampling_key(row.req.sp), ([], []))
+            g = groups.setdefault(sampling_key(row.req.sp), ([], []))
             g[0].append(row)
             g[1].append(i)
-        return [_Group(k, rs, idx, len(rows), self.model.device) for k, (rs, idx) in groups.items()]
+        return [Group(k, rs, idx, len(rows), self.model.device) for k, (rs, idx) in groups.items()]
 
     def _drop_failed_rows(self):
         try:
