@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -187,6 +188,26 @@ def ppo_step(path, alloc, n_devices, threads, root):
     return keep
 
 
+def _cpu_seconds(fleet) -> float:
+    """CPU seconds (user + system) used so far by the processes of ``fleet`` (its servers and their children)."""
+    import psutil
+
+    total = 0.0
+    for pid in (p.pid for p in fleet.procs):
+        try:
+            procs = [psutil.Process(pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+    return total
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
@@ -194,6 +215,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ppo", action="store_true", help="also time one ppo-math step with servers vs colocated")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of each generation workload per server (median)")
     a = ap.parse_args()
     from realhf.gen_server.fleet import LocalFleet
 
@@ -201,22 +223,44 @@ def main():
     ps32 = prompts(path, 32)
     ps8 = ps32[:8]
     res = {}
-    for backend in [b for b in a.backends.split(",") if b]:
-        t0 = time.perf_counter()
-        with LocalFleet(backend, path, 1, threads=a.threads, max_model_len=512, dtype="float32", device="cpu") as fleet:
+    backends = [b for b in a.backends.split(",") if b]
+    works = {"greedy_32x128": (ps32, 1, 128, True), "sample_8x4x64": (ps8, 4, 64, False)}
+    with contextlib.ExitStack() as stack:
+        fleets, clients = {}, {}
+        for backend in backends:
+            t0 = time.perf_counter()
+            fleets[backend] = stack.enter_context(LocalFleet(backend, path, 1, threads=a.threads, max_model_len=512,
+                                                             dtype="float32", device="cpu"))
             emit(what="server_startup", backend=backend, seconds=round(time.perf_counter() - t0, 1))
-            c = fleet.client()
-            server_generate(c, ps8[:2], 1, 8, True, "warm")
-            dt, n = server_generate(c, ps32, 1, 128, True, "g")
-            emit(what="greedy_32x128", backend=backend, seconds=round(dt, 2), tok_s=round(n / dt, 1))
-            res[(backend, "g")] = n / dt
-            dt, n = server_generate(c, ps8, 4, 64, False, "s")
-            emit(what="sample_8x4x64", backend=backend, seconds=round(dt, 2), tok_s=round(n / dt, 1))
-            res[(backend, "s")] = n / dt
+            clients[backend] = fleets[backend].client()
+            server_generate(clients[backend], ps8[:2], 1, 8, True, "warm")
+        # Every server is up; the rounds alternate between them (gen, vllm, gen, vllm, ...), so a drift in the
+        # machine's speed reaches both, and the per-round ratios compare neighbours. The first round also pays each
+        # engine's one-time costs at this batch size (cache growth, kernel set-up); the median is reported.
+        for work, (ps, n_samples, new_tokens, greedy) in works.items():
+            rates = {b: [] for b in backends}
+            idle_cpu = {b: 0.0 for b in backends}  # CPU seconds the idle servers used during the others' rounds
+            for r in range(a.repeats):
+                for b in backends:
+                    before = {o: _cpu_seconds(fleets[o]) for o in backends if o != b}
+                    dt, n = server_generate(clients[b], ps, n_samples, new_tokens, greedy, f"{work}-{r}")
+                    rates[b].append(n / dt)
+                    for o, c0 in before.items():
+                        idle_cpu[o] += _cpu_seconds(fleets[o]) - c0
+            for b in backends:
+                res[(b, work[0])] = statistics.median(rates[b])
+                emit(what=work, backend=b, tok_s=round(res[(b, work[0])], 1), rounds_tok_s=[round(x, 1) for x in rates[b]],
+                     cpu_s_while_idle=round(idle_cpu[b], 2))
+            if "gen" in rates and "vllm" in rates:
+                per_round = [g / v for g, v in zip(rates["gen"], rates["vllm"])]
+                emit(what="ratio_gen_vs_vllm", work=work, ratio_of_medians=round(res[("gen", work[0])] / res[("vllm", work[0])], 2),
+                     per_round=[round(x, 2) for x in per_round], median_per_round=round(statistics.median(per_round), 2))
+        for backend in backends:
+            c = clients[backend]
             tj, ts = continuous_gain(c, ps32, 64)
             emit(what="continuous_batching", backend=backend, joined_s=round(tj, 2), static_s=round(ts, 2),
                  gain=round(ts / tj, 2))
-            emit(what="weight_update", backend=backend, model=a.model, **weight_updates(fleet, c, path))
+            emit(what="weight_update", backend=backend, model=a.model, **weight_updates(fleets[backend], c, path))
     if not a.skip_hf:
         dt, n = hf_generate(path, ps32, 1, 128, True, a.threads)
         emit(what="greedy_32x128", backend="transformers", seconds=round(dt, 2), tok_s=round(n / dt, 1))
@@ -224,6 +268,7 @@ def main():
         dt, n = hf_generate(path, ps8, 4, 64, False, a.threads)
         emit(what="sample_8x4x64", backend="transformers", seconds=round(dt, 2), tok_s=round(n / dt, 1))
         res[("transformers", "s")] = n / dt
+    if not a.skip_hf:
         for (b, k), v in res.items():
             if b != "transformers":
                 emit(what="ratio_vs_transformers", backend=b, work="greedy_32x128" if k == "g" else "sample_8x4x64",

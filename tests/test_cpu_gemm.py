@@ -101,6 +101,48 @@ def test_packed_weights_never_outlive_an_update(kernel):
         assert not cpu_gemm._packed, "closing the outermost context drops every copy"
 
 
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_group_is_the_layers_one_by_one(kernel, bias):
+    """q/k/v (and gate/up) as one product with the packed concatenation of their weights, under packing only;
+    the fused copy follows the layers' updates like a single packed weight."""
+    kernel("onednn")
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, n, bias=bias) for n in (24, 8, 8)]
+    x = torch.randn(32, 16)
+    with torch.no_grad():
+        want = [F.linear(x, m.weight, m.bias) for m in layers]
+        outside = cpu_gemm.linear_group(x, layers)
+        assert not cpu_gemm._packed, "outside packed_weights the layers run one by one"
+        with cpu_gemm.packed_weights():
+            got = cpu_gemm.linear_group(x, layers)
+            assert [g.shape for g in got] == [w.shape for w in want]
+            assert len(cpu_gemm._packed) == 1, "one packed copy for the group"
+            for g, w, o in zip(got, want, outside):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-5)
+            layers[1].weight.mul_(3.0)  # one member changes: the group is packed again
+            got = cpu_gemm.linear_group(x, layers)
+            torch.testing.assert_close(got[1], F.linear(x, layers[1].weight, layers[1].bias), rtol=1e-5, atol=1e-5)
+    # with autograd the layers run one by one (gradients flow to each)
+    out = cpu_gemm.linear_group(x, layers)
+    sum(o.sum() for o in out).backward()
+    assert all(m.weight.grad is not None for m in layers)
+
+
+def test_gqa_decode_attention_equals_sdpa():
+    from realhf.impl.model.nn.kv_cache import gqa_decode_attention
+
+    torch.manual_seed(0)
+    B, hq, hkv, d, L = 5, 6, 2, 8, 11
+    q, K, V = torch.randn(B, hq, d), torch.randn(B, hkv, L, d), torch.randn(B, hkv, L, d)
+    lens = torch.tensor([0, 3, 10, 7, 1])
+    keep = (torch.arange(L)[None] <= lens[:, None])[:, None, None, :]
+    add = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    want = F.scaled_dot_product_attention(q.unsqueeze(2), K, V, attn_mask=keep, scale=0.3, enable_gqa=True).squeeze(2)
+    torch.testing.assert_close(gqa_decode_attention(q, K, V, add, 0.3), want, rtol=1e-5, atol=1e-5)
+
+
 def _tiny(path):
     from realhf.base.topology import single_process_grid
     from realhf.impl.model.conversion.hf_io import build_from_hf

@@ -179,14 +179,46 @@ def with_packed_weights(fn):
     return wrapper
 
 
+def _weight_key(w: torch.Tensor) -> tuple:
+    return (w._version, w.data_ptr(), w.dtype, tuple(w.shape))
+
+
 def _packed_weight(w: torch.Tensor) -> torch.Tensor:
-    key = (w._version, w.data_ptr(), w.dtype, tuple(w.shape))
+    key = _weight_key(w)
     hit = _packed.get(id(w))
     if hit is not None and hit[0]() is w and hit[1] == key:
         return hit[2]
     p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
     _packed[id(w)] = (weakref.ref(w), key, p)
     return p
+
+
+def _packed_group(weights, biases):
+    """The packed concatenation of ``weights`` (stacked by output rows) and the concatenated biases (or None), cached
+    like :func:`_packed_weight` under the tuple of the parameters."""
+    gid = tuple(id(w) for w in weights)
+    key = tuple(_weight_key(t) for t in (*weights, *(b for b in biases if b is not None)))
+    hit = _packed.get(gid)
+    if hit is not None and all(r() is w for r, w in zip(hit[0], weights)) and hit[1] == key:
+        return hit[2]
+    w = torch.cat([t.detach() for t in weights])
+    b = None if biases[0] is None else torch.cat([t.detach() for t in biases])
+    out = (torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), b)
+    _packed[gid] = (tuple(weakref.ref(t) for t in weights), key, out)
+    return out
+
+
+def linear_group(x: torch.Tensor, layers) -> tuple:
+    """``tuple(layer(x) for layer in layers)`` for linear layers with ``weight`` and ``bias`` attributes that read
+    the same input (q/k/v, gate/up). Under :func:`packed_weights` inference with the oneDNN kernel, one product with
+    the packed concatenation of their weights (fewer, wider GEMMs: 1.2x on SmolLM2's q/k/v at 32 rows); otherwise
+    each layer's own forward."""
+    if (torch.is_grad_enabled() or not packing() or not x.is_cpu or x.dim() != 2 or torch.compiler.is_compiling()
+            or any(not isinstance(m.weight, torch.nn.Parameter) or m.weight.dtype != x.dtype for m in layers)
+            or len({m.bias is None for m in layers}) != 1):
+        return tuple(m(x) for m in layers)
+    w, b = _packed_group([m.weight for m in layers], [m.bias for m in layers])
+    return _onednn_linear(x, w, b).split([m.weight.shape[0] for m in layers], dim=-1)
 
 
 def packing() -> bool:

