@@ -104,3 +104,41 @@ def test_skip_refused_with_loss_terms_that_train_every_answer(term):
 
     with pytest.raises(ValueError, match="skip_zero_advantage=true needs ppo.kl_loss_coef=0 and ppo.entropy_coef"):
         PPOHyperparameters(skip_zero_advantage=True, **{term: 0.1})
+
+
+def _proximal(path):
+    from realhf.api.core.dfg import MicroBatchSpec
+    from realhf.api.core.model_api import Model
+    from realhf.api.quickstart.ppo_config import PPOHyperparameters
+    from realhf.base.topology import ParallelDims, ParallelGrid
+    from realhf.impl.model.backend.engine import InferenceEngine
+    from realhf.impl.model.conversion.hf_io import build_from_hf, read_hf_config
+    from realhf.impl.model.interface.ppo_interface import PPOActorInterface
+
+    grid = ParallelGrid(ParallelDims(1, 1, 1))
+    model = Model(name="actor", engine=InferenceEngine(build_from_hf(path, grid=grid)), tokenizer=None, grid=grid,
+                  path="")
+    sample = _sample(read_hf_config(path)["vocab_size"], [5.0, 5.0, 5.0, -5.0, -5.0, -5.0, -5.0, 5.0])
+    spec = MicroBatchSpec(max_tokens_per_mb=24)
+
+    def lp(skip, proximal):
+        cfg = PPOHyperparameters(kl_ctl=0.0, adv_norm=False, group_adv_norm=True, skip_zero_advantage=skip)
+        iface = PPOActorInterface(cfg, group_size=GROUP, use_critic=False, seed=1, proximal=proximal)
+        return iface.inference(model, sample, spec).data["logprobs"]
+
+    lens = [sum(x) for x in sample.seqlens["packed_input_ids"]]
+    return dict(full=lp(True, False), trained_only=lp(True, True), no_skip=lp(False, True), lens=lens)
+
+
+def test_proximal_logprobs_only_for_the_trained_samples():
+    """actor_inf (the proximal log-probs of decoupled PPO) under skip_zero_advantage computes the samples actor_train
+    trains (the groups whose rewards differ) and leaves zeros for the others, which are never trained."""
+    (r,) = run_distributed(_proximal, 1, ensure_tiny_model("qwen2"))
+    full, part = r["full"].split(r["lens"]), r["trained_only"].split(r["lens"])
+    for i, (f, p) in enumerate(zip(full, part)):
+        if i in (1, 3):  # mixed groups: trained
+            assert bool((f != 0).any())
+            torch.testing.assert_close(p, f, rtol=1e-5, atol=1e-6)
+        else:  # flat groups (both right, both wrong): skipped
+            assert bool((p == 0).all())
+    torch.testing.assert_close(r["no_skip"], r["full"], rtol=0, atol=0)

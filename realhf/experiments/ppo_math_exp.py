@@ -129,8 +129,12 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     if is_async:
         train_inputs.append("packed_versions")
         if cfg.async_rl.prox_logp == "recompute":
-            mfcs.append(MFCDef("actor_inf", model_of["actor_inf"], "inference", "ppo_actor", actor_args,
-                               input_keys=("packed_input_ids", "prompt_mask"), output_keys=("logprobs",),
+            # with skip_zero_advantage, actor_inf finds the samples actor_train will train (from the rewards, as
+            # train_step does) and recomputes their log-probs only
+            inf_keys = ("packed_input_ids", "prompt_mask") + (("packed_logprobs", "seq_no_eos_mask", "rewards")
+                                                              if p.skip_zero_advantage else ())
+            mfcs.append(MFCDef("actor_inf", model_of["actor_inf"], "inference", "ppo_actor", dict(actor_args, proximal=True),
+                               input_keys=inf_keys, output_keys=("logprobs",),
                                output_key_remap={"logprobs": "proximal_logprobs"}, mb_spec=cfg.actor_inf.mb_spec.to_spec()))
             train_inputs.append("proximal_logprobs")
     if use_ref:

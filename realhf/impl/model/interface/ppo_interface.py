@@ -16,7 +16,7 @@ prompt), ``use_critic`` and ``seed``.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,12 +52,12 @@ def _per_token(sample: SequenceSample, tensors: Dict[str, torch.Tensor]) -> Sequ
     return out
 
 
-def _keep_nonzero_advantage(sample: SequenceSample, grid, device) -> Tuple[Optional[SequenceSample], Dict[str, float]]:
-    """The samples (a prompt and its answers) of ``sample`` with an answer whose advantage is nonzero at some loss
-    token (with no KL loss or entropy bonus the others add nothing to the policy gradient: the clipped PPO loss of
-    a zero advantage is 0), and ``actor_kept_frac``, the fraction of samples kept over all data-parallel ranks.
-    ``None`` when no rank keeps any (the step makes no update). A rank that keeps none while others keep some
-    trains its shortest sample, whose gradient is 0, so that every rank runs the same collectives."""
+def _nonzero_advantage_samples(sample: SequenceSample, grid, device) -> Tuple[Optional[List[int]], Dict[str, float]]:
+    """Indices of the samples (a prompt and its answers) of ``sample`` with an answer whose advantage is nonzero at
+    some loss token (with no KL loss or entropy bonus the others add nothing to the policy gradient: the clipped PPO
+    loss of a zero advantage is 0), and ``actor_kept_frac``, the fraction of samples kept over all data-parallel
+    ranks. ``None`` when no rank keeps any (the step makes no update). A rank that keeps none while others keep some
+    keeps its shortest sample, whose gradient is 0, so that every rank runs the same collectives."""
     lens = [sum(x) for x in sample.seqlens["packed_input_ids"]]
     signal = ((sample.data["advantages"] != 0) & sample.data["loss_mask"].bool()).split(lens)
     keep = [i for i, x in enumerate(signal) if bool(x.any())]
@@ -69,7 +69,15 @@ def _keep_nonzero_advantage(sample: SequenceSample, grid, device) -> Tuple[Optio
         return None, stats
     if not keep:
         keep = [min(range(len(lens)), key=lambda i: lens[i])]
-    return (sample if len(keep) == len(lens) else sample.take(keep)), stats
+    return keep, stats
+
+
+def _keep_nonzero_advantage(sample: SequenceSample, grid, device) -> Tuple[Optional[SequenceSample], Dict[str, float]]:
+    """The samples of :func:`_nonzero_advantage_samples` (None: no rank keeps any) and its stats."""
+    keep, stats = _nonzero_advantage_samples(sample, grid, device)
+    if keep is None:
+        return None, stats
+    return (sample if len(keep) == sample.bs else sample.take(keep)), stats
 
 
 def n_minibatches(requested: int, local_bs: int, grid, device) -> int:
@@ -179,7 +187,7 @@ class PPOActorInterface(GenerationInterface):
     inference (log-probs, e.g. as the reference) and train_step."""
 
     def __init__(self, ppo: PPOHyperparameters, *, group_size: int, use_critic: bool, seed: int,
-                 prox_logp: str = "recompute"):
+                 prox_logp: str = "recompute", proximal: bool = False):
         super().__init__(gconfig=ppo.gen.to_hyperparameters(n=group_size), seed=seed)
         self.cfg = ppo
         self.group_size = group_size
@@ -189,14 +197,49 @@ class PPOActorInterface(GenerationInterface):
         if prox_logp not in ("recompute", "loglinear"):
             raise ValueError(f"prox_logp={prox_logp!r} is not allowed; allowed: recompute, loglinear")
         self.prox_logp = prox_logp
+        # this instance recomputes the proximal log-probs (actor_inf): with ppo.skip_zero_advantage it computes them
+        # only for the samples actor_train will train (see inference)
+        self.proximal = proximal
 
     @property
     def temperature(self) -> float:
         """The temperature of the log-probs: the sampling temperature (1 for greedy decoding)."""
         return 1.0 if self.gconfig.greedy else self.gconfig.temperature
 
+    def _trained_samples(self, model: Model, data: SequenceSample) -> Optional[List[int]]:
+        """For the proximal log-probs (actor_inf) under ``ppo.skip_zero_advantage``: the indices of the samples that
+        actor_train will train, found as train_step finds them (same advantages, same rule), or None where every
+        sample is needed (the advantages depend on inputs this MFC does not have: a critic's values, KL-shaped
+        rewards)."""
+        cfg = self.cfg
+        if not (self.proximal and cfg.skip_zero_advantage) or self.use_critic or cfg.kl_ctl > 0:
+            return None
+        mask, adv, _, _ = compute_advantages(data, cfg, model.grid, self.use_critic, self.group_size)
+        keep, _ = _nonzero_advantage_samples(_per_token(data, {"advantages": adv.float(), "loss_mask": mask}),
+                                             model.grid, model.module.device)
+        return [] if keep is None else keep
+
     @torch.no_grad()
     def inference(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
+        keep = self._trained_samples(model, data)
+        if keep is not None and len(keep) < data.bs:
+            # log-probs of the trained samples only; the others (never trained) get zeros
+            lens = [sum(x) for x in data.seqlens["packed_input_ids"]]
+            part = self._inference(model, data.take(keep), mb_spec) if keep else None
+            if not model.module.is_last:  # only the last pipeline stage answers (as engine.forward)
+                return None
+            dev = part.data["logprobs"].device if part is not None else model.module.device
+            chunks = [torch.zeros(n, dtype=torch.float32, device=dev) for n in lens]
+            if part is not None:
+                for i, c in zip(keep, part.data["logprobs"].split([lens[i] for i in keep])):
+                    chunks[i] = c
+            lp = torch.cat(chunks)
+            return SequenceSample(keys={"logprobs"}, ids=list(data.ids), seqlens={"logprobs": data.seqlens["packed_input_ids"]},
+                                  trailing_shapes={"logprobs": ()}, dtypes={"logprobs": torch.float32},
+                                  data={"logprobs": lp})
+        return self._inference(model, data, mb_spec)
+
+    def _inference(self, model: Model, data: SequenceSample, mb_spec) -> Optional[SequenceSample]:
         tp = model.module.tp_group
         temp = self.temperature
 
