@@ -10,8 +10,12 @@ Prints JSON lines:
   * training: tokens/s and achieved FLOP/s (6 * params * tokens + attention) of one fwd+bwd+AdamW
     step, as a fraction of the measured matmul peak, for both implementations
   * peak memory (max RSS) of each measurement, each run in its own fresh process
+  * ``--decode-split``: where a decode step of ``--n-prompts`` rows goes at given cache positions: the whole step,
+    the step without attention over the cache (the new keys/values still written), without the writes either,
+    and the GEMM floor of one step; the bytes of keys/values attention reads per step and the rate it reads them
 
 Usage: python benchmarks/bench_model.py [--model smollm2|tiny-llama] [--dtype float32] [--skip gen|train]
+       python benchmarks/bench_model.py --decode-split [--positions 50,100,200]
 """
 from __future__ import annotations
 
@@ -192,6 +196,65 @@ def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
                gflops=round(flops / sec / 1e9, 1), params=n_params, peak_rss_mb=round(_peak_mb()), **extra))
 
 
+def decode_split_worker(path, dtype_name, rows, positions, q):
+    """Median decode-step times (ms) of ``rows`` rows whose caches hold about ``positions`` positions: ``full``, then
+    with attention over the cache replaced by its input (``no_attention``: the keys/values still written), then
+    without the writes either (``no_cache``); the three variants alternate, 3 rounds of 50 steps each."""
+    import torch
+
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn import cpu_gemm
+    from realhf.impl.model.nn.kv_cache import KVCache
+    from realhf.impl.model.nn.real_model import PackedInput
+
+    settings = _set_kernel("realhf")
+    dt = getattr(torch, dtype_name)
+    m = build_from_hf(path, grid=single_process_grid(), dtype=dt)
+    cfg = m.config
+    g = torch.Generator().manual_seed(0)
+    full_attention = KVCache.decode_attention
+
+    def no_attention(self, layer, q_, k, v, scale):
+        rows_, _, _ = self._step_mask()
+        self.k[layer][rows_, :, self.lens] = k
+        self.v[layer][rows_, :, self.lens] = v
+        return q_
+
+    variants = {"full": full_attention, "no_attention": no_attention,
+                "no_cache": lambda self, layer, q_, k, v, scale: q_}
+    out = []
+    for P in positions:
+        cache = KVCache(m.n_local_layers, rows, P + 64, m.n_local_kv_heads, cfg.head_dim, dt, "cpu")
+        for t in cache.k + cache.v:
+            t[:, :, :P].normal_(generator=g)
+        cache.lens = torch.randint(max(P - 16, 1), P + 1, (rows,), generator=g)
+        cache.decoding = True
+        tok = torch.randint(0, cfg.vocab_size, (rows,), generator=g)
+        times = {k: [] for k in variants}
+        try:
+            with torch.no_grad(), cpu_gemm.packed_weights():
+                for _ in range(3):
+                    for name, fn in variants.items():
+                        KVCache.decode_attention = fn
+                        for i in range(50):
+                            inp = PackedInput(cu_seqlens=torch.arange(rows + 1, dtype=torch.int32), max_seqlen=1,
+                                              position_ids=cache.lens.clone(), cache=cache)
+                            t0 = time.perf_counter()
+                            m(tok, inp)
+                            if i >= 5:
+                                times[name].append(time.perf_counter() - t0)
+                            cache._mask = None  # the same positions again (nothing advances)
+        finally:
+            KVCache.decode_attention = full_attention
+        ms = {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
+        kv_bytes = 2 * m.n_local_layers * m.n_local_kv_heads * cfg.head_dim * int(cache.lens.sum() + rows) * cache.k[0].element_size()
+        attn_s = (ms["full"] - ms["no_attention"]) / 1e3
+        out.append(dict(positions=P, rows=rows, step_ms=ms, kv_read_mb=round(kv_bytes / 1e6, 1),
+                        attention_gb_per_s=round(kv_bytes / 1e9 / attn_s, 1) if attn_s > 0 else None, **settings))
+    q.put(out)
+
+
 def _in_process(fn, *args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -212,11 +275,29 @@ def main():
     ap.add_argument("--train-seqlen", type=int, default=256)
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: gen,train")
+    ap.add_argument("--decode-split", action="store_true", help="only the decode-step breakdown (see the docstring)")
+    ap.add_argument("--positions", default="50,100,200", help="cache positions of --decode-split")
     a = ap.parse_args()
     import torch
 
     torch.set_num_threads(os.cpu_count())
     path = _model_path(a.model, a.dtype)
+    if a.decode_split:
+        import transformers
+
+        from _timing import gemm_sweep_seconds, linear_weights
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, a.dtype))
+        floor_ms = gemm_sweep_seconds(linear_weights(hf), a.n_prompts, repeats=5) * 1e3
+        del hf
+        for r in _in_process(decode_split_worker, path, a.dtype, a.n_prompts,
+                             [int(x) for x in a.positions.split(",")]):
+            ms = r["step_ms"]
+            _emit(bench="decode_split", model=a.model, dtype=a.dtype, gemm_floor_ms=round(floor_ms, 2),
+                  attention_ms=round(ms["full"] - ms["no_attention"], 2),
+                  cache_write_ms=round(ms["no_attention"] - ms["no_cache"], 2),
+                  rest_ms=round(ms["no_cache"] - floor_ms, 2), step_over_floor=round(ms["full"] / floor_ms, 2), **r)
+        return 0
     # (bf16 matmuls are ~50x slower than fp32 on CPUs without AVX-512 bf16, so only the dtype in use is measured)
     from _timing import matmul_peak_gflops
 
