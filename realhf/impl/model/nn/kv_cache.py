@@ -74,7 +74,7 @@ class KVCache:
             dev = self.lens.device
             L = int(self.lens.max()) + 1
             mask = (torch.arange(L, device=dev).unsqueeze(0) <= self.lens.unsqueeze(1))[:, None, None, :]  # [B,1,1,L]
-            if dev.type == "cpu":
+            if self.lens.is_cpu:
                 dt = self.k[0].dtype if self.k else torch.float32
                 mask = torch.zeros(mask.shape, dtype=dt, device=dev).masked_fill_(~mask, float("-inf"))
             self._mask = (torch.arange(self.batch, device=dev), L, mask)
