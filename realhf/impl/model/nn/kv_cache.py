@@ -16,8 +16,9 @@ import torch.nn.functional as F
 def gqa_decode_attention(q, K, V, add_mask, scale: float):
     """One query per row over its cached keys: q [B, hq, d]; K, V [B, hkv, L, d]; ``add_mask`` [B, 1, 1, L] (0 where
     attended, -inf elsewhere) -> [B, hq, d]. The query heads that share a kv head go through one product with it,
-    so every key and value is read once: on CPU 1.2-1.3x faster than scaled_dot_product_attention's fused kernel
-    with a mask at these shapes (SmolLM2, 32 rows, 100-200 positions), whose work is mostly reading the cache."""
+    so every key and value is read once. On CPU, over SmolLM2's 30 layers at 32 rows, it measured 1.1x faster than
+    scaled_dot_product_attention's fused kernel with a mask at 80 positions and equal at 150, where both are bound by
+    reading the cache."""
     B, hq, d = q.shape
     hkv = K.shape[1]
     s = torch.matmul(q.view(B, hkv, hq // hkv, d), K.transpose(-1, -2))  # [B, hkv, group, L]
