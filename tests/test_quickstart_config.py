@@ -99,6 +99,7 @@ def test_grpo_mfcs(paths):
         (["lr=1e-4"], ["unknown config key 'lr'", "model.optimizer.lr"]),
         (["model.path.x=1"], ["'model.path' is a value, not a section"]),
         (["toy_factor=2"], ["toy_factor=2", "[0, 1]"]),
+        (["cpus_per_worker=4", "cpus_per_worker_max=2"], ["cpus_per_worker_max=2", "below cpus_per_worker=4"]),
         (["+seed=1"], ["plain key=value"]),
         (["seed=[1,2"], ["seed=[1,2"]),
     ],

@@ -16,6 +16,7 @@ def experiment_spec(cfg, **fields) -> ExperimentSpec:
     return ExperimentSpec(**{
         **dict(experiment_name=cfg.experiment_name, trial_name=cfg.trial_name, seed=cfg.seed, log_dir=cfg.log_dir(),
                save_dir=cfg.ckpt_dir(), recover_dir=cfg.recover_dir(), threads_per_worker=cfg.cpus_per_worker,
+               threads_per_worker_max=cfg.cpus_per_worker_max,
                worker_timeout_secs=cfg.worker_timeout_secs, wandb=cfg.wandb_init_kwargs(),
                tensorboard_dir=cfg.tensorboard_dir()),
         **ctrl, **fields})

@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 
 # stats every MFC has: logged as <mfc>/<stat>
-PER_MFC_STATS = ("time", "compute_time", "realloc_time", "weight_sync_time", "peak_mem_gib", "reserved_mem_gib")
+PER_MFC_STATS = ("time", "compute_time", "realloc_time", "weight_sync_time", "peak_mem_gib", "reserved_mem_gib",
+                 "cpu_threads")
 
 
 def balanced_dp_split(ids: List[str], tokens: Dict[str, int], dp: int) -> List[List[str]]:
@@ -146,7 +147,7 @@ class MasterWorker:
         # over the MFC's workers: the slowest one's own compute time (time - compute_time is messaging, data
         # transfer, scheduling) and the largest peak memory of the call
         for key, stat in (("seconds", "compute_time"), ("peak_mem_gib", "peak_mem_gib"),
-                          ("reserved_mem_gib", "reserved_mem_gib")):
+                          ("reserved_mem_gib", "reserved_mem_gib"), ("cpu_threads", "cpu_threads")):
             vals = [rep.data[key] for rep in replies.values() if key in rep.data]
             if vals:
                 out_stats[stat] = max(vals)

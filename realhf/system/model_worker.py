@@ -34,7 +34,7 @@ from realhf.api.core.dfg import MicroBatchSpec
 from realhf.api.core.model_api import Model, make_interface
 from realhf.api.core.system_api import ExperimentSpec, ModelSpec
 import realhf.impl.model.interface  # noqa: F401  (registers the interfaces)
-from realhf.base import logging, network
+from realhf.base import cpu_share, logging, network
 from realhf.base.name_resolve import names
 from realhf.base.recover import RecoverError, RecoverStore
 from realhf.base.runtime_env import RuntimeEnv
@@ -139,6 +139,8 @@ class ModelWorker:
     def setup(self):
         spec = self.spec
         torch.set_num_threads(spec.threads_per_worker)
+        if not self.env.is_cuda and spec.threads_per_worker_max > spec.threads_per_worker:
+            cpu_share.install(spec.threads_per_worker, spec.threads_per_worker_max)
         seed = spec.seed * 1000 + self.rank
         random.seed(seed)
         np.random.seed(seed % (2**32))
@@ -333,6 +335,8 @@ class ModelWorker:
         # this worker's compute time and peak memory of the call (realhf.base.runtime_env: peak_mem_gib, and
         # reserved_mem_gib on CUDA)
         reply = {"seconds": time.perf_counter() - t0, **self.env.memory_stats()}
+        if cpu_share.active():  # cpus_per_worker_max: the threads this call ran with on average
+            reply["cpu_threads"] = cpu_share.mean_threads()
         is_owner = self.rank == owner_rank(grid, grid.dp_rank)
         if isinstance(res, SequenceSample):
             if is_owner:

@@ -143,6 +143,7 @@ class ExperimentSpec:
     eval_freq_steps: Optional[int] = None
     benchmark_steps: Optional[int] = None
     threads_per_worker: int = 1
+    threads_per_worker_max: int = 0  # > threads_per_worker: model workers' threads follow idle host cores (cpu_share)
     worker_timeout_secs: float = 10.0
     param_realloc: str = "memory"  # memory | disk
     wandb: Optional[Dict[str, Any]] = None  # wandb.init arguments of the master's stats logger (None: off)

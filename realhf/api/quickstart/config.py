@@ -245,6 +245,11 @@ class BaseExperimentConfig:
     n_nodes: int = option(1, "number of nodes")
     n_devices_per_node: int = option(1, "devices per node: GPUs, or model worker processes on CPU")
     cpus_per_worker: int = option(1, "CPU threads of each worker process")
+    cpus_per_worker_max: int = option(0, "CPU runs: a model worker takes up to this many threads while other "
+                                         "processes leave the host's cores idle, and falls back to cpus_per_worker "
+                                         "when they need them (checked every 0.25 s between model blocks; e.g. the "
+                                         "trainer of an asynchronous run on one machine uses the generation "
+                                         "server's core while it waits for weights); 0: cpus_per_worker always")
     allocation_mode: str = option("d1m1p1", "device allocation and parallel layouts, e.g. d2m1p1, "
                                             "'actor_gen:d2m1p1,*:d1m2p1', 'vllm.d2m1p1+d2m1p1', manual, heuristic")
     worker_timeout_secs: float = option(10.0, "seconds without a heartbeat before a worker is declared lost (and before "
@@ -269,6 +274,10 @@ class BaseExperimentConfig:
         check_int("n_nodes", self.n_nodes, 1)
         check_int("n_devices_per_node", self.n_devices_per_node, 1)
         check_int("cpus_per_worker", self.cpus_per_worker, 1)
+        check_int("cpus_per_worker_max", self.cpus_per_worker_max, 0)
+        if 0 < self.cpus_per_worker_max < self.cpus_per_worker:
+            raise ValueError(f"cpus_per_worker_max={self.cpus_per_worker_max} is below cpus_per_worker="
+                             f"{self.cpus_per_worker}; set it to 0 (off) or to at least cpus_per_worker")
         check_number("worker_timeout_secs", self.worker_timeout_secs, lo=0, lo_open=True)
         self.allocation()  # validates the grammar, MFC names and device counts
 
@@ -276,7 +285,7 @@ class BaseExperimentConfig:
     # Options that do not change what a run computes (where it runs, how it is watched, logged, saved and
     # relaunched): a recover checkpoint written under other values of these still belongs to the run.
     RESUME_NEUTRAL_KEYS = ("mode", "ray_address", "ray_gpus_per_worker", "slurm", "fileroot", "recover_mode",
-                           "recover_retries", "cpus_per_worker", "worker_timeout_secs", "wandb", "tensorboard",
+                           "recover_retries", "cpus_per_worker", "cpus_per_worker_max", "worker_timeout_secs", "wandb", "tensorboard",
                            "auto_eval", "exp_ctrl.save_freq_epochs", "exp_ctrl.save_freq_steps",
                            "exp_ctrl.save_freq_secs", "exp_ctrl.ckpt_freq_epochs", "exp_ctrl.ckpt_freq_steps",
                            "exp_ctrl.ckpt_freq_secs", "exp_ctrl.eval_freq_epochs", "exp_ctrl.eval_freq_steps")

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from realhf.api.core.model_api import ReaLModelConfig
-from realhf.base import runtime_env
+from realhf.base import cpu_share, runtime_env
 from realhf.impl.model.nn.attention import (
     Rotary,
     activation,
@@ -402,8 +402,13 @@ class ReaLModel(nn.Module):
         if self.is_first:
             x = self.embed(x, inp.position_ids)
         rope = self.rotary.cos_sin(inp.position_ids, x.dtype) if self.rotary is not None else None
+        ticking = cpu_share.active() and not torch.compiler.is_compiling()  # CPU threads that follow idle cores
         for i, blk in self.blocks.items():
+            if ticking:
+                cpu_share.tick()
             x = blk(x, inp, rope, int(i) - self.layer_start)
+            if ticking:
+                cpu_share.tick_in_backward(x)
         if self.is_last:
             x = self.head(x if inp.head_rows is None else x[inp.head_rows])
         return x
