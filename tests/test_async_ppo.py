@@ -145,6 +145,10 @@ def test_killed_manager_is_named_and_the_resumed_run_keeps_the_bound(tiny_math_r
     assert all(0 <= s["version_lag_max"] <= 1 for s in stats), [s["version_lag_max"] for s in stats]
     assert any(s["version_lag_max"] == 1 for s in stats), "no sample was ever off-policy: the bound was never tested"
     assert all("behave_imp_weight" in s for s in stats)  # the decoupled loss ran (proximal log-probs recomputed)
+    # the single-process trainer published its weights behind training (realhf.gen_server.served), and the bound
+    # held all the same (below)
+    with open(os.path.join(str(d), exp, "trial0", "logs", "model_worker_0.log")) as f:
+        assert "behind training" in f.read()
     # the rollout side's stats reach stats.jsonl with every step
     assert any(s["async/gen_tokens_per_s"] > 0 for s in stats[1:])
     assert all(s["async/trainer_wait_time"] >= 0 and 0 <= s["async/idle_fraction"] <= 1 for s in stats)

@@ -108,6 +108,18 @@ def test_non_finite_parameters_are_not_saved(src, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_counting_non_finite_values_is_exact_also_when_a_sum_overflows():
+    """n_nonfinite sums to skip counting when every value is finite: a sum that overflows from finite values
+    (or one in half precision) falls back to counting and finds none."""
+    from realhf.impl.model.conversion.hf_io import n_nonfinite
+
+    big = torch.full((4,), 3e38)  # finite; their float32 sum is inf
+    assert n_nonfinite([big, torch.ones(3), torch.arange(3)]) == 0
+    assert n_nonfinite([torch.full((10,), 60000.0, dtype=torch.float16)]) == 0
+    bad = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")])
+    assert n_nonfinite([big, bad, torch.tensor([float("nan")], dtype=torch.bfloat16)]) == 4
+
+
 def _pp_save_worker(src, dst, nan_stage):
     from realhf.base.topology import ParallelDims, ParallelGrid
     from realhf.impl.model.conversion.hf_io import build_from_hf, save_hf

@@ -10,11 +10,16 @@
   every server rank join one torch.distributed group (gloo on CPU, NCCL on GPU) and the writers broadcast the
   HF-named tensors, which the servers load as they arrive. In an asynchronous run (``spec.rollout``) the
   checkpoint goes to the rollout manager instead, which pauses the servers, has them load it and resumes them.
+  There, a single-process replica publishes *behind* training: it copies its weights (a fraction of a second)
+  and a background thread writes and announces the checkpoint while the trainer goes on with the next step; the
+  next publish waits for it, so versions arrive in order, and a failure is raised there. The staleness bound
+  holds as before: the manager admits rollouts by the version the servers hold, which only lags a little longer.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import uuid
 from typing import List, Optional, Sequence
@@ -107,6 +112,9 @@ class WeightPublisher:
         self.client: Optional[SyncGenClient] = None
         self.group = None
         self.path = os.path.join(spec.save_dir, ".gen_weights", dst)
+        self._behind: Optional[threading.Thread] = None  # the publish running behind training
+        self._behind_error: Optional[BaseException] = None
+        self._snapshot = None  # HF-named copies of the weights, reused from one publish to the next
 
     def _client(self) -> SyncGenClient:
         if self.client is None:
@@ -115,11 +123,24 @@ class WeightPublisher:
 
     def publish(self, model, version: int) -> dict:
         t0 = time.perf_counter()
+        self.wait()
         if self.fleet.weight_sync == "disk":
-            self._publish_disk(model, version)
+            if self.spec.rollout is not None and model.grid.dims.world_size == 1:
+                self._publish_behind(model, version)
+            else:
+                self._publish_disk(model, version)
         else:
             self._publish_memory(model, version)
         return {"seconds": time.perf_counter() - t0}
+
+    def wait(self) -> None:
+        """Until the publish running behind training is done; raises its failure."""
+        if self._behind is not None:
+            self._behind.join()
+            self._behind = None
+        err, self._behind_error = self._behind_error, None
+        if err is not None:
+            raise RuntimeError(f"publishing the weights of {self.dst} to the generation servers failed: {err}") from err
 
     @staticmethod
     def _is_head(grid) -> bool:
@@ -129,8 +150,37 @@ class WeightPublisher:
         from realhf.impl.model.conversion.hf_io import save_hf
 
         save_hf(model.module, self.path)  # collective over the replica; the folder is complete when it returns
-        if not self._is_head(model.grid):
-            return
+        if self._is_head(model.grid):
+            self._announce(version)
+
+    def _publish_behind(self, model, version: int):
+        from realhf.impl.model.conversion.hf_io import stage_hf_state
+
+        hf = stage_hf_state(model.module)
+        snap = self._snapshot
+        if snap is None or snap.keys() != hf.keys() or any(snap[k].shape != v.shape for k, v in hf.items()):
+            snap = self._snapshot = {k: v.detach().clone() for k, v in hf.items()}
+        else:
+            for k, v in hf.items():
+                snap[k].copy_(v)
+        self._behind = threading.Thread(target=self._write_behind, args=(snap, model.module.config, version),
+                                        name=f"publish-{self.dst}", daemon=True)
+        self._behind.start()
+
+    def _write_behind(self, snap, cfg, version: int):
+        from realhf.impl.model.conversion.hf_io import write_hf_state
+
+        try:
+            t0 = time.perf_counter()
+            write_hf_state(snap, cfg, self.path)
+            self._announce(version)
+            logger.info("published version %d of %s behind training in %.2f s", version, self.dst,
+                        time.perf_counter() - t0)
+        except BaseException as e:  # raised by the next publish (or close)
+            self._behind_error = e
+
+    def _announce(self, version: int):
+        """The checkpoint at ``self.path`` is complete: have the servers load it as ``version``."""
         if self.spec.rollout is not None:  # asynchronous run: the rollout manager pauses, updates, resumes the servers
             from realhf.system.manager_client import manager_call
 
@@ -195,5 +245,9 @@ class WeightPublisher:
         logger.info("joined the weight group %s of %d ranks (%s) as rank %d", name, world, backend, stage)
 
     def close(self):
+        try:
+            self.wait()
+        except RuntimeError as e:
+            logger.warning("%s", e)
         if self.client is not None:
             self.client.close()

@@ -276,29 +276,48 @@ def save_hf(model: ReaLModel, path: str, tokenizer_src: Optional[str] = None, dt
     stage's writer renames it to ``path`` (replacing an existing one) and every rank returns after that.
     Raises ValueError on every rank, writing nothing, when a parameter to be saved is NaN or infinite.
     """
+    grid = model.grid
+    writer = grid is None or (grid.dp_rank == 0 and grid.tp_rank == 0)
+    _write_hf(stage_hf_state(model, dtype), model.config, path, tokenizer_src, dtype, pp=model.pp, stage=model.stage,
+              writer=writer, grid=grid, device=model.device)
+
+
+def write_hf_state(hf_sd: Dict[str, torch.Tensor], cfg: ReaLModelConfig, path: str,
+                   tokenizer_src: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> None:
+    """:func:`save_hf` of a whole model's HF state (:func:`stage_hf_state` of a single-process model, or a copy
+    of it), without the model: what a single-rank trainer runs on a background thread to publish a snapshot."""
+    _write_hf(hf_sd, cfg, path, tokenizer_src, dtype, pp=1, stage=0, writer=True, grid=None, device=None)
+
+
+def n_nonfinite(tensors) -> int:
+    """How many values of ``tensors`` are NaN or infinite. One summing pass when there are none (a sum is finite
+    only if every term is), a counting pass otherwise."""
+    fl = [v for v in tensors if v.is_floating_point()]
+    if all(torch.isfinite(v.sum(dtype=torch.float32)) for v in fl):
+        return 0
+    return sum(int((~torch.isfinite(v)).sum()) for v in fl)
+
+
+def _write_hf(hf_sd, cfg, path, tokenizer_src, dtype, *, pp, stage, writer, grid, device):
     from safetensors.torch import save_file
 
-    grid = model.grid
     group = grid.all_group if grid is not None else None
-    hf_sd = stage_hf_state(model, dtype)
-    cfg = model.config
     fam = get_hf_family(cfg.family)
-    pp = model.pp
-    writer = grid is None or (grid.dp_rank == 0 and grid.tp_rank == 0)
-    bad = torch.tensor([sum(int((~torch.isfinite(v)).sum()) for v in hf_sd.values() if v.is_floating_point())
-                        if writer else 0], device=model.device)
+    bad = n_nonfinite(hf_sd.values()) if writer else 0
     if group is not None:
-        dist.all_reduce(bad, group=group)
-    if int(bad):
-        raise ValueError(f"refusing to save the checkpoint {path!r}: {int(bad)} parameter values are not finite "
+        t = torch.tensor([bad], device=device)
+        dist.all_reduce(t, group=group)
+        bad = int(t)
+    if bad:
+        raise ValueError(f"refusing to save the checkpoint {path!r}: {bad} parameter values are not finite "
                          "(NaN or inf); nothing was written")
-    leader = writer and model.stage == 0
+    leader = writer and stage == 0
     tmp, old = staging_paths(path)
     if leader:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         os.makedirs(tmp)
     _barrier(group)
-    fname = "model.safetensors" if pp == 1 else f"model-{model.stage + 1:05d}-of-{pp:05d}.safetensors"
+    fname = "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
     if writer:
         save_file({k: v.contiguous() for k, v in hf_sd.items()}, os.path.join(tmp, fname), metadata={"format": "pt"})
     names = sorted(hf_sd)
