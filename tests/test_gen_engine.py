@@ -415,6 +415,42 @@ def test_pause_resume_abort(path, ref_model):
     assert m["aborted_requests"] == 2 and m["running_requests"] == m["waiting_requests"] == 0
 
 
+def test_resume_is_answered_before_the_prefill_it_lets_run(path):
+    """Commands are answered as soon as the engine thread has run them: a resume after a weight update does not
+    wait for the prefill of the requests that queued while the engine was paused. The prefill is held here until
+    the resume has come back; answered at the end of the iteration instead, the resume would never come back."""
+    import threading
+
+    (pb,) = _prompts(lens=[6], seed=9)
+    gate = threading.Event()
+
+    async def main():
+        e = _engine(path)
+        await e.start()
+        try:
+            admit = e._admit
+
+            def gated_admit():
+                if e._waiting:
+                    gate.wait(60)
+                admit()
+
+            e._admit = gated_admit
+            await e.pause()
+            tb = asyncio.create_task(e.generate(_req("b", pb, greedy=True, max_new_tokens=4)))
+            await _until(lambda: e.metrics()["waiting_requests"] == 1, "request b to be queued")
+            await asyncio.wait_for(e.resume(), timeout=30)
+            assert not e.metrics()["paused"] and not tb.done()
+            gate.set()
+            return await tb
+        finally:
+            gate.set()
+            await e.close()
+
+    rb = asyncio.run(main())
+    assert len(rb.outputs[0].output_ids) == 4
+
+
 def test_close_fails_pending_requests(path):
     from realhf.gen_server.realhf_engine import EngineClosed
 

@@ -405,6 +405,7 @@ ASYNC: Dict[str, Any] = {
     "async_rl.prox_logp": Reach("loglinear", lambda b: ("actor_inf" in b.ifaces, b.iface("actor_train").prox_logp),
                                 expect=lambda v: (False, v)),
     "async_rl.episode_timeout_secs": Reach("60.0", _rollout("episode_timeout_secs")),
+    "async_rl.weight_update": Reach("inflight", _rollout("weight_update")),  # the manager's interrupt flag
 }
 # the critic's options of ppo-math, which read the critic's interfaces as they are
 ASYNC.update({k: v for k, v in PPO.items() if k.startswith("ppo.") and k not in ASYNC and "gen." not in k})

@@ -366,11 +366,11 @@ def post(secret, addr, endpoint, /, **body):
 class Running:
     """A RolloutManager served on the test loop, and signed calls to it from the test's thread."""
 
-    def __init__(self, loop, book, addresses, secret):
+    def __init__(self, loop, book, addresses, secret, **kw):
         self.loop, self.secret = loop, secret
 
         async def make():
-            return RolloutManager(book, addresses, secret)
+            return RolloutManager(book, addresses, secret, **kw)
 
         self.mgr = loop.run(make())
         self.addr = f"127.0.0.1:{loop.run(self.mgr.start('127.0.0.1', 0))}"
@@ -461,21 +461,7 @@ def test_weight_update_aborts_in_flight_requests_and_the_rest_runs_on_new_weight
     prompt, max_new = [5, 6, 7], 400
     sp = dict(max_new_tokens=max_new, min_new_tokens=max_new, seed=11)
     try:
-        for attempt in range(20):  # hold a request mid-generation: pause server 0 once it has produced tokens
-            base = loop.run(_metrics(gc, 0))["generated_tokens"]
-            fut = loop.submit(gc.generate(GenerateRequest(f"long{attempt}", prompt, SamplingParams(**sp)), server=0))
-            while loop.run(_metrics(gc, 0))["generated_tokens"] == base and not fut.done():
-                pass
-            loop.run(gc.dialect.pause(gc.servers[0]))
-            if loop.run(_metrics(gc, 0))["running_requests"] == 1:
-                break
-            loop.run(gc.dialect.resume(gc.servers[0]))
-            fut.result(60)  # it finished before the pause landed: try again
-        else:
-            pytest.fail("could not catch a request in flight")
-        waiting = loop.submit(gc.generate(GenerateRequest("waiting", prompt, SamplingParams(**sp)), server=0))
-        while loop.run(_metrics(gc, 0))["waiting_requests"] == 0:  # it reached the paused server
-            pass
+        fut, waiting = _one_running_one_waiting_on_paused_server_0(loop, gc, prompt, sp)
         out = m.post("/update_weights", path=perturbed, version=1)
         assert out["servers"] == [0, 1] and out["version"] == 1 and out["seconds"] > 0
         r = fut.result(60).outputs[0]
@@ -496,6 +482,51 @@ def test_weight_update_aborts_in_flight_requests_and_the_rest_runs_on_new_weight
         assert [x["paused"] for x in loop.run(gc.metrics())] == [False, False] and m.status()["version"] == 1
         with pytest.raises(Refused, match="lower"):
             m.post("/update_weights", path=perturbed, version=0)
+    finally:
+        m.stop()
+        loop.run(gc.close())
+
+
+def _one_running_one_waiting_on_paused_server_0(loop, gc, prompt, sp):
+    """Server 0 paused with one request mid-generation and one queued behind it: their futures."""
+    for attempt in range(20):  # hold a request mid-generation: pause server 0 once it has produced tokens
+        base = loop.run(_metrics(gc, 0))["generated_tokens"]
+        fut = loop.submit(gc.generate(GenerateRequest(f"long{attempt}", prompt, SamplingParams(**sp)), server=0))
+        while loop.run(_metrics(gc, 0))["generated_tokens"] == base and not fut.done():
+            pass
+        loop.run(gc.dialect.pause(gc.servers[0]))
+        if loop.run(_metrics(gc, 0))["running_requests"] == 1:
+            break
+        loop.run(gc.dialect.resume(gc.servers[0]))
+        fut.result(60)  # it finished before the pause landed: try again
+    else:
+        pytest.fail("could not catch a request in flight")
+    waiting = loop.submit(gc.generate(GenerateRequest("waiting", prompt, SamplingParams(**sp)), server=0))
+    while loop.run(_metrics(gc, 0))["waiting_requests"] == 0:  # it reached the paused server
+        pass
+    return fut, waiting
+
+
+def test_inflight_weight_update_lets_running_requests_go_on_under_the_new_weights(loop, fleet, perturbed):
+    """async_rl.weight_update=inflight: the manager pauses, loads and continues without aborting; the running
+    request finishes whole, its first tokens of the old version and the rest of the new one, and the waiting
+    request runs on the new weights."""
+    gc = loop.run(_gen_client(fleet))
+    m = Running(loop, book_of(B=2), fleet.addresses, fleet.secret, interrupt=False)
+    prompt, max_new = [5, 6, 7], 400
+    sp = dict(max_new_tokens=max_new, min_new_tokens=max_new, seed=11)
+    try:
+        version = max(h["version"] for h in loop.run(gc.health())) + 1  # the fleet serves the whole module
+        aborted = [x["aborted_requests"] for x in loop.run(gc.metrics())]
+        fut, waiting = _one_running_one_waiting_on_paused_server_0(loop, gc, prompt, sp)
+        m.post("/update_weights", path=perturbed, version=version)
+        r = fut.result(120).outputs[0]
+        assert r.finish_reason == "length" and len(r.output_ids) == max_new
+        k = r.versions.index(version)  # the tokens before the update, then only new-version ones
+        assert 0 < k < max_new and set(r.versions[:k]) == {version - 1} and set(r.versions[k:]) == {version}
+        w = waiting.result(120).outputs[0]
+        assert w.finish_reason == "length" and set(w.versions) == {version}
+        assert [x["aborted_requests"] for x in loop.run(gc.metrics())] == aborted
     finally:
         m.stop()
         loop.run(gc.close())

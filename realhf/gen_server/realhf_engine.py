@@ -424,6 +424,9 @@ class RealhfEngine(GenerationEngine):
             if self._stop_flag:
                 self._leftover = cmds[i + 1:]  # answered by _shutdown
                 return
+        # answer the commands now, not after this iteration's prefill and decode step: a resume after a weight
+        # update would otherwise wait for the prefill of every resubmitted request (seconds on a CPU core)
+        self._flush()
         if self._paused:
             return
         if self._waiting and len(self._rows) < self.cfg.max_num_seqs:

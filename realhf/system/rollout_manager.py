@@ -10,8 +10,9 @@ sits between the rollout workers, the generation servers and the trainer:
   (dropped by dynamic filtering: the slot is re-issued with the next prompt) or ``failed`` (errored: the slot and
   its prompt are re-issued, nothing is lost).
 * The trainer publishes new weights (``/update_weights``): the manager pauses every live server, aborts what runs
-  there (workers resubmit the rest of an aborted answer; it waits on the paused server), loads the checkpoint
-  folder, resumes, and raises its *version*.
+  there (workers resubmit the rest of an aborted answer; it waits on the paused server; with
+  ``async_rl.weight_update=inflight`` nothing is aborted), loads the checkpoint folder, resumes, and raises its
+  *version*.
 * Staleness (``RolloutSpec``): a ticket of batch ``b`` is issued only while ``b <= version +
   max_head_offpolicyness``, and at most ``max_concurrent_rollouts`` run at once.
 * Order: prompts are handed out in the order a synchronous run trains them (``EpochIterator`` with
@@ -87,17 +88,20 @@ class RolloutManager:
 
     A weight update runs on every live server at once: pause, abort everything (running requests return their
     partial output with ``finish_reason "abort"``, waiting ones an empty one; a worker resubmits the rest, which
-    waits on the paused server and then runs on the new weights), load from disk, continue. A server that cannot
+    waits on the paused server and then runs on the new weights), load from disk, continue. With
+    ``interrupt=False`` (``async_rl.weight_update=inflight``) nothing is aborted: the requests go on under the new
+    weights when the server continues, each token labelled with the version that produced it. A server that cannot
     be reached is marked down and skipped; one that answers with an error fails the update (500 naming it; the
     servers are resumed, the version is not raised). Updates are serialized."""
 
     def __init__(self, book: TicketBook, addresses: Sequence[str], secret: bytes, backend: str = "gen",
-                 control_timeout: float = 30.0, weight_timeout: float = 1800.0):
+                 control_timeout: float = 30.0, weight_timeout: float = 1800.0, interrupt: bool = True):
         from realhf.gen_server.auth import RequestVerifier
         from realhf.gen_server.client import GenClient, dialect_options
         from realhf.system.wire import RejectionLog
 
         self.book = book
+        self.interrupt = interrupt
         self.client = GenClient(list(addresses), secret, control_timeout=control_timeout,
                                 weight_timeout=weight_timeout, **dialect_options(backend, secret))
         self.verifier = RequestVerifier(secret)
@@ -288,18 +292,27 @@ class RolloutManager:
         from realhf.gen_server.client import GenServerError
 
         dia = self.client.dialect
+        marks = [("start", time.perf_counter())]
         await dia.pause(s)
+        marks.append(("pause", time.perf_counter()))
         err = None
         try:
-            await dia.abort(s, None)
+            if self.interrupt:
+                await dia.abort(s, None)
+                marks.append(("abort", time.perf_counter()))
             await dia.update_weights_from_disk(s, path, version)
+            marks.append(("load", time.perf_counter()))
             s.version = version
         except GenServerError as e:
             err = e
         try:  # resume also after a failed load: a paused server would hold every resubmitted request
             await dia.resume(s)
+            marks.append(("resume", time.perf_counter()))
         except GenServerError as e:
             err = err or e
+        if marks[-1][1] - marks[0][1] > 1.0:  # where a slow update spent its time
+            logger.info("server %s: weight update to version %d: %s", s.label, version,
+                        ", ".join(f"{k} {t - p:.2f} s" for (_, p), (k, t) in zip(marks, marks[1:])))
         if err is not None:
             raise err
 
@@ -376,7 +389,7 @@ async def serve(spec, secret: bytes, nr, resume: bool, host: Optional[str] = Non
     if resume:
         info = RecoverStore(spec.recover_dir).latest()
         book.restore(int(info["global_step"]) if info is not None else 0)
-    mgr = RolloutManager(book, addrs, secret, backend=fleet.backend)
+    mgr = RolloutManager(book, addrs, secret, backend=fleet.backend, interrupt=r.weight_update == "interrupt")
     host = host or network.worker_host()
     port = await mgr.start(host, 0)
     nr.add(names.rollout_manager(exp, trial), f"{host}:{port}", replace=True)

@@ -600,6 +600,7 @@ class PPOMathConfig(BaseExperimentConfig):
 
 
 PROX_LOGP_METHODS = ("recompute", "loglinear", "behaviour")
+WEIGHT_UPDATE_MODES = ("interrupt", "inflight")
 
 
 @dataclasses.dataclass
@@ -629,6 +630,11 @@ class AsyncRLConfig:
                      "versions; exact at a step's first minibatch and for tokens of the current version) | behaviour "
                      "(plain PPO against the behaviour log-probs of generation)")
     episode_timeout_secs: float = option(3600.0, "time limit of one episode; a timed-out episode is retried")
+    weight_update: str = option(
+        "interrupt", "what a weight update does to the answers being generated: interrupt (AReaL: they are aborted "
+                     "and resubmitted with their partial output, which is prefilled again under the new weights) | "
+                     "inflight (PipelineRL: they go on under the new weights without a round trip; the gen backend "
+                     "keeps their KV cache from the old weights, vLLM recomputes it)")
 
     def __post_init__(self):
         import json
@@ -637,6 +643,7 @@ class AsyncRLConfig:
         check_int("async_rl.max_concurrent_rollouts", self.max_concurrent_rollouts, 1, optional=True)
         check_int("async_rl.n_rollout_workers", self.n_rollout_workers, 1)
         check_number("async_rl.episode_timeout_secs", self.episode_timeout_secs, lo=0, lo_open=True)
+        check_choice("async_rl.weight_update", self.weight_update, WEIGHT_UPDATE_MODES)
         if self.prox_logp not in PROX_LOGP_METHODS:
             raise ValueError(f"async_rl.prox_logp={self.prox_logp!r} is not allowed; allowed: {', '.join(PROX_LOGP_METHODS)}")
         for key in ("workflow", "reward_fn"):
