@@ -28,8 +28,10 @@ from the first step's end to the last step's end = the sum of ``step_time`` of s
 the end of the previous step to its own end, nothing else happens between steps when no checkpoint is saved).
 Start-up (processes, model loading) and the first batch's generation, which every layout pays once, are left out;
 ``samples_per_hour_all`` (all steps, first included) and ``samples_per_hour_median`` (from the median step time,
-robust to a step slowed by another job on the machine) are printed beside it; per-MFC times are medians over
-steps 2..N. While the steps after the first run,
+robust to a step slowed by another job on the machine) are printed beside it, and two equal-work figures:
+``answer_tokens_per_hour`` (tokens generated) and ``trained_tokens_per_hour`` (tokens of the samples training kept;
+with ``ppo.skip_zero_advantage`` a flat group costs no training), as runs that train different samples do different
+work per sample; per-MFC times are medians over steps 2..N. While the steps after the first run,
 the CPU time of every process of the run is sampled (``/proc``), so each process's share of a core says where
 it waited.
 
@@ -262,6 +264,14 @@ def summarize(name, exp, overrides, rows, wall, cores):
         "reward_last_quarter": round(statistics.fmean(rewards[-k:]), 3),
         "reward_mean": round(statistics.fmean(rewards), 3),
     }
+    # Equal-work figures over the same steps: the work of a sample differs between runs (its answer's length, and
+    # whether training keeps its group, which ppo.skip_zero_advantage decides from the rewards), so samples per hour
+    # alone compares runs that did different work. Answer tokens generated, and tokens of the samples trained (a
+    # step's tokens times its kept fraction), per hour.
+    later = rows[1:] if n > 1 else rows
+    res["answer_tokens_per_hour"] = round(sum(r.get("n_valid_tokens", 0) for r in later) / steady * 3600)
+    res["trained_tokens_per_hour"] = round(sum(r.get("n_tokens", 0) * r.get("actor_kept_frac", 1.0) for r in later)
+                                           / steady * 3600)
     for key in ("actor_gen/time", "rew_inf/time", "actor_inf/time", "actor_train/time", "actor_train/weight_sync_time",
                 "actor_gen/weight_sync_time", "async/trainer_wait_time", "async/idle_fraction"):
         v = _median(rows, key)
@@ -273,6 +283,10 @@ def summarize(name, exp, overrides, rows, wall, cores):
         res["version_lag_mean"] = round(statistics.fmean(r["version_lag_mean"] for r in rows), 3)
     res["cores_used"] = cores  # CPU seconds per wall second of each process over steps 2..N
     return res
+
+
+def _ratio(r, b, key):
+    return round(r[key] / b[key], 3) if r.get(key) and b.get(key) else None
 
 
 def waits(r) -> str:
@@ -390,6 +404,8 @@ def main():
                 emit(what="ratio", config=spec, versus=ref, throughput=round(ratio, 3),
                      throughput_median_step=round(r["samples_per_hour_median"] / b["samples_per_hour_median"], 3),
                      throughput_all_steps=round(r["samples_per_hour_all"] / b["samples_per_hour_all"], 3),
+                     trained_tokens=_ratio(r, b, "trained_tokens_per_hour"),
+                     answer_tokens=_ratio(r, b, "answer_tokens_per_hour"),
                      reward_last_quarter=[r["reward_last_quarter"], b["reward_last_quarter"]],
                      reward_mean=[r["reward_mean"], b["reward_mean"]], goal=goal, goal_met=ratio >= goal)
 
