@@ -112,6 +112,9 @@ def test_bad_async_options_fail_before_anything_starts(tiny_math_run, tmp_path):
             build_spec("async-ppo-math", load_config(config_class("async-ppo-math"), [], base + extra))
     with pytest.raises(ConfigError, match="decoupled"):
         load_config(config_class("async-ppo-math"), [], base + ["allocation_mode=d1m1p1", "n_devices_per_node=1"])
+    with pytest.raises(ConfigError, match="weight_update=inflight needs servers that label every token"):
+        load_config(config_class("async-ppo-math"), [], base + ["allocation_mode=sglang.d1m1p1+d1m1p1",
+                                                                 "async_rl.weight_update=inflight"])
 
 
 def test_killed_manager_is_named_and_the_resumed_run_keeps_the_bound(tiny_math_run):

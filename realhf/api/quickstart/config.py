@@ -694,6 +694,11 @@ class AsyncPPOMathConfig(PPOMathConfig):
                     raise ValueError(f"{mfc}.{f}={getattr(getattr(self, mfc), f)!r} has no use in async-ppo-math: it "
                                      "places an MFC under allocation_mode=manual, and this experiment needs a decoupled "
                                      "allocation (gen./vllm./sglang.)")
+        if self.async_rl.weight_update == "inflight" and self.allocation().gen_backend == "sglang":
+            raise ValueError("async_rl.weight_update=inflight needs servers that label every token with the weight "
+                             "version that produced it (the gen and vllm backends); SGLang keeps no version, so an "
+                             "answer running across an update would be labelled with one. Use "
+                             "async_rl.weight_update=interrupt with sglang")
         if self.actor.offload:
             raise ValueError("actor.offload=true has no use in async-ppo-math: the actor's only inference-only replica "
                              "is the generation servers' (they hold their own weights)")
