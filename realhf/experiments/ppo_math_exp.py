@@ -29,7 +29,8 @@ from typing import Dict, List, Tuple
 
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.system_api import DatasetSpec, ExperimentSpec, RolloutSpec
-from realhf.api.quickstart.config import AsyncPPOMathConfig, PPOMathConfig
+from realhf.api.quickstart.async_config import AsyncPPOMathConfig
+from realhf.api.quickstart.config import PPOMathConfig
 from realhf.experiments import register_experiment
 from realhf.base.topology import ParallelDims
 from realhf.experiments.common import (check_model_fits, experiment_spec, gen_servers_spec, model_replicas,
