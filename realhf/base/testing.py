@@ -2,7 +2,7 @@
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises
 ``torch.distributed`` (the CPU runtime environment's gloo, or the backend of the ``runtime_env`` each rank
-is given; TCP rendezvous on 127.0.0.1) in each, calls ``fn(*args)`` and returns the list of per-rank
+is given; rendezvous through a TCP store this process serves on 127.0.0.1) in each, calls ``fn(*args)`` and returns the list of per-rank
 return values. A rank that raises makes the whole call raise with that rank's
 traceback; a rank that dies or hangs is reported after ``timeout`` seconds; no process is left behind.
 ``fn`` must be importable by name (module level) because processes are spawned.
@@ -20,9 +20,32 @@ from typing import Any, Callable, List, Optional
 
 
 def free_port() -> int:
+    """A port that was free a moment ago (another process may take it before it is bound again: for servers that
+    report their own bind errors; rendezvous stores use :func:`rendezvous_store`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rendezvous_store(world_size: int, timeout: float = 300.0):
+    """A torch.distributed ``TCPStore`` server on 127.0.0.1 bound to a port the system picks (``store.port``), with
+    no window in which another process can take the port (as picking a free port and binding it later has: seen
+    as EADDRINUSE in CI). Keep it alive while the group runs; ranks join it with ``join_store``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False)
+
+
+def join_store(port: int, world_size: int, timeout: float = 300.0):
+    """A client of the ``rendezvous_store`` listening on ``port``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=timeout))
 
 
 class DistributedError(RuntimeError):
@@ -44,9 +67,8 @@ def _worker(rank, world_size, port, fn, args, kwargs, q, threads, timeout, runti
         os.environ["REALHF_TEST_RANK"] = str(rank)
         env = runtime_env(local_rank=rank) if runtime_env is not None else cpu_env()
         env.activate()
-        dist.init_process_group(
-            env.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+        dist.init_process_group(env.backend, store=join_store(port, world_size, timeout), rank=rank,
+                                 world_size=world_size)
         try:
             out = fn(*args, runtime_env=env, **kwargs) if runtime_env is not None else fn(*args, **kwargs)
         finally:
@@ -71,7 +93,8 @@ def run_distributed(
     CPU environment (gloo) and ``fn`` gets only ``args``/``kwargs``."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
+    store = rendezvous_store(world_size, timeout)  # served from this process until every rank is done
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, q, threads, timeout, runtime_env),
                     daemon=True)

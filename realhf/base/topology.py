@@ -244,13 +244,12 @@ def single_process_grid(env=None) -> "ParallelGrid":
 
     env = env or cpu_env()
     if not dist.is_initialized():
-        import socket
+        import datetime
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         env.activate()
-        dist.init_process_group(env.backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        # a store on a port the system picks as it binds (no free-port-then-bind race with other processes)
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=300), wait_for_workers=False)
+        dist.init_process_group(env.backend, store=store, rank=0, world_size=1)
     return ParallelGrid(ParallelDims(1, 1, 1), ranks=[dist.get_rank()], backend=env.backend)
 
 
