@@ -82,6 +82,41 @@ def test_compile_failure_falls_back_to_eager(tmp_path):
     assert "compiled step unavailable, running eagerly" in p.stderr
 
 
+def test_decode_step_compiles_before_any_eager_forward(tmp_path):
+    """A fresh process whose first forward is the compiled decode step (no CPU GEMM kernel chosen yet) over a
+    vocabulary wide enough for the chunked output head: the step compiles (choosing the kernel inside the trace
+    would call what dynamo cannot trace) and equals the eager step."""
+    path = ensure_tiny_model("qwen2", vocab_size=20000)
+    code = textwrap.dedent(f"""
+        import torch
+        from realhf.impl.model.conversion.hf_io import build_from_hf
+        from realhf.impl.model.nn import cpu_gemm
+        from realhf.impl.model.nn.compiled_decode import CompiledDecoder
+        from realhf.impl.model.nn.kv_cache import KVCache
+        from realhf.impl.model.nn.real_model import PackedInput
+        m = build_from_hf({path!r})
+        assert m.config.vocab_size > 4 * m.head.lm_head.CHUNK_ROWS
+        cfg = m.config
+        cache = KVCache(cfg.n_layers, 3, 16, cfg.n_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        cache.lens = torch.tensor([4, 7, 5])
+        cache.decoding = True
+        ids = torch.tensor([5, 6, 7])
+        assert cpu_gemm._choice is None, "nothing ran eagerly yet"
+        dec = CompiledDecoder(m)
+        with torch.no_grad():
+            got = dec(ids, cache)
+            assert dec.failed is None, dec.failed
+            want = m(ids, PackedInput(cu_seqlens=torch.arange(4, dtype=torch.int32), max_seqlen=1,
+                                      position_ids=cache.lens, cache=cache))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        print("COMPILED_OK")
+    """)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"), PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "COMPILED_OK" in p.stdout
+
+
 def test_plain_sampling_never_draws_a_banned_token():
     """Sampling without top-k/top-p takes the probabilities from the log-softmax and zeroes banned tokens:
     a banned token carrying most of the mass is never drawn, and the log-probs are those of the unmodified
