@@ -6,7 +6,10 @@ Prints JSON lines:
   * generation: tokens/s of ReaLModel ``generate`` vs ``transformers`` ``generate`` (greedy,
     ``--n-prompts`` chat prompts x ``--new-tokens`` new tokens, same dtype), and their ratio; realhf runs
     with the CPU GEMM kernel it chooses (``realhf``) and with aten's forced (``realhf_aten``); the GEMM
-    floor takes the fastest kernel
+    floor takes the fastest kernel. ``--group G``: ``--n-prompts`` rows as ``G`` samples of each of
+    ``n-prompts / G`` prompts (a GRPO group's work), where realhf also runs with every sample decoding over its
+    own copy of its prompt's keys/values (``realhf_unshared``); ``--prompt-source`` picks short questions, GSM8K
+    questions or GSM8K questions after four worked examples
   * training: tokens/s and achieved FLOP/s (6 * params * tokens + attention) of one fwd+bwd+AdamW
     step, as a fraction of the measured matmul peak, for both implementations
   * peak memory (max RSS) of each measurement, each run in its own fresh process
@@ -15,6 +18,8 @@ Prints JSON lines:
     and the GEMM floor of one step; the bytes of keys/values attention reads per step and the rate it reads them
 
 Usage: python benchmarks/bench_model.py [--model smollm2|tiny-llama] [--dtype float32] [--skip gen|train]
+       python benchmarks/bench_model.py --skip train --n-prompts 64 --group 8 --prompt-source gsm8k-4shot \
+           --new-tokens 64 --gen-impls realhf,gemm_floor
        python benchmarks/bench_model.py --decode-split [--positions 50,100,200]
 """
 from __future__ import annotations
@@ -41,14 +46,28 @@ def _model_path(name: str, dtype: str) -> str:
                              num_attention_heads=8, num_key_value_heads=4)
 
 
-def _prompts(path, n):
+def _prompts(path, n, source="apples"):
+    """``n`` chat prompts: short addition questions (``apples``), the first GSM8K train questions (``gsm8k``), or
+    GSM8K train questions after four worked examples (``gsm8k-4shot``, ~600 tokens each)."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    questions = [
-        f"Tom has {a} apples and buys {b} more. How many apples does Tom have now?" for a, b in
-        [(3, 5), (12, 7), (21, 9), (4, 30), (15, 15), (8, 13), (27, 2), (11, 19)]
-    ]
+    if source.startswith("gsm8k"):
+        import json
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with open(os.path.join(root, "realhf", "data", "gsm8k", "train.jsonl")) as f:
+            rows = [json.loads(line) for _, line in zip(range(n + 4), f)]
+        shots = ""
+        if source == "gsm8k-4shot":  # four worked examples before each question: a long prompt shared by a group
+            shots = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[:4])
+            rows = rows[4:]
+        questions = [shots + (f"Question: {r['question']}\nAnswer:" if shots else r["question"]) for r in rows[:n]]
+    else:
+        questions = [
+            f"Tom has {a} apples and buys {b} more. How many apples does Tom have now?" for a, b in
+            [(3, 5), (12, 7), (21, 9), (4, 30), (15, 15), (8, 13), (27, 2), (11, 19)]
+        ]
     out = []
     for i in range(n):
         msgs = [{"role": "user", "content": questions[i % len(questions)] + " " * (i // len(questions))}]
@@ -80,15 +99,18 @@ def _set_kernel(impl) -> dict:
             "malloc": "retain" if retained else "default"}
 
 
-def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, q):
+def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, group, source, q):
+    """Generation of ``n_prompts`` rows: ``n_prompts // group`` distinct prompts with ``group`` greedy samples each
+    (identical samples, but each row decodes: the work of a GRPO group). ``realhf_unshared`` runs realhf with every
+    sample decoding over its own copy of the prompt's keys/values (as before ``SharedPrefixCache``)."""
     import torch
 
     torch.manual_seed(0)
     dt = getattr(torch, dtype_name)
-    prompts, tok = _prompts(path, n_prompts)
+    prompts, tok = _prompts(path, n_prompts // group, source)
     if impl == "gemm_floor":
         # The GEMMs alone that any implementation runs for this work: prefill of the packed prompts, then
-        # one sweep over the weights per new token with one row per prompt.
+        # one sweep over the weights per new token with one row per sample.
         import transformers
 
         from _timing import gemm_sweep_seconds, linear_weights
@@ -96,8 +118,8 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, q):
         m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt)
         groups = linear_weights(m)
         prefill = gemm_sweep_seconds(groups, sum(len(p) for p in prompts), repeats=1)
-        decode = gemm_sweep_seconds(groups, len(prompts), repeats=5)
-        n = len(prompts) * new_tokens
+        decode = gemm_sweep_seconds(groups, len(prompts) * group, repeats=5)
+        n = len(prompts) * group * new_tokens
         dt_s = prefill + new_tokens * decode
         q.put(dict(impl=impl, tokens=n, seconds=round(dt_s, 3), tok_per_s=round(n / dt_s, 1),
                    prefill_gemm_seconds=round(prefill, 3), decode_step_gemm_ms=round(decode * 1e3, 2),
@@ -108,7 +130,7 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, q):
 
         m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt)
         tok.padding_side = "left"
-        batch = tok.pad({"input_ids": prompts}, return_tensors="pt")
+        batch = tok.pad({"input_ids": [p for p in prompts for _ in range(group)]}, return_tensors="pt")
 
         def run(k):
             with torch.no_grad():
@@ -122,11 +144,15 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, q):
         from realhf.impl.model.nn.generation import generate
 
         settings = _set_kernel(impl)
+        if impl == "realhf_unshared":
+            from realhf.impl.model.nn import generation
+
+            generation._share_prefixes = lambda gconfig, compiled: False
 
         model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
 
         def run(k):
-            g = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, greedy=True)
+            g = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, greedy=True, n=group)
             out = generate(model, prompts, g, eos_token_id=tok.eos_token_id)
             return sum(len(t) for t in out.tokens)
 
@@ -256,11 +282,20 @@ def decode_split_worker(path, dtype_name, rows, positions, q):
 
 
 def _in_process(fn, *args):
+    """``fn(*args, q)`` in a fresh process; what it puts on ``q``. A process that dies first is reported."""
+    import queue
+
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=fn, args=args + (q,))
     p.start()
-    r = q.get()
+    while True:
+        try:
+            r = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"{fn.__name__}{args[:1]} died with exit code {p.exitcode} before reporting")
     p.join()
     return r
 
@@ -271,6 +306,14 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--n-prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--group", type=int, default=1,
+                    help="samples per prompt in generation (--n-prompts rows in all): a GRPO group's work; with > 1 "
+                    "realhf also runs without shared prompt keys/values (realhf_unshared)")
+    ap.add_argument("--prompt-source", default="apples", choices=["apples", "gsm8k", "gsm8k-4shot"],
+                    help="generation prompts: short addition questions, GSM8K train questions, or GSM8K train "
+                    "questions after four worked examples (long prompts)")
+    ap.add_argument("--gen-impls", default="hf,realhf,realhf_aten,gemm_floor",
+                    help="generation variants to run (hf, realhf, realhf_aten, realhf_unshared, gemm_floor)")
     ap.add_argument("--train-bs", type=int, default=8)
     ap.add_argument("--train-seqlen", type=int, default=256)
     ap.add_argument("--train-steps", type=int, default=3)
@@ -307,16 +350,23 @@ def main():
     _emit(bench="matmul_peak", n=2048, dtype=a.dtype, gflops=peaks)
     skip = set(a.skip.split(",")) - {""}
     if "gen" not in skip:
-        res = {impl: _in_process(gen_worker, impl, path, a.dtype, a.n_prompts, a.new_tokens)
-               for impl in ("hf", "realhf", "realhf_aten", "gemm_floor")}
+        impls = [x for x in a.gen_impls.split(",") if x]
+        if a.group > 1 and "realhf" in impls and "realhf_unshared" not in impls:
+            impls.append("realhf_unshared")
+        res = {impl: _in_process(gen_worker, impl, path, a.dtype, a.n_prompts, a.new_tokens, a.group, a.prompt_source)
+               for impl in impls}
         for r in res.values():
-            _emit(bench="generate", model=a.model, dtype=a.dtype, prompts=a.n_prompts, new_tokens=a.new_tokens, **r)
+            _emit(bench="generate", model=a.model, dtype=a.dtype, rows=a.n_prompts, group=a.group,
+                  prompt_source=a.prompt_source, new_tokens=a.new_tokens, **r)
         # gemm_floor: the GEMMs alone; no implementation at equal work beats it, so floor/hf bounds any
         # speed-up over transformers on this machine.
-        _emit(bench="generate_ratio", realhf_over_hf=round(res["realhf"]["tok_per_s"] / res["hf"]["tok_per_s"], 2),
-              realhf_over_realhf_aten=round(res["realhf"]["tok_per_s"] / res["realhf_aten"]["tok_per_s"], 2),
-              gemm_floor_over_hf=round(res["gemm_floor"]["tok_per_s"] / res["hf"]["tok_per_s"], 2),
-              realhf_fraction_of_floor=round(res["realhf"]["tok_per_s"] / res["gemm_floor"]["tok_per_s"], 2))
+        tps = {k: r["tok_per_s"] for k, r in res.items()}
+        ratios = {f"{x}_over_{y}": round(tps[x] / tps[y], 2) for x, y in
+                  [("realhf", "hf"), ("realhf", "realhf_aten"), ("realhf", "realhf_unshared"), ("gemm_floor", "hf")]
+                  if x in tps and y in tps}
+        if "realhf" in tps and "gemm_floor" in tps:
+            ratios["realhf_fraction_of_floor"] = round(tps["realhf"] / tps["gemm_floor"], 2)
+        _emit(bench="generate_ratio", **ratios)
     if "train" not in skip:
         res = {impl: _in_process(train_worker, impl, path, a.dtype, a.train_bs, a.train_seqlen, a.train_steps)
                for impl in ("hf", "realhf", "realhf_aten", "realhf_glibc_malloc")}

@@ -47,7 +47,9 @@ Schedules
 
 In both schedules the ``n`` samples of a prompt (adjacent rows) share one prefill: each distinct prompt
 is prefilled once (per row group in the pipelined schedule, where a group may hold only some of a
-prompt's samples) and its cache row is then copied for each of its samples.
+prompt's samples). With ``n > 1`` its samples then also share its keys/values while they decode
+(``SharedPrefixCache``: the prompt is read once per step for all of them, not once per sample); with
+``n == 1``, or under the compiled decode step, its cache row is copied for each sample.
 
 Results do not depend on the schedule (greedy tokens, and samples drawn with per-row ``seeds``, are the
 same as with pp == 1), except that draws from one shared unseeded ``generator`` are taken group by group
@@ -63,7 +65,7 @@ import torch.distributed as dist
 
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.impl.model.nn import cpu_gemm
-from realhf.impl.model.nn.kv_cache import KVCache
+from realhf.impl.model.nn.kv_cache import KVCache, SharedPrefixCache
 from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, even_range, make_packed_input
 from realhf.impl.model.parallelism.tensor_parallel import gather_from_tp
 
@@ -237,11 +239,22 @@ def _prefill_input(prompts: List[List[int]], rows: Sequence[int], n: int, cache:
     return inp, ids, torch.tensor(counts, dtype=torch.long, device=device)
 
 
-def _end_prefill(cache: KVCache, copies: torch.Tensor):
-    """After the prefill's forward: start decoding, with each prefilled row copied once per sample it
-    stands for."""
+def _end_prefill(cache: KVCache, copies: torch.Tensor, shared_max_new: Optional[int] = None) -> KVCache:
+    """After the prefill's forward: the cache to decode with, holding each prefilled row once per sample it stands
+    for. With ``shared_max_new`` (the samples of a prompt decode together), a :class:`SharedPrefixCache` that keeps
+    each prompt's keys/values once for all its samples, with room for that many new tokens; otherwise ``cache``
+    itself, its rows copied."""
     cache.end_prefill()
+    if shared_max_new is not None:
+        return SharedPrefixCache.from_prefill(cache, copies, shared_max_new)
     cache.keep(torch.arange(copies.numel(), device=copies.device).repeat_interleave(copies))
+    return cache
+
+
+def _share_prefixes(gconfig: GenerationHyperparameters, compiled: bool) -> bool:
+    """Whether the samples of a prompt decode over one shared copy of its keys/values (``SharedPrefixCache``): with
+    several samples per prompt, unless the compiled decode step runs (it reads whole-sequence caches)."""
+    return gconfig.n > 1 and not compiled
 
 
 def _decode_input(cache: KVCache, device) -> PackedInput:
@@ -318,16 +331,16 @@ def generate(
 
         comm = StageComm(grid, cfg.hidden_dim, model.dtype, device)
         last_stage_rank = grid.global_rank_of(pp - 1, grid.dp_rank, grid.tp_rank)
-    cache = KVCache(
-        model.n_local_layers, B // gconfig.n, max_len, model.n_local_kv_heads, cfg.head_dim, model.dtype, device
-    )
-
     streams = RowStreams(row_seeds) if row_seeds is not None and model.is_last else None
     decoder = None
     if gconfig.compile_decode:
         from realhf.impl.model.nn.compiled_decode import compiled_decoder
 
         decoder = compiled_decoder(model)
+    shared = _share_prefixes(gconfig, decoder is not None)
+    # a shared-prefix cache keeps the prompts apart from the generated positions: the prefill's holds prompts only
+    cache = KVCache(model.n_local_layers, B // gconfig.n, max(seqlens) + 1 if shared else max_len,
+                    model.n_local_kv_heads, cfg.head_dim, model.dtype, device)
 
     def run_stage(x_in, inp: PackedInput, n_tokens: int):
         if decoder is not None and inp.cache is not None and inp.cache.decoding:
@@ -359,7 +372,7 @@ def generate(
     out_rows = B
     alive = torch.arange(B, device=device)  # original index of each cache row
     out = run_stage(ids if model.is_first else None, inp, ids.numel())
-    _end_prefill(cache, copies)
+    cache = _end_prefill(cache, copies, gconfig.max_new_tokens if shared else None)
     if model.is_last:
         out = out.repeat_interleave(copies, dim=0)
     tok, lp = pick(out, 0)
@@ -476,10 +489,12 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
     links = _StageLinks(model)
     B = len(prompts)
     n = gconfig.n
+    shared = _share_prefixes(gconfig, compiled=False)
+    prefill_len = max(len(p) for p in prompts) + 1 if shared else max_len
     groups = [
         _Group(rows=rows, alive=torch.tensor(rows, dtype=torch.long, device=device),
                # sized for the group's distinct prompts: the prefill fills one row each, then copies them
-               cache=KVCache(model.n_local_layers, len({i // n for i in rows}), max_len, model.n_local_kv_heads,
+               cache=KVCache(model.n_local_layers, len({i // n for i in rows}), prefill_len, model.n_local_kv_heads,
                              cfg.head_dim, model.dtype, device),
                streams=RowStreams([row_seeds[i] for i in rows]) if row_seeds is not None and model.is_last else None)
         for rows in split_rows(B, n_groups)
@@ -516,7 +531,7 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
         inp, ids, copies = _prefill_input(prompts, grp.rows, n, grp.cache, device)
         # the forward stores the prompt keys/values
         run_item(grp, ids if model.is_first else None, inp, ids.numel(), 0, copies)
-        _end_prefill(grp.cache, copies)
+        grp.cache = _end_prefill(grp.cache, copies, gconfig.max_new_tokens if shared else None)
 
     def decode(grp: _Group, n_generated: int):
         run_item(grp, grp.tok if model.is_first else None, _decode_input(grp.cache, device), grp.alive.numel(),

@@ -7,7 +7,7 @@ stop costing work.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -107,13 +107,157 @@ class KVCache:
         copies of a prefilled prompt for each of its samples."""
         if torch.equal(rows, torch.arange(self.batch, device=rows.device)):
             return
-        L = int(self.lens.max()) + 1
+        self._take_rows(rows, int(self.lens.max()) + 1)
+        self.lens = self.lens[rows]
+        self._mask = None
+
+    def _take_rows(self, rows: torch.Tensor, used: int):
+        """Replace ``k``/``v`` by new compact buffers of rows ``rows``, copying only their first ``used`` positions."""
         for i in range(len(self.k)):
-            # copy only the used prefix to new compact buffers
             nk = torch.zeros((rows.numel(),) + self.k[i].shape[1:], dtype=self.k[i].dtype, device=self.k[i].device)
             nv = torch.zeros_like(nk)
-            nk[:, :, :L] = self.k[i][rows, :, :L]
-            nv[:, :, :L] = self.v[i][rows, :, :L]
+            nk[:, :, :used] = self.k[i][rows, :, :used]
+            nv[:, :, :used] = self.v[i][rows, :, :used]
             self.k[i], self.v[i] = nk, nv
-        self.lens = self.lens[rows]
+
+
+def _to_slots(x: torch.Tensor, P: int, slots: int, flat: Optional[torch.Tensor]) -> torch.Tensor:
+    """Rows [B, h, g, c] -> [P, h, slots * g, c]: row ``b`` goes to slot ``flat[b]`` (= prefix * slots + its index
+    among the prefix's rows), other slots are zero; ``flat`` None: the rows already are every slot in order."""
+    B, h, g, c = x.shape
+    if flat is not None:
+        x = x.new_zeros((P * slots, h, g, c)).index_copy_(0, flat, x)
+    return x.view(P, slots, h, g, c).transpose(1, 2).reshape(P, h, slots * g, c)
+
+
+def _from_slots(y: torch.Tensor, slots: int, flat: Optional[torch.Tensor]) -> torch.Tensor:
+    """The inverse of ``_to_slots`` for the rows: [P, h, slots * g, c] -> [B, h, g, c]."""
+    P, h, sg, c = y.shape
+    y = y.view(P, h, slots, sg // slots, c).transpose(1, 2).reshape(P * slots, h, sg // slots, c)
+    return y if flat is None else y.index_select(0, flat)
+
+
+def shared_prefix_attention(q, pk, pv, pre_mask, K, V, own_mask, flat: Optional[torch.Tensor], slots: int,
+                            scale: float):
+    """One query per row over its prompt's shared keys/values and its own: q [B, hq, d]; ``pk``, ``pv``
+    [P, hkv, Lp, d] the prefixes, with the additive ``pre_mask`` [P, 1, 1, Lp] of each prefix's positions; ``K``,
+    ``V`` [B, hkv, Lo, d] each row's own positions, with the additive ``own_mask`` [B, 1, 1, Lo] (None: every row
+    attends to all ``Lo``) -> [B, hq, d]. Row ``b`` is slot ``flat[b]`` of the ``P * slots`` slots, ``slots`` per
+    prefix in prefix order (``flat`` None: B == P * slots rows, in slot order). The queries of a prefix's slots go
+    through one product with its keys and one with its values, so each prefix is read once per call, not once per
+    row; one softmax normalises each row's scores over both parts."""
+    B, hq, d = q.shape
+    P, hkv, Lp, _ = pk.shape
+    Lo = K.shape[2]
+    qg = q.view(B, hkv, hq // hkv, d) * scale
+    s_pre = torch.matmul(_to_slots(qg, P, slots, flat), pk.transpose(-1, -2)).add_(pre_mask)  # [P, hkv, slots*g, Lp]
+    s_own = torch.matmul(qg, K.transpose(-1, -2))  # [B, hkv, g, Lo]
+    if own_mask is not None:
+        s_own.add_(own_mask)
+    s = torch.cat([_from_slots(s_pre, slots, flat), s_own], -1).softmax(-1)
+    p_pre, p_own = s.split([Lp, Lo], -1)
+    out = _from_slots(torch.matmul(_to_slots(p_pre, P, slots, flat), pv), slots, flat)
+    return torch.matmul(p_own, V).add_(out).view(B, hq, d)
+
+
+class SharedPrefixCache(KVCache):
+    """A decoding cache whose rows share the keys/values of their prompt (a *prefix*) with the other samples of that
+    prompt: the prefix is stored once, ``[P, h_kv, Lp, d]`` per layer, and each row keeps only the positions it
+    generated, ``[B, h_kv, positions, d]``. A decode step reads every prefix once for all of its rows: the queries
+    of a prefix's rows (at most ``slots`` of them) go through one product with its keys and one with its values,
+    and each row's scores over its prefix and over its own positions are normalised by one softmax, so the result
+    is attention over the whole sequence, as :class:`KVCache` computes it, up to rounding. With ``n`` samples per
+    prompt this reads the prompt's keys/values ``n`` times less often, which is what a decode step over long
+    prompts spends its time on when the samples of a group (GRPO) decode together.
+
+    Built from a prefilled :class:`KVCache` whose rows are the distinct prompts (:meth:`from_prefill`). Same
+    decode interface as ``KVCache``: ``lens`` (every row's next position, prefix included), ``decode_attention``,
+    ``advance``, ``keep``. Its ``k``/``v`` hold the rows' own positions only, so the compiled decode step, which
+    reads them as whole sequences, does not take this cache."""
+
+    def __init__(self, pk: List[torch.Tensor], pv: List[torch.Tensor], plens: torch.Tensor, row_p: torch.Tensor,
+                 row_j: torch.Tensor, slots: int, max_new: int):
+        B = row_p.numel()
+        h, d = pk[0].shape[1], pk[0].shape[3]
+        dtype, device = pk[0].dtype, pk[0].device
+        self.pk, self.pv, self.plens = pk, pv, plens
+        self.row_p, self.row_j, self.slots = row_p, row_j, slots
+        shape = (B, h, max_new + 1, d)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in pk]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in pk]
+        self.own = torch.zeros(B, dtype=torch.long, device=device)  # positions each row generated so far
+        self.lens = plens[row_p] + self.own
+        self.max_len = max_new + 1  # of the own positions (advance checks against it)
+        self.decoding = True
+        self._prefill_idx = None
+        self._mask = None
+
+    @classmethod
+    def from_prefill(cls, cache: KVCache, copies: torch.Tensor, max_new: int) -> "SharedPrefixCache":
+        """After the prefill of ``cache`` (one row per distinct prompt) and its ``end_prefill``: a cache with
+        ``copies[p]`` rows on prompt ``p`` (adjacent, in prompt order) that will generate up to ``max_new``
+        tokens each."""
+        plens = cache.lens.clone()
+        Lp = int(plens.max())
+        pk = [k[:, :, :Lp].contiguous() for k in cache.k]
+        pv = [v[:, :, :Lp].contiguous() for v in cache.v]
+        P = copies.numel()
+        row_p = torch.arange(P, device=copies.device).repeat_interleave(copies)
+        starts = torch.cumsum(copies, 0) - copies
+        row_j = torch.arange(row_p.numel(), device=copies.device) - starts.repeat_interleave(copies)
+        return cls(pk, pv, plens.to(row_p.device), row_p, row_j, int(copies.max()), max_new)
+
+    def _step_mask(self):
+        """(additive mask of each prefix's positions [P, 1, 1, Lp], of each row's own positions [B, 1, 1, Lo] or None
+        where every row has generated as many, Lo, the rows' slots or None where they are every slot in order) of
+        this step, shared by every layer."""
+        if self._mask is None:
+            dev, dt = self.lens.device, self.k[0].dtype
+            Lp = self.pk[0].shape[2]
+            Lo = int(self.own.max()) + 1
+            pre = torch.arange(Lp, device=dev).unsqueeze(0) < self.plens.unsqueeze(1)
+            pre = torch.zeros(pre.shape, dtype=dt, device=dev).masked_fill_(~pre, float("-inf"))[:, None, None]
+            own = None
+            if int(self.own.min()) + 1 != Lo:
+                own = torch.arange(Lo, device=dev).unsqueeze(0) <= self.own.unsqueeze(1)
+                own = torch.zeros(own.shape, dtype=dt, device=dev).masked_fill_(~own, float("-inf"))[:, None, None]
+            flat = self.row_p * self.slots + self.row_j
+            if flat.numel() == self.pk[0].shape[0] * self.slots and bool((flat == torch.arange(flat.numel(), device=dev)).all()):
+                flat = None
+            self._mask = (pre, own, Lo, flat)
+        return self._mask
+
+    def decode_attention(self, layer: int, q, k, v, scale: float):
+        """q: [B, hq, d]; k, v: [B, hkv, d] of the new token of each row -> [B, hq, d]."""
+        pre_mask, own_mask, Lo, flat = self._step_mask()
+        rows = torch.arange(self.batch, device=self.own.device)
+        K, V = self.k[layer], self.v[layer]
+        K[rows, :, self.own] = k
+        V[rows, :, self.own] = v
+        return shared_prefix_attention(q, self.pk[layer], self.pv[layer], pre_mask, K[:, :, :Lo], V[:, :, :Lo], own_mask,
+                                       flat, self.slots, scale)
+
+    def advance(self):
+        self.own += 1
+        self.lens += 1
+        self._mask = None
+        if int(self.own.max()) >= self.max_len:
+            raise RuntimeError("KV cache overflow: max_len too small for the requested new tokens")
+
+    def keep(self, rows: torch.Tensor):
+        """Keep only rows ``rows`` (in that order; no repeats); a prefix no row uses any more is dropped."""
+        if torch.equal(rows, torch.arange(self.batch, device=rows.device)):
+            return
+        self._take_rows(rows, int(self.own.max()) + 1)
+        self.own, self.lens = self.own[rows], self.lens[rows]
+        row_p = self.row_p[rows]
+        used = torch.unique(row_p)  # sorted
+        if used.numel() < self.pk[0].shape[0]:
+            self.pk = [t[used] for t in self.pk]
+            self.pv = [t[used] for t in self.pv]
+            self.plens = self.plens[used]
+            remap = torch.full((int(used.max()) + 1,), -1, dtype=torch.long, device=used.device)
+            remap[used] = torch.arange(used.numel(), device=used.device)
+            row_p = remap[row_p]
+        self.row_p, self.row_j = row_p, self.row_j[rows]
         self._mask = None
