@@ -147,7 +147,7 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, group, source, q):
         if impl == "realhf_unshared":
             from realhf.impl.model.nn import generation
 
-            generation._share_prefixes = lambda gconfig, compiled: False
+            generation._share_prefixes = lambda *args: False
 
         model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
 

@@ -87,10 +87,20 @@ def test_sampled_logprobs_match_forward_and_seed_reproducible():
     assert c.tokens != b.tokens, "a different seed should give different samples"
 
 
-def test_samples_of_a_prompt_share_its_prefill():
-    """With n samples per prompt the prompt is prefilled once and its cache rows copied: greedy samples
+@pytest.mark.parametrize("share", [True, False], ids=["shared-kv", "copied-kv"])
+def test_samples_of_a_prompt_share_its_prefill(share, monkeypatch):
+    """With n samples per prompt the prompt is prefilled once, and its samples decode over one shared copy of its
+    keys/values (SharedPrefixCache, where sharing pays: forced here) or over copies of its cache row: greedy samples
     equal one greedy run per prompt, and sampled log-probs equal a fresh forward pass."""
     import transformers
+
+    from realhf.impl.model.nn import kv_cache
+
+    monkeypatch.setattr(kv_cache, "SHARE_MIN_BYTES", 0 if share else 2**62)
+    made = []
+    real = kv_cache.SharedPrefixCache.from_prefill.__func__
+    monkeypatch.setattr(kv_cache.SharedPrefixCache, "from_prefill",
+                        classmethod(lambda cls, *a, **k: made.append(1) or real(cls, *a, **k)))
 
     from realhf.base.topology import single_process_grid
     from realhf.impl.model.conversion.hf_io import build_from_hf
@@ -115,3 +125,4 @@ def test_samples_of_a_prompt_share_its_prefill():
         fresh, _ = packed_logprobs(logits, seq, torch.tensor([0, len(seq)], dtype=torch.int32))
         err = (fresh[len(p) - 1 : len(seq) - 1] - torch.tensor(lps)).abs().max().item()
         assert err < 1e-4, f"sample {i}: log-probs differ from a fresh forward by {err:.3g}"
+    assert bool(made) == share, "the shared-prefix cache should be used exactly when sharing pays"

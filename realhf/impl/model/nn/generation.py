@@ -47,9 +47,9 @@ Schedules
 
 In both schedules the ``n`` samples of a prompt (adjacent rows) share one prefill: each distinct prompt
 is prefilled once (per row group in the pipelined schedule, where a group may hold only some of a
-prompt's samples). With ``n > 1`` its samples then also share its keys/values while they decode
-(``SharedPrefixCache``: the prompt is read once per step for all of them, not once per sample); with
-``n == 1``, or under the compiled decode step, its cache row is copied for each sample.
+prompt's samples). With ``n > 1`` and prompts long enough to pay (``kv_cache.sharing_pays``) its samples then
+also share its keys/values while they decode (``SharedPrefixCache``: the prompt is read once per step for all of
+them, not once per sample); otherwise, or under the compiled decode step, its cache row is copied for each sample.
 
 Results do not depend on the schedule (greedy tokens, and samples drawn with per-row ``seeds``, are the
 same as with pp == 1), except that draws from one shared unseeded ``generator`` are taken group by group
@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from realhf.api.core.model_api import GenerationHyperparameters
-from realhf.impl.model.nn import cpu_gemm
+from realhf.impl.model.nn import cpu_gemm, kv_cache
 from realhf.impl.model.nn.kv_cache import KVCache, SharedPrefixCache
 from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, even_range, make_packed_input
 from realhf.impl.model.parallelism.tensor_parallel import gather_from_tp
@@ -251,10 +251,16 @@ def _end_prefill(cache: KVCache, copies: torch.Tensor, shared_max_new: Optional[
     return cache
 
 
-def _share_prefixes(gconfig: GenerationHyperparameters, compiled: bool) -> bool:
+def _share_prefixes(model: ReaLModel, prompts: List[List[int]], gconfig: GenerationHyperparameters,
+                    compiled: bool) -> bool:
     """Whether the samples of a prompt decode over one shared copy of its keys/values (``SharedPrefixCache``): with
-    several samples per prompt, unless the compiled decode step runs (it reads whole-sequence caches)."""
-    return gconfig.n > 1 and not compiled
+    several samples per prompt, where the keys/values saved from re-reading are worth it (``kv_cache.sharing_pays``),
+    unless the compiled decode step runs (it reads whole-sequence caches). ``prompts`` holds each prompt ``n`` times."""
+    if gconfig.n <= 1 or compiled:
+        return False
+    lens = [len(p) for p in prompts[::gconfig.n]]
+    return kv_cache.sharing_pays(lens, [gconfig.n] * len(lens), model.n_local_kv_heads, model.config.head_dim,
+                                 model.flat.element_size())
 
 
 def _decode_input(cache: KVCache, device) -> PackedInput:
@@ -337,7 +343,7 @@ def generate(
         from realhf.impl.model.nn.compiled_decode import compiled_decoder
 
         decoder = compiled_decoder(model)
-    shared = _share_prefixes(gconfig, decoder is not None)
+    shared = _share_prefixes(model, prompts, gconfig, decoder is not None)
     # a shared-prefix cache keeps the prompts apart from the generated positions: the prefill's holds prompts only
     cache = KVCache(model.n_local_layers, B // gconfig.n, max(seqlens) + 1 if shared else max_len,
                     model.n_local_kv_heads, cfg.head_dim, model.dtype, device)
@@ -489,7 +495,7 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
     links = _StageLinks(model)
     B = len(prompts)
     n = gconfig.n
-    shared = _share_prefixes(gconfig, compiled=False)
+    shared = _share_prefixes(model, prompts, gconfig, compiled=False)
     prefill_len = max(len(p) for p in prompts) + 1 if shared else max_len
     groups = [
         _Group(rows=rows, alive=torch.tensor(rows, dtype=torch.long, device=device),

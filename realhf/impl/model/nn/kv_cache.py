@@ -121,6 +121,22 @@ class KVCache:
             self.k[i], self.v[i] = nk, nv
 
 
+# Sharing a prompt's keys/values among its samples saves reading them again for every extra sample, and costs a
+# fixed number of extra small operations per layer and step. Measured on SmolLM2 (fp32, 2 CPU cores, attention over
+# 30 layers): the saving is about 2 us per prompt token not read again, the cost about 3 ms a step, so sharing pays
+# from about 1,400 such tokens a step, i.e. about 2 MiB of keys/values per layer (8 prompts x 4 samples x 50 tokens:
+# 3% slower; x 150 tokens: 1.3x faster attention; x 400 tokens and 8 samples: 2.2x).
+SHARE_MIN_BYTES = 2 * 2**20
+
+
+def sharing_pays(prompt_lens, samples, n_kv_heads: int, head_dim: int, elem_size: int) -> bool:
+    """Whether prompts of ``prompt_lens`` tokens with ``samples`` samples each (per distinct prompt) should decode over
+    shared keys/values (``SharedPrefixCache``): the keys/values per layer a step would otherwise read again for the
+    extra samples reach ``SHARE_MIN_BYTES``."""
+    again = sum((n - 1) * L for L, n in zip(prompt_lens, samples))
+    return again * 2 * n_kv_heads * head_dim * elem_size >= SHARE_MIN_BYTES
+
+
 def _to_slots(x: torch.Tensor, P: int, slots: int, flat: Optional[torch.Tensor]) -> torch.Tensor:
     """Rows [B, h, g, c] -> [P, h, slots * g, c]: row ``b`` goes to slot ``flat[b]`` (= prefix * slots + its index
     among the prefix's rows), other slots are zero; ``flat`` None: the rows already are every slot in order."""
