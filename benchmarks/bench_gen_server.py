@@ -221,6 +221,18 @@ def _cpu_seconds(fleet) -> float:
     return total
 
 
+def _settle(fleets, quiet_cpu_s: float = 0.05, timeout: float = 30.0):
+    """Wait until the servers of ``fleets`` together use under ``quiet_cpu_s`` CPU seconds in half a second (at most
+    ``timeout`` seconds): vLLM goes on using CPU for seconds after its requests are answered, and a round that starts
+    then runs beside it (measured: 0.6-0.9x the same server's other rounds)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        c0 = sum(_cpu_seconds(f) for f in fleets)
+        time.sleep(0.5)
+        if sum(_cpu_seconds(f) for f in fleets) - c0 < quiet_cpu_s:
+            return
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
@@ -266,9 +278,10 @@ def main():
             rates = {b: [] for b in backends}
             idle_cpu = {b: 0.0 for b in backends}  # CPU seconds the idle servers used during the others' rounds
             for r in range(a.repeats):
-                # the order rotates every round: a server right after vLLM's round runs beside the CPU vLLM still
-                # uses (3-5 CPU seconds while "idle"), so no server may always take that place
+                # a round starts once every server is quiet (vLLM uses 3-5 CPU seconds after its rounds), and the
+                # order rotates every round, so no server always follows the same one
                 for b in backends[r % len(backends):] + backends[:r % len(backends)]:
+                    _settle(fleets.values())
                     before = {o: _cpu_seconds(fleets[o]) for o in backends if o != b}
                     dt, n = server_generate(clients[b], ps, n_samples, new_tokens, greedy, f"{work}-{r}")
                     rates[b].append(n / dt)

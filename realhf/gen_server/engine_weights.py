@@ -1,0 +1,149 @@
+"""Weight updates of realhf's generation engine (``realhf_engine.py``), run on its engine thread between decode
+steps: from a Hugging Face folder on disk, or received tensor by tensor over a weight group. Everything is checked
+before the first parameter changes (the architecture, every tensor's name and shape); an update that fails after
+that leaves a mix of weights, and the engine then fails every request and refuses new ones until a complete update
+(``_mark_broken``)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+import torch
+
+from realhf.base import logging
+from realhf.gen_server.api import TensorMeta
+from realhf.impl.model.nn import cpu_gemm
+
+logger = logging.getLogger("realhf.gen_server.engine")
+
+# The only ReaLModelConfig fields a weight update from disk may change: the served model keeps its config, so
+# a folder whose architecture differs anywhere else would be run wrongly.
+_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class _CopyWatch:
+    """``model`` for ``load_hf_into``, noting whether it began copying into the parameters (it reads and checks
+    every tensor first), so that a failed load can tell intact weights from partly replaced ones."""
+
+    def __init__(self, model):
+        self._model, self.copied = model, False
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def local_param(self, name: str) -> torch.Tensor:
+        self.copied = True
+        return self._model.local_param(name)
+
+
+class EngineWeights:
+    """The weight-update part of ``RealhfEngine`` (a mixin: it uses the engine's model, request state, counters and
+    ``_fail``)."""
+
+    def _load_from_disk(self, path: str, version: int):
+        from realhf.impl.model.conversion.hf_io import config_from_hf_path, load_hf_into
+
+        self._check_config(config_from_hf_path(path), path)
+        cpu_gemm.drop_packed()
+        watch = _CopyWatch(self.model)
+        try:
+            load_hf_into(watch, path)
+        except Exception as e:
+            if watch.copied:
+                self._mark_broken(e)
+            raise
+        self._updated(version)
+
+    def _updated(self, version: int):
+        cpu_gemm.drop_packed()
+        self._version = int(version)
+        self._broken = None
+        self._stats["weight_updates"] += 1
+
+    def _mark_broken(self, e: BaseException):
+        """A weight update failed after replacing some parameters: the weights are a mix. Fail every request
+        (their tokens would come from no real model) and refuse new ones until a complete update."""
+        self._broken = f"{type(e).__name__}: {e}"
+        logger.error("generation engine: weights incomplete after a failed update: %s", self._broken)
+        exc = RuntimeError(f"the weight update failed midway ({self._broken}); the served weights are incomplete")
+        for r in self._waiting + list({id(row.req): row.req for row in self._rows}.values()):
+            self._fail(r, exc)
+        self._waiting, self._rows, self._groups, self._tok = [], [], [], None
+        if self._cache is not None:
+            self._cache.remove([])
+        self._update_counts()
+
+    def _check_config(self, new, path: str):
+        cur = self.model.config
+        diff = [f.name for f in dataclasses.fields(cur)
+                if f.name not in _TOKEN_ID_FIELDS and getattr(cur, f.name) != getattr(new, f.name)]
+        if diff:
+            raise ValueError(f"the model at {path!r} is not the served architecture: its config differs in "
+                             + ", ".join(f"{k} ({getattr(new, k)!r}, served: {getattr(cur, k)!r})" for k in diff))
+
+    def _load_from_group(self, metas: List[TensorMeta], version: int):
+        """Receive every tensor of ``metas`` (always all of them, so the group stays in step with the trainer
+        even when one is unusable), copying each into its parameter; raise after the last one if any was
+        unusable (those are checked from ``metas`` before anything is copied)."""
+        from realhf.api.core.model_api import get_hf_family
+        from realhf.gen_server.weight_group import receive
+        from realhf.impl.model.nn.real_model import tied_source_name
+
+        model, cfg = self.model, self.model.config
+        fam = get_hf_family(cfg.family)
+        local = model.param_spec
+        # what each HF tensor becomes: [(real name, target parameter)], checked against the metas first
+        plans: List[List[tuple]] = []
+        errors: List[str] = []
+        sent_real = set()
+        conv_meta = []
+        for m in metas:
+            try:
+                conv = fam.hf_to_real({m.name: torch.empty(m.shape, device="meta")}, cfg)
+            except Exception as e:
+                conv = {}
+                errors.append(f"{m.name}: cannot convert ({type(e).__name__}: {e})")
+            conv_meta.append(conv)
+            sent_real.update(conv)
+        tied = cfg.tied_embedding and not cfg.is_critic
+        for m, conv in zip(metas, conv_meta):
+            plan = []
+            for real, t in conv.items():
+                if real.startswith("<unknown>"):
+                    errors.append(f"{m.name}: not a tensor of a {cfg.family} model")
+                    continue
+                targets = [n for n in local if tied_source_name(cfg, n) == real]
+                if not targets and tied and real == "head.lm_head.weight":
+                    # a tied model's head is its embedding: take it only when the embedding is not sent too
+                    if "embed.wte.weight" not in sent_real:
+                        targets = ["embed.wte.weight"]
+                    else:
+                        continue
+                if not targets:
+                    errors.append(f"{m.name}: no parameter {real} in the served model")
+                    continue
+                for n in targets:
+                    if tuple(t.shape) != tuple(model.full_shape(n)):
+                        errors.append(f"{m.name}: shape {tuple(m.shape)} does not fit {n} "
+                                      f"{tuple(model.full_shape(n))}")
+                    else:
+                        plan.append((real, n))
+            plans.append(plan)
+        copied = False
+        cpu_gemm.drop_packed()
+        try:
+            for (name, t), m, plan in zip(receive(self._weight_group, metas), metas, plans):
+                if errors or not plan:
+                    continue  # received only to stay in step with the other ranks
+                conv = fam.hf_to_real({name: t}, cfg)
+                for real, n in plan:
+                    copied = True
+                    model.local_param(n).copy_(conv[real])
+        except Exception as e:
+            if copied:
+                self._mark_broken(e)
+            raise
+        if errors:
+            raise ValueError(f"weight update over the group: {len(errors)} unusable tensors, nothing loaded: "
+                             + "; ".join(errors[:5]) + (" ..." if len(errors) > 5 else ""))
+        self._updated(version)
