@@ -230,12 +230,11 @@ class SharedSlotCache(SharedPrefixCache):
         P0 = self.plens.numel()
         self._pre.reserve(P0 + uniq.numel(), int(o_lens.max()), int(self.plens.max()) if P0 else 0)
         self._pre.append(other.k, other.v, uniq, int(o_lens.max()))
-        seen = {}
-        j = [seen.setdefault(p, [0]) for p in inv.tolist()]  # one counter per prompt
+        taken: dict = {}  # rows of each new prompt so far: a row's index among its prompt's rows
         row_j = []
-        for c in j:
-            row_j.append(c[0])
-            c[0] += 1
+        for p in inv.tolist():
+            row_j.append(taken.get(p, 0))
+            taken[p] = row_j[-1] + 1
         m = rows.numel()
         self._own.reserve(self.own.numel() + m, positions - int(o_lens.min()), self._own_used())
         self._own.n += m  # new rows start with no positions of their own (free slots are zero)
