@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from realhf.apps import check_cluster
+from realhf.apps import check_cluster, cluster_collect
 from realhf.base import network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,7 +160,7 @@ def test_slurm_more_nodes_than_exist(slurm_cluster, tmp_path):
 
 def test_slurm_step_that_cannot_start_ends(slurm_cluster, tmp_path, monkeypatch):
     # past the sinfo pre-check, srun itself asks for 2 nodes: Slurm queues the step; --immediate ends the wait
-    monkeypatch.setattr(check_cluster, "_slurm_preflight", lambda req: None)
+    monkeypatch.setattr(cluster_collect, "_slurm_preflight", lambda req: None)  # where collect_slurm finds it
     req = check_cluster.Request(mode="slurm", nodes=2, fileroot=str(tmp_path), alloc_timeout=3, timeout=10)
     t0 = time.monotonic()
     rep = check_cluster.judge(check_cluster.collect(req))
