@@ -81,7 +81,7 @@ def test_shared_slot_cache_attends_like_each_rows_own_sequence():
 def test_engine_shares_prompts_and_matches_own_copies():
     """Requests for several samples: the engine with shared prompts gives the samples and log-probs of the engine
     with every sample's own copy, which are those of a fresh forward pass."""
-    from test_gen_engine import _build, _engine, _fresh_logprobs, _max_err, _prompts, _req
+    from gen_engine_util import _build, _engine, _fresh_logprobs, _max_err, _prompts, _req
 
     from realhf.impl.model.tiny import ensure_tiny_model
 
