@@ -11,17 +11,19 @@ def read_requirements():
         return [l.split("#")[0].strip() for l in f if l.split("#")[0].strip()]
 
 
-# The GAE C++ kernel (csrc/gae) is JIT-compiled at first use (cached) with a PyTorch fallback. Pre-building
-# it here is opt-in, because torch must be importable at build time:
+# The C++ kernels (csrc/: GAE, decode attention) are JIT-compiled at first use (cached) with a PyTorch fallback.
+# Pre-building them here is opt-in, because torch must be importable at build time:
 #   REALHF_BUILD_EXT=1 pip install -e . --no-build-isolation
 ext_modules, cmdclass = [], {}
 if os.environ.get("REALHF_BUILD_EXT", "0") == "1":
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
-        print("REALHF_BUILD_EXT=1 but torch is not importable at build time: the GAE kernel is JIT-compiled instead")
+        print("REALHF_BUILD_EXT=1 but torch is not importable at build time: the C++ kernels are JIT-compiled instead")
     else:
-        ext_modules = [CppExtension("realhf._gae_ext", ["csrc/gae/gae.cpp"], extra_compile_args=["-O3"])]
+        ext_modules = [CppExtension("realhf._gae_ext", ["csrc/gae/gae.cpp"], extra_compile_args=["-O3"]),
+                       CppExtension("realhf._decode_attention_ext", ["csrc/decode_attention/decode_attention.cpp"],
+                                    extra_compile_args=["-O3"])]
         cmdclass = {"build_ext": BuildExtension}
 
 setup(

@@ -8,13 +8,14 @@ Prints JSON lines:
     with the CPU GEMM kernel it chooses (``realhf``) and with aten's forced (``realhf_aten``); the GEMM
     floor takes the fastest kernel. ``--group G``: ``--n-prompts`` rows as ``G`` samples of each of
     ``n-prompts / G`` prompts (a GRPO group's work), where realhf also runs with every sample decoding over its
-    own copy of its prompt's keys/values (``realhf_unshared``); ``--prompt-source`` picks short questions, GSM8K
+    own copy of its prompt's keys/values (``realhf_unshared``); ``realhf_torch_attention``: attention over the
+    cache by PyTorch ops instead of the C++ kernel (csrc/decode_attention); ``--prompt-source`` picks short questions, GSM8K
     questions or GSM8K questions after four worked examples
   * training: tokens/s and achieved FLOP/s (6 * params * tokens + attention) of one fwd+bwd+AdamW
     step, as a fraction of the measured matmul peak, for both implementations
   * peak memory (max RSS) of each measurement, each run in its own fresh process
   * ``--decode-split``: where a decode step of ``--n-prompts`` rows goes at given cache positions: the whole step,
-    the step without attention over the cache (the new keys/values still written), without the writes either,
+    the same with attention by PyTorch ops instead of the C++ kernel, the step without attention over the cache (the new keys/values still written), without the writes either,
     and the GEMM floor of one step; the bytes of keys/values attention reads per step and the rate it reads them
 
 Usage: python benchmarks/bench_model.py [--model smollm2|tiny-llama] [--dtype float32] [--skip gen|train]
@@ -148,6 +149,10 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, group, source, q):
             from realhf.impl.model.nn import generation
 
             generation._share_prefixes = lambda *args: False
+        if impl == "realhf_torch_attention":  # attention over the cache by PyTorch ops, not the C++ kernel
+            from realhf.impl.model.nn import kv_cache
+
+            kv_cache.decode_kernel = lambda: None
 
         model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
 
@@ -223,9 +228,10 @@ def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
 
 
 def decode_split_worker(path, dtype_name, rows, positions, q):
-    """Median decode-step times (ms) of ``rows`` rows whose caches hold about ``positions`` positions: ``full``, then
+    """Median decode-step times (ms) of ``rows`` rows whose caches hold about ``positions`` positions: ``full``,
+    ``torch_attention`` (attention by PyTorch ops, not the C++ kernel), then
     with attention over the cache replaced by its input (``no_attention``: the keys/values still written), then
-    without the writes either (``no_cache``); the three variants alternate, 3 rounds of 50 steps each."""
+    without the writes either (``no_cache``); the variants alternate, 3 rounds of 50 steps each."""
     import torch
 
     from realhf.base.topology import single_process_grid
@@ -247,7 +253,18 @@ def decode_split_worker(path, dtype_name, rows, positions, q):
         self.v[layer][rows_, :, self.lens] = v
         return q_
 
-    variants = {"full": full_attention, "no_attention": no_attention,
+    from realhf.impl.model.nn import kv_cache as kvc
+
+    kernel_fn = kvc.decode_kernel
+
+    def torch_attention(self, layer, q_, k, v, scale):  # the PyTorch path instead of the C++ kernel
+        kvc.decode_kernel = lambda: None
+        try:
+            return full_attention(self, layer, q_, k, v, scale)
+        finally:
+            kvc.decode_kernel = kernel_fn
+
+    variants = {"full": full_attention, "torch_attention": torch_attention, "no_attention": no_attention,
                 "no_cache": lambda self, layer, q_, k, v, scale: q_}
     out = []
     for P in positions:
@@ -313,7 +330,8 @@ def main():
                     help="generation prompts: short addition questions, GSM8K train questions, or GSM8K train "
                     "questions after four worked examples (long prompts)")
     ap.add_argument("--gen-impls", default="hf,realhf,realhf_aten,gemm_floor",
-                    help="generation variants to run (hf, realhf, realhf_aten, realhf_unshared, gemm_floor)")
+                    help="generation variants to run (hf, realhf, realhf_aten, realhf_unshared, "
+                         "realhf_torch_attention, gemm_floor)")
     ap.add_argument("--train-bs", type=int, default=8)
     ap.add_argument("--train-seqlen", type=int, default=256)
     ap.add_argument("--train-steps", type=int, default=3)
@@ -338,6 +356,7 @@ def main():
             ms = r["step_ms"]
             _emit(bench="decode_split", model=a.model, dtype=a.dtype, gemm_floor_ms=round(floor_ms, 2),
                   attention_ms=round(ms["full"] - ms["no_attention"], 2),
+                  attention_torch_ms=round(ms["torch_attention"] - ms["no_attention"], 2),
                   cache_write_ms=round(ms["no_attention"] - ms["no_cache"], 2),
                   rest_ms=round(ms["no_cache"] - floor_ms, 2), step_over_floor=round(ms["full"] / floor_ms, 2), **r)
         return 0
@@ -362,7 +381,8 @@ def main():
         # speed-up over transformers on this machine.
         tps = {k: r["tok_per_s"] for k, r in res.items()}
         ratios = {f"{x}_over_{y}": round(tps[x] / tps[y], 2) for x, y in
-                  [("realhf", "hf"), ("realhf", "realhf_aten"), ("realhf", "realhf_unshared"), ("gemm_floor", "hf")]
+                  [("realhf", "hf"), ("realhf", "realhf_aten"), ("realhf", "realhf_unshared"),
+                   ("realhf", "realhf_torch_attention"), ("gemm_floor", "hf")]
                   if x in tps and y in tps}
         if "realhf" in tps and "gemm_floor" in tps:
             ratios["realhf_fraction_of_floor"] = round(tps["realhf"] / tps["gemm_floor"], 2)

@@ -106,7 +106,8 @@ def test_torch_impl_never_touches_extension(monkeypatch):
         raise AssertionError("impl='torch' must not use the C++ extension")
 
     monkeypatch.setattr(gae, "gae_cpp", boom)
-    monkeypatch.setattr(gae, "_load", boom)
+    monkeypatch.setattr(gae._KERNEL, "load", boom)
+    monkeypatch.setattr(gae._KERNEL, "load_or_warn", boom)
     r, v, cu, b = random_batch([3, 1, 4], torch.float32, seed=1)
     a, ret = gae.gae_packed(r, v, cu, b, 0.99, 0.95, impl="torch")
     ref_a, ref_r = gae.gae_reference(r, v, cu, b, 0.99, 0.95)

@@ -56,7 +56,7 @@ from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerateResult
 from realhf.impl.model.nn import cpu_gemm
 from realhf.gen_server.engine_weights import EngineWeights
 from realhf.gen_server.engine_batch import Group, Req, Row, SharedSlotCache, SlotCache, sample_groups, sampling_key
-from realhf.impl.model.nn.kv_cache import KVCache, sharing_pays
+from realhf.impl.model.nn.kv_cache import KVCache, decode_kernel, sharing_pays
 
 logger = logging.getLogger("realhf.gen_server.engine")
 
@@ -167,6 +167,8 @@ class RealhfEngine(EngineWeights, GenerationEngine):
 
         model = build_from_hf(self.cfg.model_path, grid=single_process_grid(), dtype=dtype, device=self.cfg.device)
         model.eval()
+        if str(self.cfg.device) == "cpu" and model.dtype == torch.float32:
+            decode_kernel()  # built (first use on this machine) or loaded before the server says it is ready
         return model
 
     async def close(self) -> None:

@@ -7,10 +7,25 @@ stop costing work.
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+
+from realhf.base.cpp_ext import CppKernel
+
+# fp32 decode attention on CPU in C++ (csrc/decode_attention): each row reads only its own positions, the new
+# keys/values are written in the same call, and no mask or score tensor is built (PyTorch fallback: below)
+_KERNEL = CppKernel("realhf_decode_attention", os.path.join("csrc", "decode_attention", "decode_attention.cpp"),
+                    "realhf._decode_attention_ext", "decode attention",
+                    cflags=("-O3", "-fopenmp"))  # at::parallel_for runs on torch's OpenMP threads
+
+
+def decode_kernel():
+    """The C++ decode-attention module (built at first use, cached), or None (no compiler, or REALHF_NO_CPP_EXT=1:
+    the PyTorch path runs, after one logged warning)."""
+    return _KERNEL.load_or_warn()
 
 
 def gqa_decode_attention(q, K, V, add_mask, scale: float):
@@ -83,8 +98,12 @@ class KVCache:
 
     def decode_attention(self, layer: int, q, k, v, scale: float):
         """q: [B, hq, d]; k, v: [B, hkv, d] of the new token of each row -> [B, hq, d]."""
-        rows, L, mask = self._step_mask()
         K, V = self.k[layer], self.v[layer]
+        if q.is_cpu and q.dtype == torch.float32 and not torch.compiler.is_compiling():
+            mod = decode_kernel()
+            if mod is not None:
+                return mod.decode_attention(q, K, V, self.lens, k, v, scale)
+        rows, L, mask = self._step_mask()
         K[rows, :, self.lens] = k
         V[rows, :, self.lens] = v
         if q.is_cpu:

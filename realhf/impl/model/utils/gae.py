@@ -21,140 +21,27 @@ Three implementations give the same numbers (all accumulate in float64, results 
 
 ``gae_packed(..., impl="auto")`` uses the C++ kernel when it builds and falls back to PyTorch, with one
 logged warning, when there is no compiler/ninja or the build fails. ``REALHF_NO_CPP_EXT=1`` disables
-the C++ path.
+the C++ path. Building and caching: ``realhf.base.cpp_ext``.
 """
 from __future__ import annotations
 
-import functools
-import importlib
 import os
-import shutil
-import sys
-import time
-from types import ModuleType
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 
-from realhf.base import logging
+from realhf.base.cpp_ext import CppKernel
 
-logger = logging.getLogger(__name__)
-
-EXT_NAME = "realhf_gae"
-PREBUILT_NAME = "realhf._gae_ext"  # what an optional setup.py pre-build produces
-_SOURCE_REL = os.path.join("csrc", "gae", "gae.cpp")
-
-
-# ----------------------------------------------------------------------------------------------
-# Building / loading the C++ extension
-# ----------------------------------------------------------------------------------------------
-
-
-def source_path() -> Optional[str]:
-    """Where ``gae.cpp`` lives: the repository's ``csrc/`` (editable installs, checkouts) or a copy
-    shipped inside the package (``realhf/csrc/gae/gae.cpp``) for wheel installs. None if not found."""
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    candidates = [
-        os.path.join(os.path.dirname(pkg_root), _SOURCE_REL),  # <repo>/csrc/gae/gae.cpp
-        os.path.join(pkg_root, _SOURCE_REL),  # <site-packages>/realhf/csrc/gae/gae.cpp
-    ]
-    for c in candidates:
-        if os.path.isfile(c):
-            return c
-    return None
-
-
-def build_directory() -> str:
-    """The cache folder for the compiled extension, one per Python and torch version."""
-    base = os.environ.get("REALHF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "realhf")
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-    return os.path.join(base, "torch_extensions", tag, EXT_NAME)
-
-
-def _compiler_problem() -> Optional[str]:
-    """Why a JIT build cannot even start (no C++ compiler, no ninja), or None."""
-    from torch.utils import cpp_extension
-
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        return f"no C++ compiler found (looked for {cxx!r}; set CXX to use another)"
-    if not cpp_extension.is_ninja_available():
-        return "ninja is not installed (pip install ninja)"
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _load() -> Tuple[Optional[ModuleType], Optional[BaseException], float]:
-    """Build (first time) or import (later) the extension once per process.
-
-    Returns ``(module, error, seconds)``; exactly one of module/error is None.
-    """
-    if os.environ.get("REALHF_NO_CPP_EXT", "0") not in ("", "0"):
-        return None, RuntimeError("disabled by REALHF_NO_CPP_EXT"), 0.0
-    t0 = time.perf_counter()
-    try:  # built ahead of time by setup.py (optional, REALHF_BUILD_EXT=1)
-        mod = importlib.import_module(PREBUILT_NAME)
-        return mod, None, time.perf_counter() - t0
-    except ImportError as e:  # not built, or built against another torch: fall through to the JIT build
-        logger.debug(f"no usable prebuilt {PREBUILT_NAME} ({e}); using the JIT build")
-    src = source_path()
-    if src is None:
-        return None, FileNotFoundError(f"{_SOURCE_REL} not found next to the realhf package"), 0.0
-    problem = _compiler_problem()
-    if problem is not None:
-        return None, RuntimeError(problem), 0.0
-    from torch.utils import cpp_extension
-
-    build_dir = build_directory()
-    os.makedirs(build_dir, exist_ok=True)
-    fresh = not any(f.endswith(".so") or f.endswith(".pyd") for f in os.listdir(build_dir))
-    if fresh:
-        logger.info(f"Compiling the GAE C++ extension into {build_dir} (first use only, ~20-60 s)...")
-    t0 = time.perf_counter()
-    try:
-        mod = cpp_extension.load(
-            name=EXT_NAME,
-            sources=[src],
-            extra_cflags=["-O3"],
-            build_directory=build_dir,
-            verbose=False,
-        )
-    # A JIT build fails in many ways (compiler errors -> RuntimeError, a compiler that cannot even report
-    # its version -> CalledProcessError, a broken cache -> ImportError/OSError). Each one means "use the
-    # PyTorch path"; the error is kept so impl='cpp' and load_extension(strict=True) can re-raise it.
-    except Exception as e:  # noqa: BLE001
-        return None, e, time.perf_counter() - t0
-    dt = time.perf_counter() - t0
-    if fresh:
-        logger.info(f"GAE C++ extension built in {dt:.1f} s")
-    return mod, None, dt
-
-
-def load_extension(strict: bool = False) -> Optional[ModuleType]:
-    """The compiled extension module, or None when it cannot be built.
-
-    With ``strict=True`` the original build error is raised instead (tests use this so a broken build on
-    a machine with a compiler fails loudly).
-    """
-    mod, err, _ = _load()
-    if err is not None and strict:
-        raise RuntimeError(f"building the {EXT_NAME} C++ extension failed: {err}") from err
-    return mod
+_KERNEL = CppKernel("realhf_gae", os.path.join("csrc", "gae", "gae.cpp"), "realhf._gae_ext", "GAE")
+EXT_NAME = _KERNEL.name
+build_directory = _KERNEL.build_directory  # the cache folder of the compiled extension
+load_extension = _KERNEL.load  # the module, or None (strict=True: raise the build error)
+extension_load_seconds = _KERNEL.load_seconds  # seconds the build or import took in this process
 
 
 def cpp_available() -> bool:
     """True when the C++ GAE kernel is built (building it now if needed) and importable."""
     return load_extension() is not None
-
-
-def extension_load_seconds() -> float:
-    """Seconds the (first) build or import of the extension took in this process."""
-    return _load()[2]
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_fallback(reason: str) -> None:
-    logger.warning(f"GAE C++ extension unavailable ({reason}); using the PyTorch implementation.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,8 +198,6 @@ def gae_packed(
         return gae_cpp(rewards, values, cu_seqlens, bootstrap, gamma, lam)
     if impl != "auto":
         raise ValueError(f"gae_packed: impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
-    mod, err, _ = _load()
-    if mod is None:
-        _warn_fallback(str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
+    if _KERNEL.load_or_warn() is None:
         return gae_torch(rewards, values, cu_seqlens, bootstrap, gamma, lam)
     return gae_cpp(rewards, values, cu_seqlens, bootstrap, gamma, lam)

@@ -1,0 +1,249 @@
+// One decode step of attention over a KV cache, on CPU, fp32: every row's new key/value is written at its length,
+// then its query heads attend to positions 0..lens[b] (inclusive) of the cache.
+//
+// q [B, hq, d]; K, V [B, hkv, M, d] (any strides, the last dimension contiguous); lens [B] int64 (each < M);
+// k_new, v_new [B, hkv, d]; hq a multiple of hkv (grouped-query attention: query heads j*g .. j*g+g-1 share kv
+// head j). Returns [B, hq, d].
+//
+// The work is split over (row, kv head) pairs; each pair reads its keys and values once for all g query heads that
+// share them, and only the row's own positions (a short row in a batch of long ones reads only its own length).
+// Dot products accumulate in 16 independent lanes (the compiler vectorises them without reordering a sum), so the
+// result does not depend on the thread count. On x86-64 with GCC the inner function is compiled for AVX-512, AVX2
+// and a baseline, chosen at load time by the CPU (one binary serves a cluster of mixed machines).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define REALHF_MULTI_TARGET __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define REALHF_MULTI_TARGET
+#endif
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum), to about 2 ulp: x = n ln2 + r with |r| <= ln2/2, exp(r)
+// by its degree-6 Taylor polynomial, 2^n put into the exponent bits. Plain arithmetic on independent elements, so
+// the compiler vectorises a loop of it (std::exp stays a scalar call without -ffast-math).
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: the smallest normal float, and 0 within rounding of a sum
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;  // ln2 in two parts
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// The sum of 16 lanes as a fixed tree (8 + 8, 4 + 4, 2 + 2, 1 + 1): vector shuffles and adds, where a running sum
+// would be 16 dependent scalar additions.
+inline float sum16(const float* a) {
+  float b[8], c[4];
+  for (int l = 0; l < 8; ++l) b[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) c[l] = b[l] + b[l + 4];
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define REALHF_AVX512 1
+
+// The scores of 16 consecutive positions for one query, d a multiple of 16: one accumulator per position over the d
+// chunks, then the 16 accumulators reduced into one vector (lane t = position t) by a fixed tree of in-lane and
+// cross-lane shuffles, so no sum goes through a scalar.
+__attribute__((target("avx512f"))) inline __m512 scores16_avx512(const float* q, const float* K, int64_t st, int d) {
+  __m512 a[16];
+  for (int p = 0; p < 16; ++p) a[p] = _mm512_setzero_ps();
+  for (int i = 0; i < d; i += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + i);
+    for (int p = 0; p < 16; ++p) a[p] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(K + p * st + i), a[p]);
+  }
+  __m512 b[8], c[4];
+  for (int k = 0; k < 8; ++k)  // [p0 + p2, q0 + q2, p1 + p3, q1 + q3] in each 128-bit block
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // each 128-bit block: the block's sums of positions 4k .. 4k+3
+    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0x44), _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0xEE));
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+}
+
+// the scores (times scale) of the whole blocks of 16 positions, for each of g queries; returns the positions done
+__attribute__((target("avx512f"))) int64_t scores_avx512(const float* q, int g, const float* K, int64_t st, int64_t L,
+                                                         int d, float scale, float* s) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int j = 0; j < g; ++j)
+    for (int64_t t = 0; t + 16 <= L; t += 16)
+      _mm512_storeu_ps(s + j * L + t, _mm512_mul_ps(scores16_avx512(q + j * d, K + t * st, st, d), sc));
+  return L - L % 16;
+}
+
+// out[j] (g heads of d floats, d a multiple of 16, at most 128) = sum over t < L of p[j][t] V[t], the d floats of a
+// head held in registers over a block of positions
+__attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, int g, const float* V, int64_t st,
+                                                               int64_t L, int d, float* out) {
+  const int n = d / 16;
+  for (int j = 0; j < g; ++j) {
+    __m512 acc[8];
+    for (int c = 0; c < n; ++c) acc[c] = _mm512_setzero_ps();
+    const float* pj = p + j * L;
+    for (int64_t t = 0; t < L; ++t) {
+      const __m512 w = _mm512_set1_ps(pj[t]);
+      const float* vt = V + t * st;
+      for (int c = 0; c < n; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + 16 * c), acc[c]);
+    }
+    for (int c = 0; c < n; ++c) _mm512_storeu_ps(out + j * d + 16 * c, acc[c]);
+  }
+}
+#endif
+
+// the dot product of d floats, in 16 lanes summed by sum16
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int d) {
+  float acc[kLanes] = {0};
+  int i = 0;
+  for (; i + kLanes <= d; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  float sum = sum16(acc);
+  for (; i < d; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// s[j * L + t] = scale * q[j] . K[t] for the g query heads of one (row, kv head)
+REALHF_MULTI_TARGET
+void scores(const float* __restrict__ q, int g, const float* __restrict__ K, int64_t st, int64_t L, int d, float scale,
+            float* __restrict__ s, bool avx512) {
+  int64_t t0 = 0;
+#ifdef REALHF_AVX512
+  if (avx512) t0 = scores_avx512(q, g, K, st, L, d, scale, s);
+#endif
+  for (int64_t t = t0; t < L; ++t)
+    for (int j = 0; j < g; ++j) s[j * L + t] = dot(q + j * d, K + t * st, d) * scale;
+}
+
+// each of the g rows of s (L scores) becomes its softmax
+REALHF_MULTI_TARGET
+void softmax_rows(float* __restrict__ s, int g, int64_t L) {
+  for (int j = 0; j < g; ++j) {
+    float* sj = s + j * L;
+    float mx[kLanes], zs[kLanes];
+    for (int l = 0; l < kLanes; ++l) mx[l] = -INFINITY, zs[l] = 0.f;
+    int64_t t0 = 0;
+    for (; t0 + kLanes <= L; t0 += kLanes)
+      for (int l = 0; l < kLanes; ++l) mx[l] = sj[t0 + l] > mx[l] ? sj[t0 + l] : mx[l];
+    for (int64_t t = t0; t < L; ++t) mx[t - t0] = sj[t] > mx[t - t0] ? sj[t] : mx[t - t0];
+    float m = mx[0];
+    for (int l = 1; l < kLanes; ++l) m = mx[l] > m ? mx[l] : m;
+    for (int64_t t = 0; t < L; ++t) sj[t] = exp_nonpositive(sj[t] - m);
+    for (t0 = 0; t0 + kLanes <= L; t0 += kLanes)
+      for (int l = 0; l < kLanes; ++l) zs[l] += sj[t0 + l];
+    for (int64_t t = t0; t < L; ++t) zs[t - t0] += sj[t];
+    const float inv = 1.f / sum16(zs);
+    for (int64_t t = 0; t < L; ++t) sj[t] *= inv;
+  }
+}
+
+// out[j] = sum over t of p[j * L + t] V[t]
+REALHF_MULTI_TARGET
+void weighted_values(const float* __restrict__ p, int g, const float* __restrict__ V, int64_t st, int64_t L, int d,
+                     float* __restrict__ out, bool avx512) {
+#ifdef REALHF_AVX512
+  if (avx512) return weighted_values_avx512(p, g, V, st, L, d, out);
+#endif
+  for (int j = 0; j < g * d; ++j) out[j] = 0.f;
+  for (int64_t t = 0; t < L; ++t) {
+    const float* vt = V + t * st;
+    for (int j = 0; j < g; ++j) {
+      const float w = p[j * L + t];
+      float* oj = out + j * d;
+      for (int i = 0; i < d; ++i) oj[i] += w * vt[i];
+    }
+  }
+}
+
+// whether this CPU runs the AVX-512 paths (head sizes that are multiples of 16, up to 128)
+bool use_avx512(int64_t d) {
+#ifdef REALHF_AVX512
+  static const bool cpu = __builtin_cpu_supports("avx512f");
+  return cpu && d % 16 == 0 && d <= 128;
+#else
+  return false;
+#endif
+}
+
+void check_cache(const torch::Tensor& X, const char* name, int64_t B, int64_t d) {
+  TORCH_CHECK(X.dim() == 4 && X.size(0) == B && X.size(3) == d, "decode_attention: ", name,
+              " must be [B, hkv, M, d] with B=", B, " and d=", d, ", got ", X.sizes());
+  TORCH_CHECK(X.scalar_type() == torch::kFloat32 && X.device().is_cpu(), "decode_attention: ", name,
+              " must be a float32 CPU tensor");
+  TORCH_CHECK(X.stride(3) == 1, "decode_attention: the last dimension of ", name, " must be contiguous");
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor K, torch::Tensor V, torch::Tensor lens,
+                               torch::Tensor k_new, torch::Tensor v_new, double scale, bool allow_avx512) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.device().is_cpu(),
+              "decode_attention: q must be a float32 CPU tensor [B, hq, d], got ", q.sizes(), " ", q.scalar_type());
+  const int64_t B = q.size(0), hq = q.size(1), d = q.size(2);
+  check_cache(K, "K", B, d);
+  check_cache(V, "V", B, d);
+  TORCH_CHECK(V.sizes() == K.sizes() && V.strides() == K.strides(), "decode_attention: K and V must have the same "
+              "shape and strides, got ", K.sizes(), K.strides(), " and ", V.sizes(), V.strides());
+  const int64_t hkv = K.size(1), M = K.size(2);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "decode_attention: ", hq, " query heads do not divide into ", hkv,
+              " kv heads");
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == B && lens.scalar_type() == torch::kInt64 && lens.device().is_cpu(),
+              "decode_attention: lens must be an int64 CPU tensor [B]");
+  for (const auto* x : {&k_new, &v_new})
+    TORCH_CHECK(x->sizes() == torch::IntArrayRef({B, hkv, d}) && x->scalar_type() == torch::kFloat32,
+                "decode_attention: the new keys/values must be float32 [B, hkv, d] = [", B, ", ", hkv, ", ", d,
+                "], got ", x->sizes());
+  auto lc = lens.contiguous();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 0 && lp[b] < M, "decode_attention: row ", b, " writes position ", lp[b],
+                " outside the cache of ", M, " positions");
+  auto qc = q.contiguous(), kc = k_new.contiguous(), vc = v_new.contiguous();
+  auto out = torch::empty({B, hq, d}, q.options());
+  const float *qp = qc.data_ptr<float>(), *knp = kc.data_ptr<float>(), *vnp = vc.data_ptr<float>();
+  float *Kp = K.data_ptr<float>(), *Vp = V.data_ptr<float>(), *op = out.data_ptr<float>();
+  const int64_t sb = K.stride(0), sh = K.stride(1), st = K.stride(2);
+  const int g = static_cast<int>(hq / hkv);
+  const bool avx512 = allow_avx512 && use_avx512(d);
+  at::parallel_for(0, B * hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s;
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t b = w / hkv, h = w % hkv, L = lp[b] + 1;
+      float* Kbh = Kp + b * sb + h * sh;
+      float* Vbh = Vp + b * sb + h * sh;
+      std::copy(knp + w * d, knp + (w + 1) * d, Kbh + lp[b] * st);
+      std::copy(vnp + w * d, vnp + (w + 1) * d, Vbh + lp[b] * st);
+      s.resize(static_cast<size_t>(g * L));
+      scores(qp + w * g * d, g, Kbh, st, L, static_cast<int>(d), static_cast<float>(scale), s.data(), avx512);
+      softmax_rows(s.data(), g, L);
+      weighted_values(s.data(), g, Vbh, st, L, static_cast<int>(d), op + w * g * d, avx512);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention,
+        "one decode step of grouped-query attention over a KV cache (fp32, CPU); writes the new keys/values first "
+        "(allow_avx512=False: the portable path, for tests)",
+        pybind11::arg("q"), pybind11::arg("K"), pybind11::arg("V"), pybind11::arg("lens"), pybind11::arg("k_new"),
+        pybind11::arg("v_new"), pybind11::arg("scale"), pybind11::arg("allow_avx512") = true);
+}

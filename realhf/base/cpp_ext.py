@@ -1,0 +1,145 @@
+"""realhf's C++ kernels (``csrc/<kernel>/<kernel>.cpp``): built at first use, cached, with a PyTorch fallback.
+
+A kernel is JIT-compiled with ``torch.utils.cpp_extension.load`` the first time a process needs it and cached under
+``$REALHF_CACHE_DIR/torch_extensions/<python and torch version>/<name>`` (default ``~/.cache/realhf``), so later
+processes only import the built library; processes that start together wait on the build's lock instead of building
+twice. A module pre-built by ``REALHF_BUILD_EXT=1 pip install -e . --no-build-isolation`` (setup.py) is used instead
+when it imports. Without a compiler or ninja, or when the build fails, the callers use their PyTorch path (with one
+logged warning each); ``REALHF_NO_CPP_EXT=1`` disables every kernel.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import shutil
+import sys
+import time
+from types import ModuleType
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from realhf.base import logging
+
+logger = logging.getLogger(__name__)
+
+DISABLE_VAR = "REALHF_NO_CPP_EXT"
+
+
+def disabled() -> bool:
+    return os.environ.get(DISABLE_VAR, "0") not in ("", "0")
+
+
+def _compiler_problem() -> Optional[str]:
+    """Why a JIT build cannot even start (no C++ compiler, no ninja), or None."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler found (looked for {cxx!r}; set CXX to use another)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+class CppKernel:
+    """One C++ extension: ``name`` (the JIT module's name), its source relative to the repository (shipped as
+    ``realhf/<source>`` in wheels), ``prebuilt`` (the module setup.py may build), ``what`` (for messages)."""
+
+    def __init__(self, name: str, source: str, prebuilt: str, what: str, cflags: Sequence[str] = ("-O3",)):
+        self.name, self.source, self.prebuilt, self.what = name, source, prebuilt, what
+        self.cflags = list(cflags)
+
+    def source_path(self) -> Optional[str]:
+        """The repository's ``csrc/`` (editable installs, checkouts) or the copy inside the package; None if neither."""
+        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../realhf
+        for c in (os.path.join(os.path.dirname(pkg_root), self.source), os.path.join(pkg_root, self.source)):
+            if os.path.isfile(c):
+                return c
+        return None
+
+    def build_directory(self) -> str:
+        """The cache folder of the compiled extension, one per Python and torch version."""
+        base = os.environ.get("REALHF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "realhf")
+        tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
+        return os.path.join(base, "torch_extensions", tag, self.name)
+
+    @functools.lru_cache(maxsize=None)
+    def _load(self) -> Tuple[Optional[ModuleType], Optional[BaseException], float]:
+        """Build (first time) or import (later) once per process: ``(module, error, seconds)``, one of them None."""
+        if disabled():
+            return None, RuntimeError(f"disabled by {DISABLE_VAR}"), 0.0
+        t0 = time.perf_counter()
+        try:
+            return importlib.import_module(self.prebuilt), None, time.perf_counter() - t0
+        except ImportError as e:  # not pre-built, or built against another torch: JIT build
+            logger.debug(f"no usable prebuilt {self.prebuilt} ({e}); using the JIT build")
+        src = self.source_path()
+        if src is None:
+            return None, FileNotFoundError(f"{self.source} not found next to the realhf package"), 0.0
+        problem = _compiler_problem()
+        if problem is not None:
+            return None, RuntimeError(problem), 0.0
+        from torch.utils import cpp_extension
+
+        build_dir = self.build_directory()
+        os.makedirs(build_dir, exist_ok=True)
+        fresh = not any(f.endswith((".so", ".pyd")) for f in os.listdir(build_dir))
+        if fresh:
+            logger.info(f"Compiling the {self.what} C++ extension into {build_dir} (first use only, ~20-60 s)...")
+        t0 = time.perf_counter()
+        try:
+            mod = cpp_extension.load(name=self.name, sources=[src], extra_cflags=self.cflags,
+                                     build_directory=build_dir, verbose=False)
+        # A JIT build fails in many ways (compiler errors -> RuntimeError, a compiler that cannot report its
+        # version -> CalledProcessError, a broken cache -> ImportError/OSError). Each means "use the PyTorch path";
+        # the error is kept so strict loads can raise it.
+        except Exception as e:  # noqa: BLE001
+            return None, e, time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        if fresh:
+            logger.info(f"{self.what} C++ extension built in {dt:.1f} s")
+        return mod, None, dt
+
+    def load(self, strict: bool = False) -> Optional[ModuleType]:
+        """The module, or None when it cannot be built (``strict``: raise the build's error instead)."""
+        mod, err, _ = self._load()
+        if err is not None and strict:
+            raise RuntimeError(f"building the {self.name} C++ extension failed: {err}") from err
+        return mod
+
+    def load_or_warn(self) -> Optional[ModuleType]:
+        """The module, or None after logging (once per process) why the PyTorch path runs instead."""
+        mod, err, _ = self._load()
+        if mod is None:
+            self._warn_fallback(str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
+        return mod
+
+    def load_seconds(self) -> float:
+        """Seconds the (first) build or import took in this process."""
+        return self._load()[2]
+
+    @functools.lru_cache(maxsize=None)
+    def _warn_fallback(self, reason: str) -> None:
+        logger.warning(f"{self.what} C++ extension unavailable ({reason}); using the PyTorch implementation.")
+
+
+# the modules that define realhf's kernels (each a module-level ``_KERNEL``)
+KERNEL_MODULES = ("realhf.impl.model.utils.gae", "realhf.impl.model.nn.kv_cache")
+
+
+def build_all() -> int:
+    """Build (or find cached) every kernel now, so no run pays the first build; prints one line per kernel. Exit
+    code 1 if one fails to build where a compiler exists."""
+    rc = 0
+    for name in KERNEL_MODULES:
+        k = importlib.import_module(name)._KERNEL
+        mod, err, dt = k._load()
+        print(f"{k.name}: " + (f"ready in {dt:.1f} s ({k.build_directory()})" if mod is not None else f"unavailable: {err}"))
+        rc |= int(mod is None and not disabled() and _compiler_problem() is None)
+    return rc
+
+
+if __name__ == "__main__":  # python -m realhf.base.cpp_ext
+    sys.exit(build_all())

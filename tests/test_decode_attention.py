@@ -1,0 +1,128 @@
+"""The C++ decode-attention kernel (csrc/decode_attention) against the PyTorch path it replaces on CPU: the same
+outputs and the same cache writes, over grouped and plain heads, odd head sizes, rows of every length and the strided
+buffers of the generation server's slot cache; generation with it equals generation without it; bad input is named;
+without the kernel the PyTorch path runs after one warning."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from realhf.impl.model.nn import kv_cache
+from realhf.impl.model.nn.kv_cache import KVCache, gqa_decode_attention
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """A compiler exists here, so a failed build is a failure with the compiler's message, never a skip."""
+    return kv_cache._KERNEL.load(strict=True)
+
+
+def _torch_step(q, K, V, lens, k, v, scale):
+    """The PyTorch path of KVCache.decode_attention, on copies of the buffers: (output, K, V after the writes)."""
+    K, V = K.clone(), V.clone()
+    rows = torch.arange(q.shape[0])
+    K[rows, :, lens] = k
+    V[rows, :, lens] = v
+    L = int(lens.max()) + 1
+    attended = torch.arange(L)[None, :] <= lens[:, None]
+    mask = torch.zeros(q.shape[0], 1, 1, L).masked_fill_(~attended[:, None, None, :], float("-inf"))
+    return gqa_decode_attention(q, K[:, :, :L], V[:, :, :L], mask, scale), K, V
+
+
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512-where-the-cpu-has-it", "portable"])
+@pytest.mark.parametrize("B,hq,hkv,d,M", [(6, 9, 3, 64, 50), (4, 4, 4, 8, 10), (3, 6, 2, 48, 33), (2, 2, 1, 20, 7),
+                                          (1, 16, 2, 128, 300)])
+def test_kernel_equals_the_pytorch_path(kernel, B, hq, hkv, d, M, avx512):
+    g = torch.Generator().manual_seed(B * 1000 + d)
+    # a slot storage bigger than the batch (the gen server's SlotCache views its first B rows)
+    Ks, Vs = torch.randn(B + 3, hkv, M, d, generator=g), torch.randn(B + 3, hkv, M, d, generator=g)
+    K, V = Ks[:B], Vs[:B]
+    q = torch.randn(B, hq, d, generator=g)
+    k, v = torch.randn(B, hkv, d, generator=g), torch.randn(B, hkv, d, generator=g)
+    lens = torch.randint(0, M, (B,), generator=g)
+    lens[0] = M - 1  # the last position
+    if B > 2:
+        lens[1] = 0  # a row attending to its new token only
+    want, K_want, V_want = _torch_step(q, K, V, lens, k, v, 0.31)
+    spare = Ks[B:].clone()
+    got = kernel.decode_attention(q, K, V, lens, k, v, 0.31, allow_avx512=avx512)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    assert torch.equal(K, K_want) and torch.equal(V, V_want), "the new keys/values must land at each row's length"
+    assert torch.equal(Ks[B:], spare), "rows outside the batch must not be touched"
+
+
+def test_kernel_result_does_not_depend_on_threads(kernel):
+    g = torch.Generator().manual_seed(3)
+    B, hq, hkv, d, M = 8, 9, 3, 64, 70
+    K, V = torch.randn(B, hkv, M, d, generator=g), torch.randn(B, hkv, M, d, generator=g)
+    q, k, v = torch.randn(B, hq, d, generator=g), torch.randn(B, hkv, d, generator=g), torch.randn(B, hkv, d, generator=g)
+    lens = torch.randint(0, M, (B,), generator=g)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.decode_attention(q, K.clone(), V.clone(), lens, k, v, 0.125)
+        torch.set_num_threads(2)
+        two = kernel.decode_attention(q, K.clone(), V.clone(), lens, k, v, 0.125)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+
+
+def test_kernel_names_bad_input(kernel):
+    K = torch.zeros(2, 1, 4, 8)
+    q, k = torch.zeros(2, 2, 8), torch.zeros(2, 1, 8)
+    with pytest.raises(RuntimeError, match="row 1 writes position 4 outside the cache of 4 positions"):
+        kernel.decode_attention(q, K, K.clone(), torch.tensor([0, 4]), k, k, 1.0)
+    with pytest.raises(RuntimeError, match="query heads do not divide"):
+        kernel.decode_attention(torch.zeros(2, 3, 8), torch.zeros(2, 2, 4, 8), torch.zeros(2, 2, 4, 8),
+                                torch.tensor([0, 1]), torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.decode_attention(q.double(), K, K.clone(), torch.tensor([0, 1]), k, k, 1.0)
+
+
+def test_kv_cache_steps_equal_with_and_without_the_kernel(kernel, monkeypatch):
+    """Prefill, decode steps and dropped rows through KVCache: with the kernel and with the PyTorch path."""
+    def run():
+        g = torch.Generator().manual_seed(5)
+        plens = torch.tensor([3, 7, 1, 5])
+        c = KVCache(2, 4, 16, 2, 16, torch.float32, "cpu")
+        c.begin_prefill(plens)
+        for layer in range(2):
+            c.store_prefill(layer, torch.randn(int(plens.sum()), 2, 16, generator=g),
+                            torch.randn(int(plens.sum()), 2, 16, generator=g))
+        c.end_prefill()
+        outs = []
+        for step in range(6):
+            q, k, v = (torch.randn(c.batch, h, 16, generator=g) for h in (6, 2, 2))
+            outs += [c.decode_attention(layer, q, k, v, 0.25) for layer in range(2)]
+            c.advance()
+            if step == 2:
+                c.keep(torch.tensor([0, 1, 3]))
+        return outs
+
+    with_kernel = run()
+    monkeypatch.setattr(kv_cache, "decode_kernel", lambda: None)
+    without = run()
+    for a, b in zip(with_kernel, without):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
+def test_generation_without_a_compiler_uses_pytorch_after_one_warning():
+    code = (
+        "import torch\n"
+        "from realhf.impl.model.nn import kv_cache\n"
+        "c = kv_cache.KVCache(1, 2, 8, 1, 4, torch.float32, 'cpu')\n"
+        "c.begin_prefill(torch.tensor([2, 3])); c.store_prefill(0, torch.ones(5, 1, 4), torch.ones(5, 1, 4)); c.end_prefill()\n"
+        "for _ in range(3):\n"
+        "    out = c.decode_attention(0, torch.ones(2, 2, 4), torch.ones(2, 1, 4), torch.full((2, 1, 4), 2.0), 0.5)\n"
+        "    c.advance()\n"
+        "print('OK', out.shape)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, REALHF_NO_CPP_EXT="1"),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stderr
+    assert p.stderr.count("decode attention C++ extension unavailable (disabled by REALHF_NO_CPP_EXT)") == 1, p.stderr
