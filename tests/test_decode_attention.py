@@ -126,3 +126,50 @@ def test_generation_without_a_compiler_uses_pytorch_after_one_warning():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "OK" in p.stdout, p.stderr
     assert p.stderr.count("decode attention C++ extension unavailable (disabled by REALHF_NO_CPP_EXT)") == 1, p.stderr
+
+
+def _shared_cache(plens, copies, max_new, seed=1, hkv=3, d=16):
+    """A SharedPrefixCache over random prompts' keys/values (2 layers), as generate() builds it after a prefill."""
+    g = torch.Generator().manual_seed(seed)
+    T = int(sum(plens))
+    c = KVCache(2, len(plens), max(plens) + 1, hkv, d, torch.float32, "cpu")
+    c.begin_prefill(torch.tensor(plens))
+    for layer in range(2):
+        c.store_prefill(layer, torch.randn(T, hkv, d, generator=g), torch.randn(T, hkv, d, generator=g))
+    c.end_prefill()
+    return kv_cache.SharedPrefixCache.from_prefill(c, torch.tensor(copies), max_new=max_new)
+
+
+@pytest.mark.parametrize("d", [16, 20])  # the AVX-512 path where the CPU has it, and the portable one
+def test_shared_prefix_kernel_equals_the_pytorch_path(kernel, monkeypatch, d):
+    """Steps over shared prompts with rows finishing (one prompt leaving entirely), with the kernel and without."""
+    def run():
+        cache = _shared_cache([5, 19, 3, 33], [2, 3, 1, 2], max_new=12, d=d)
+        g = torch.Generator().manual_seed(2)
+        outs = []
+        for step in range(10):
+            q, k, v = (torch.randn(cache.batch, h, d, generator=g) for h in (9, 3, 3))
+            outs += [cache.decode_attention(layer, q, k, v, 0.25) for layer in range(2)]
+            cache.advance()
+            if step == 3:
+                cache.keep(torch.tensor([0, 2, 3, 4, 6, 7]))  # prompt 2's only row leaves
+            if step == 6:
+                cache.keep(torch.tensor([0, 3, 4, 5]))
+        return outs
+
+    with_kernel = run()
+    monkeypatch.setattr(kv_cache, "decode_kernel", lambda: None)
+    without = run()
+    assert len(with_kernel) == len(without) == 20
+    for a, b in zip(with_kernel, without):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
+def test_shared_prefix_kernel_names_bad_input(kernel):
+    cache = _shared_cache([4, 6], [2, 1], max_new=4)
+    q, k = torch.zeros(3, 9, 16), torch.zeros(3, 3, 16)
+    args = (q, cache.pk[0], cache.pv[0], cache.plens, cache.k[0], cache.v[0], cache.own, k, k)
+    with pytest.raises(RuntimeError, match="row_order must list each of the 3 rows once"):
+        kernel.shared_prefix_decode_attention(*args, torch.tensor([0, 0, 2]), torch.tensor([0, 2, 3]), 1.0)
+    with pytest.raises(RuntimeError, match="row_starts must run from 0 to 3"):
+        kernel.shared_prefix_decode_attention(*args, torch.tensor([0, 1, 2]), torch.tensor([0, 2, 2]), 1.0)

@@ -81,25 +81,27 @@ __attribute__((target("avx512f"))) inline __m512 scores16_avx512(const float* q,
   return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
 }
 
-// the scores (times scale) of the whole blocks of 16 positions, for each of g queries; returns the positions done
+// the scores (times scale) of the whole blocks of 16 positions, for each of g queries (query j's scores at s + j * ld);
+// returns the positions done
 __attribute__((target("avx512f"))) int64_t scores_avx512(const float* q, int g, const float* K, int64_t st, int64_t L,
-                                                         int d, float scale, float* s) {
+                                                         int d, float scale, float* s, int64_t ld) {
   const __m512 sc = _mm512_set1_ps(scale);
   for (int j = 0; j < g; ++j)
     for (int64_t t = 0; t + 16 <= L; t += 16)
-      _mm512_storeu_ps(s + j * L + t, _mm512_mul_ps(scores16_avx512(q + j * d, K + t * st, st, d), sc));
+      _mm512_storeu_ps(s + j * ld + t, _mm512_mul_ps(scores16_avx512(q + j * d, K + t * st, st, d), sc));
   return L - L % 16;
 }
 
-// out[j] (g heads of d floats, d a multiple of 16, at most 128) = sum over t < L of p[j][t] V[t], the d floats of a
-// head held in registers over a block of positions
-__attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, int g, const float* V, int64_t st,
-                                                               int64_t L, int d, float* out) {
+// out[j] (g heads of d floats, d a multiple of 16, at most 128) (+)= sum over t < L of p[j * ld + t] V[t], the d
+// floats of a head held in registers
+__attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, int64_t ld, int g, const float* V,
+                                                               int64_t st, int64_t L, int d, float* out,
+                                                               bool accumulate) {
   const int n = d / 16;
   for (int j = 0; j < g; ++j) {
     __m512 acc[8];
-    for (int c = 0; c < n; ++c) acc[c] = _mm512_setzero_ps();
-    const float* pj = p + j * L;
+    for (int c = 0; c < n; ++c) acc[c] = accumulate ? _mm512_loadu_ps(out + j * d + 16 * c) : _mm512_setzero_ps();
+    const float* pj = p + j * ld;
     for (int64_t t = 0; t < L; ++t) {
       const __m512 w = _mm512_set1_ps(pj[t]);
       const float* vt = V + t * st;
@@ -121,23 +123,23 @@ inline float dot(const float* __restrict__ a, const float* __restrict__ b, int d
   return sum;
 }
 
-// s[j * L + t] = scale * q[j] . K[t] for the g query heads of one (row, kv head)
+// s[j * ld + t] = scale * q[j] . K[t] (t < L) for the g query heads of one (row, kv head)
 REALHF_MULTI_TARGET
 void scores(const float* __restrict__ q, int g, const float* __restrict__ K, int64_t st, int64_t L, int d, float scale,
-            float* __restrict__ s, bool avx512) {
+            float* __restrict__ s, int64_t ld, bool avx512) {
   int64_t t0 = 0;
 #ifdef REALHF_AVX512
-  if (avx512) t0 = scores_avx512(q, g, K, st, L, d, scale, s);
+  if (avx512) t0 = scores_avx512(q, g, K, st, L, d, scale, s, ld);
 #endif
   for (int64_t t = t0; t < L; ++t)
-    for (int j = 0; j < g; ++j) s[j * L + t] = dot(q + j * d, K + t * st, d) * scale;
+    for (int j = 0; j < g; ++j) s[j * ld + t] = dot(q + j * d, K + t * st, d) * scale;
 }
 
-// each of the g rows of s (L scores) becomes its softmax
+// each of the g rows of s (L scores, rows ld apart) becomes its softmax
 REALHF_MULTI_TARGET
-void softmax_rows(float* __restrict__ s, int g, int64_t L) {
+void softmax_rows(float* __restrict__ s, int g, int64_t L, int64_t ld) {
   for (int j = 0; j < g; ++j) {
-    float* sj = s + j * L;
+    float* sj = s + j * ld;
     float mx[kLanes], zs[kLanes];
     for (int l = 0; l < kLanes; ++l) mx[l] = -INFINITY, zs[l] = 0.f;
     int64_t t0 = 0;
@@ -155,18 +157,19 @@ void softmax_rows(float* __restrict__ s, int g, int64_t L) {
   }
 }
 
-// out[j] = sum over t of p[j * L + t] V[t]
+// out[j] (+)= sum over t < L of p[j * ld + t] V[t]
 REALHF_MULTI_TARGET
-void weighted_values(const float* __restrict__ p, int g, const float* __restrict__ V, int64_t st, int64_t L, int d,
-                     float* __restrict__ out, bool avx512) {
+void weighted_values(const float* __restrict__ p, int64_t ld, int g, const float* __restrict__ V, int64_t st,
+                     int64_t L, int d, float* __restrict__ out, bool accumulate, bool avx512) {
 #ifdef REALHF_AVX512
-  if (avx512) return weighted_values_avx512(p, g, V, st, L, d, out);
+  if (avx512) return weighted_values_avx512(p, ld, g, V, st, L, d, out, accumulate);
 #endif
-  for (int j = 0; j < g * d; ++j) out[j] = 0.f;
+  if (!accumulate)
+    for (int j = 0; j < g * d; ++j) out[j] = 0.f;
   for (int64_t t = 0; t < L; ++t) {
     const float* vt = V + t * st;
     for (int j = 0; j < g; ++j) {
-      const float w = p[j * L + t];
+      const float w = p[j * ld + t];
       float* oj = out + j * d;
       for (int i = 0; i < d; ++i) oj[i] += w * vt[i];
     }
@@ -185,7 +188,7 @@ bool use_avx512(int64_t d) {
 
 void check_cache(const torch::Tensor& X, const char* name, int64_t B, int64_t d) {
   TORCH_CHECK(X.dim() == 4 && X.size(0) == B && X.size(3) == d, "decode_attention: ", name,
-              " must be [B, hkv, M, d] with B=", B, " and d=", d, ", got ", X.sizes());
+              " must be [", B, ", hkv, positions, ", d, "], got ", X.sizes());
   TORCH_CHECK(X.scalar_type() == torch::kFloat32 && X.device().is_cpu(), "decode_attention: ", name,
               " must be a float32 CPU tensor");
   TORCH_CHECK(X.stride(3) == 1, "decode_attention: the last dimension of ", name, " must be contiguous");
@@ -232,9 +235,96 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor K, torch::Tensor V
       std::copy(knp + w * d, knp + (w + 1) * d, Kbh + lp[b] * st);
       std::copy(vnp + w * d, vnp + (w + 1) * d, Vbh + lp[b] * st);
       s.resize(static_cast<size_t>(g * L));
-      scores(qp + w * g * d, g, Kbh, st, L, static_cast<int>(d), static_cast<float>(scale), s.data(), avx512);
-      softmax_rows(s.data(), g, L);
-      weighted_values(s.data(), g, Vbh, st, L, static_cast<int>(d), op + w * g * d, avx512);
+      scores(qp + w * g * d, g, Kbh, st, L, static_cast<int>(d), static_cast<float>(scale), s.data(), L, avx512);
+      softmax_rows(s.data(), g, L, L);
+      weighted_values(s.data(), L, g, Vbh, st, L, static_cast<int>(d), op + w * g * d, false, avx512);
+    }
+  });
+  return out;
+}
+
+// The decode step of a cache whose rows share their prompt's keys/values (realhf's SharedPrefixCache): row b attends
+// to the first plens[p] positions of its prompt p's PK/PV [P, hkv, Lp, d] and to its own positions 0..own[b] of K/V
+// [B, hkv, Mo, d] (its new key/value written at own[b] first), under one softmax. row_order lists the rows prompt by
+// prompt, row_starts [P + 1] where each prompt's rows begin in it. The work is split over (prompt, kv head) pairs and
+// the rows of a prompt run one after another on one thread, so a prompt's keys/values come from memory once and
+// from the core's cache for its other rows.
+torch::Tensor shared_prefix_decode_attention(torch::Tensor q, torch::Tensor PK, torch::Tensor PV, torch::Tensor plens,
+                                             torch::Tensor K, torch::Tensor V, torch::Tensor own, torch::Tensor k_new,
+                                             torch::Tensor v_new, torch::Tensor row_order, torch::Tensor row_starts,
+                                             double scale, bool allow_avx512) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.device().is_cpu(),
+              "shared_prefix_decode_attention: q must be a float32 CPU tensor [B, hq, d], got ", q.sizes());
+  const int64_t B = q.size(0), hq = q.size(1), d = q.size(2), P = PK.size(0);
+  check_cache(PK, "PK", P, d);
+  check_cache(PV, "PV", P, d);
+  check_cache(K, "K", B, d);
+  check_cache(V, "V", B, d);
+  TORCH_CHECK(PV.sizes() == PK.sizes() && PV.strides() == PK.strides() && V.sizes() == K.sizes() &&
+              V.strides() == K.strides() && PK.size(1) == K.size(1),
+              "shared_prefix_decode_attention: PK/PV and K/V must match in shape and strides, with the same kv heads");
+  const int64_t hkv = K.size(1), Lp = PK.size(2), Mo = K.size(2);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "shared_prefix_decode_attention: ", hq, " query heads do not divide into ",
+              hkv, " kv heads");
+  for (const auto* x : {&plens, &own, &row_order, &row_starts})
+    TORCH_CHECK(x->dim() == 1 && x->scalar_type() == torch::kInt64 && x->device().is_cpu(),
+                "shared_prefix_decode_attention: plens, own, row_order and row_starts must be 1-D int64 CPU tensors");
+  TORCH_CHECK(plens.size(0) == P && own.size(0) == B && row_order.size(0) == B && row_starts.size(0) == P + 1,
+              "shared_prefix_decode_attention: expected plens [", P, "], own [", B, "], row_order [", B,
+              "], row_starts [", P + 1, "]");
+  for (const auto* x : {&k_new, &v_new})
+    TORCH_CHECK(x->sizes() == torch::IntArrayRef({B, hkv, d}) && x->scalar_type() == torch::kFloat32,
+                "shared_prefix_decode_attention: the new keys/values must be float32 [", B, ", ", hkv, ", ", d,
+                "], got ", x->sizes());
+  auto plc = plens.contiguous(), owc = own.contiguous(), orc = row_order.contiguous(), stc = row_starts.contiguous();
+  const int64_t *pl = plc.data_ptr<int64_t>(), *ow = owc.data_ptr<int64_t>(), *order = orc.data_ptr<int64_t>(),
+                *starts = stc.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[P] == B, "shared_prefix_decode_attention: row_starts must run from 0 to ", B);
+  std::vector<char> seen(static_cast<size_t>(B), 0);
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(starts[p] <= starts[p + 1], "shared_prefix_decode_attention: row_starts must not decrease");
+    TORCH_CHECK(pl[p] >= 0 && pl[p] <= Lp, "shared_prefix_decode_attention: prompt ", p, " has ", pl[p],
+                " positions, the prompt cache ", Lp);
+  }
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t b = order[i];
+    TORCH_CHECK(b >= 0 && b < B && !seen[b], "shared_prefix_decode_attention: row_order must list each of the ", B,
+                " rows once");
+    seen[b] = 1;
+    TORCH_CHECK(ow[b] >= 0 && ow[b] < Mo, "shared_prefix_decode_attention: row ", b, " writes position ", ow[b],
+                " outside its own cache of ", Mo, " positions");
+  }
+  auto qc = q.contiguous(), kc = k_new.contiguous(), vc = v_new.contiguous();
+  auto out = torch::empty({B, hq, d}, q.options());
+  const float *qp = qc.data_ptr<float>(), *knp = kc.data_ptr<float>(), *vnp = vc.data_ptr<float>();
+  const float *PKp = PK.data_ptr<float>(), *PVp = PV.data_ptr<float>();
+  float *Kp = K.data_ptr<float>(), *Vp = V.data_ptr<float>(), *op = out.data_ptr<float>();
+  const int64_t psb = PK.stride(0), psh = PK.stride(1), pst = PK.stride(2);
+  const int64_t sb = K.stride(0), sh = K.stride(1), st = K.stride(2);
+  const int g = static_cast<int>(hq / hkv), di = static_cast<int>(d);
+  const float sc = static_cast<float>(scale);
+  const bool avx512 = allow_avx512 && use_avx512(d);
+  at::parallel_for(0, P * hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s;
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t p = w / hkv, h = w % hkv, Lpp = pl[p];
+      const float* PKh = PKp + p * psb + h * psh;
+      const float* PVh = PVp + p * psb + h * psh;
+      for (int64_t i = starts[p]; i < starts[p + 1]; ++i) {
+        const int64_t b = order[i], Lo = ow[b] + 1, Lt = Lpp + Lo, r = b * hkv + h;
+        float* Kh = Kp + b * sb + h * sh;
+        float* Vh = Vp + b * sb + h * sh;
+        std::copy(knp + r * d, knp + (r + 1) * d, Kh + ow[b] * st);
+        std::copy(vnp + r * d, vnp + (r + 1) * d, Vh + ow[b] * st);
+        s.resize(static_cast<size_t>(g * Lt));
+        const float* qb = qp + r * g * d;
+        float* ob = op + r * g * d;
+        scores(qb, g, PKh, pst, Lpp, di, sc, s.data(), Lt, avx512);
+        scores(qb, g, Kh, st, Lo, di, sc, s.data() + Lpp, Lt, avx512);
+        softmax_rows(s.data(), g, Lt, Lt);
+        weighted_values(s.data(), Lt, g, PVh, pst, Lpp, di, ob, false, avx512);
+        weighted_values(s.data() + Lpp, Lt, g, Vh, st, Lo, di, ob, true, avx512);
+      }
     }
   });
   return out;
@@ -246,4 +336,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(allow_avx512=False: the portable path, for tests)",
         pybind11::arg("q"), pybind11::arg("K"), pybind11::arg("V"), pybind11::arg("lens"), pybind11::arg("k_new"),
         pybind11::arg("v_new"), pybind11::arg("scale"), pybind11::arg("allow_avx512") = true);
+  m.def("shared_prefix_decode_attention", &shared_prefix_decode_attention,
+        "one decode step over prompts' shared keys/values and each row's own (fp32, CPU); writes the new keys/values "
+        "first",
+        pybind11::arg("q"), pybind11::arg("PK"), pybind11::arg("PV"), pybind11::arg("plens"), pybind11::arg("K"),
+        pybind11::arg("V"), pybind11::arg("own"), pybind11::arg("k_new"), pybind11::arg("v_new"),
+        pybind11::arg("row_order"), pybind11::arg("row_starts"), pybind11::arg("scale"),
+        pybind11::arg("allow_avx512") = true);
 }

@@ -264,6 +264,12 @@ class SharedPrefixCache(KVCache):
 
     def decode_attention(self, layer: int, q, k, v, scale: float):
         """q: [B, hq, d]; k, v: [B, hkv, d] of the new token of each row -> [B, hq, d]."""
+        if q.is_cpu and q.dtype == torch.float32 and not torch.compiler.is_compiling():
+            mod = decode_kernel()
+            if mod is not None:
+                order, starts = self._rows_by_prompt()
+                return mod.shared_prefix_decode_attention(q, self.pk[layer], self.pv[layer], self.plens, self.k[layer],
+                                                          self.v[layer], self.own, k, v, order, starts, scale)
         pre_mask, own_mask, Lo, flat = self._step_mask()
         rows = torch.arange(self.batch, device=self.own.device)
         K, V = self.k[layer], self.v[layer]
@@ -271,6 +277,18 @@ class SharedPrefixCache(KVCache):
         V[rows, :, self.own] = v
         return shared_prefix_attention(q, self.pk[layer], self.pv[layer], pre_mask, K[:, :, :Lo], V[:, :, :Lo], own_mask,
                                        flat, self.slots, scale)
+
+    def _rows_by_prompt(self):
+        """(the rows listed prompt by prompt, where each prompt's rows begin in that list [P + 1]), kept while the
+        rows and prompts stay the same tensors (they are replaced, never changed in place, when rows come or go)."""
+        c = getattr(self, "_by_prompt", None)
+        if c is None or c[0] is not self.row_p or c[1] is not self.plens:
+            counts = torch.bincount(self.row_p, minlength=self.plens.numel())
+            starts = torch.zeros(counts.numel() + 1, dtype=torch.long, device=counts.device)
+            torch.cumsum(counts, 0, out=starts[1:])
+            c = (self.row_p, self.plens, torch.argsort(self.row_p, stable=True), starts)
+            self._by_prompt = c
+        return c[2], c[3]
 
     def advance(self):
         self.own += 1
