@@ -39,6 +39,9 @@ is always admitted even if longer), ``share_prefixes`` (bool; unset: where it pa
 true: a running batch that starts with a request for several samples decodes them over one shared copy of its
 prompt's keys/values; false: never; off under ``compile_decode``). ``pp_size`` other than 1 is refused, as is ``tp_size`` other than 1:
 this backend runs one model replica per server.
+
+The pieces: this module (the thread, commands, the async interface), ``engine_step.py`` (admission, decode steps,
+rows), ``engine_weights.py`` (weight updates), ``engine_batch.py`` (requests, rows, sampling groups, slot caches).
 """
 from __future__ import annotations
 
@@ -54,9 +57,10 @@ from realhf.base import logging
 from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerateResult, GenerationEngine, RequestError,
                                    SampleOutput, TensorMeta, WeightGroupSpec)
 from realhf.impl.model.nn import cpu_gemm
+from realhf.gen_server.engine_step import EngineSteps
 from realhf.gen_server.engine_weights import EngineWeights
-from realhf.gen_server.engine_batch import Group, Req, Row, SharedSlotCache, SlotCache, sample_groups, sampling_key
-from realhf.impl.model.nn.kv_cache import KVCache, decode_kernel, sharing_pays
+from realhf.gen_server.engine_batch import Group, Req, Row
+from realhf.impl.model.nn.kv_cache import decode_kernel
 
 logger = logging.getLogger("realhf.gen_server.engine")
 
@@ -67,7 +71,7 @@ class EngineClosed(RuntimeError):
     pass
 
 
-class RealhfEngine(EngineWeights, GenerationEngine):
+class RealhfEngine(EngineWeights, EngineSteps, GenerationEngine):
     backend = "gen"
 
     def __init__(self, cfg: EngineConfig):
@@ -487,217 +491,3 @@ class RealhfEngine(EngineWeights, GenerationEngine):
             self._compact([i for i, row in enumerate(self._rows) if not row.done])
         self._stats["aborted_requests"] += count
         return count
-
-    # ------------------------------------------------------------------ rows
-    def _finish_row(self, row: Row, reason: str):
-        row.done = True
-        r = row.req
-        r.outputs[row.j] = SampleOutput(output_ids=row.ids, logprobs=row.lps, versions=row.vers, finish_reason=reason)
-        r.n_done += 1
-        if r.n_done == len(r.outputs):
-            self._answer(r)
-
-    def _record(self, rows: List[Row], tl: List[int], ll: List[float]) -> List[int]:
-        """Append one sampled token per row; finish the rows that are done; return the positions of the rest."""
-        v = self._version
-        keep = []
-        for i, row in enumerate(rows):
-            t = tl[i]
-            ids = row.ids
-            ids.append(t)
-            row.lps.append(ll[i])
-            row.vers.append(v)
-            n = len(ids)
-            if t in row.stop:
-                self._finish_row(row, "stop")
-            elif n >= row.max_new:
-                self._finish_row(row, "length")
-            else:
-                keep.append(i)
-                row.refill_stream()
-        self._stats["generated_tokens"] += len(rows)
-        return keep
-
-    def _regroup(self):
-        self._groups = self._groups_of(self._rows)
-
-    def _compact(self, keep: List[int]):
-        """Keep only running rows ``keep`` (positions, ascending)."""
-        if len(keep) == len(self._rows):
-            return
-        if not keep:
-            self._rows, self._groups, self._tok = [], [], None
-            self._cache.remove([])  # keeps its storage for the next rows
-        else:
-            order = self._cache.remove(keep)
-            self._tok = self._tok[torch.tensor(order, dtype=torch.long, device=self.model.device)]
-            self._rows = [self._rows[i] for i in order]
-            self._regroup()
-        self._update_counts()
-
-    def _update_counts(self):
-        s = self._stats
-        s["batch_size"] = len(self._rows)
-        s["max_batch_size"] = max(s["max_batch_size"], len(self._rows))
-        s["tokens_in_flight"] = sum(len(r.req.ids) + len(r.ids) for r in self._rows)
-
-    # ------------------------------------------------------------------ sampling
-    def _sample(self, logits: torch.Tensor, groups: List[Group]):
-        return sample_groups(logits, groups, self._gen)
-
-    # ------------------------------------------------------------------ admission (prefill)
-    def _admit(self):
-        from realhf.impl.model.nn.real_model import make_packed_input
-
-        if self._broken is not None:  # requests queued before the weights broke
-            waiting, self._waiting = self._waiting, []
-            for r in waiting:
-                self._fail(r, RuntimeError(f"the served weights are incomplete ({self._broken})"))
-            return
-
-        room = self.cfg.max_num_seqs - len(self._rows)
-        batch: List[Req] = []
-        n_tok = 0
-        while self._waiting:
-            r = self._waiting[0]
-            if r.sp.n > room or (batch and n_tok + len(r.ids) > self._max_prefill_tokens):
-                break
-            self._waiting.pop(0)
-            batch.append(r)
-            room -= r.sp.n
-            n_tok += len(r.ids)
-        if not batch:
-            return
-        model, dev = self.model, self.model.device
-        with self._lock:
-            for r in batch:
-                r.state = "running"
-                self._n_waiting -= 1
-                self._n_running += 1
-        try:
-            # each distinct prompt once; every sample of every request copies its row
-            distinct: Dict[tuple, int] = {}
-            prompts: List[List[int]] = []
-            src: List[int] = []  # distinct prompt of each new row
-            new_rows: List[Row] = []
-            for r in batch:
-                k = distinct.setdefault(tuple(r.ids), len(prompts))
-                if k == len(prompts):
-                    prompts.append(r.ids)
-                r.rows = [Row(r, j) for j in range(r.sp.n)]
-                new_rows.extend(r.rows)
-                src.extend([k] * r.sp.n)
-            seqlens = [len(p) for p in prompts]
-            max_len = max(len(r.ids) + r.sp.max_new_tokens for r in batch) + 1
-            cfg = model.config
-            # the prefill's own cache holds the prompts only: its rows are copied into the running batch's slots
-            # (room for max_len positions there), so decode positions here would be zeroed memory never used
-            cache = KVCache(model.n_local_layers, len(prompts), max(seqlens) + 1, model.n_local_kv_heads,
-                            cfg.head_dim, model.dtype, dev)
-            inp = make_packed_input(seqlens, device=dev)
-            inp.cache = cache
-            inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
-            cache.begin_prefill(torch.tensor(seqlens, device=dev))
-            ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
-            out = model(ids, inp)
-            cache.end_prefill()
-            src_t = torch.tensor(src, dtype=torch.long, device=dev)
-            logits = out.float().index_select(0, src_t)
-            groups = self._groups_of(new_rows)
-            tok, lp = self._sample(logits, groups)
-            self._stats["prefills"] += 1
-            self._stats["prefill_tokens"] += int(ids.numel())
-            keep = self._record(new_rows, tok.tolist(), lp.tolist())
-            if keep:
-                kt = torch.tensor(keep, dtype=torch.long, device=dev)
-                self._cache_for(batch)
-                self._cache.add(cache, src_t[kt], max_len)
-                self._tok = tok[kt] if self._tok is None else torch.cat([self._tok, tok[kt]])
-                self._rows = self._rows + [new_rows[i] for i in keep]
-                self._regroup()
-            self._update_counts()
-        except Exception as e:
-            logger.error("generation engine: prefill of %d requests failed: %s", len(batch), traceback.format_exc())
-            for r in batch:
-                self._fail(r, e)
-            # rows of these requests that already joined the batch (the failure came after the append)
-            if any(row.done and row.req in batch for row in self._rows):
-                self._drop_failed_rows()
-
-    def _cache_for(self, batch: List[Req]):
-        """Make sure the running batch has a KV cache for the new rows of ``batch``. A batch that starts empty takes a
-        ``SharedSlotCache`` when its requests ask for several samples of prompts long enough for sharing to pay
-        (``kv_cache.sharing_pays``; ``share_prefixes`` true: whenever one asks for several, false: never), else a
-        ``SlotCache``; rows that join a running batch use its cache, whichever kind."""
-        m = self.model
-        shared = any(r.sp.n > 1 for r in batch) and self._share is not False and (self._share or sharing_pays(
-            [len(r.ids) for r in batch], [r.sp.n for r in batch], m.n_local_kv_heads, m.config.head_dim,
-            m.flat.element_size()))
-        kind = SharedSlotCache if shared else SlotCache
-        if self._cache is None or (not self._rows and type(self._cache) is not kind):
-            self._cache = kind(m.n_local_layers, m.n_local_kv_heads, m.config.head_dim, m.dtype, m.device,
-                               self.cfg.max_num_seqs, self._len_limit[1] + 1)
-
-    def _groups_of(self, rows: List[Row]) -> List[Group]:
-        groups: Dict[tuple, tuple] = {}
-        for i, row in enumerate(rows):
-            g = groups.setdefault(sampling_key(row.req.sp), ([], []))
-            g[0].append(row)
-            g[1].append(i)
-        return [Group(k, rs, idx, len(rows), self.model.device) for k, (rs, idx) in groups.items()]
-
-    def _drop_failed_rows(self):
-        try:
-            self._compact([i for i, row in enumerate(self._rows) if not row.done])
-        except Exception:  # the cache itself is unusable: drop the whole batch
-            for r in {id(row.req): row.req for row in self._rows}.values():
-                self._fail(r, RuntimeError("the generation engine dropped its batch after an internal error"))
-            self._rows, self._groups, self._cache, self._tok = [], [], None, None
-            self._update_counts()
-
-    # ------------------------------------------------------------------ one decode step
-    def _decode_step(self):
-        from realhf.impl.model.nn.real_model import PackedInput
-
-        cache = self._cache
-        try:
-            logits = None
-            if self._decoder is not None and not isinstance(cache, SharedSlotCache):
-                logits = self._decoder(self._tok, cache)
-            if logits is None:
-                B = cache.batch
-                dev = self.model.device
-                inp = PackedInput(cu_seqlens=torch.arange(B + 1, dtype=torch.int32, device=dev), max_seqlen=1,
-                                  position_ids=cache.positions().clone(), cache=cache)
-                logits = self.model(self._tok, inp)
-            cache.advance()
-            tok, lp = self._sample(logits.float(), self._groups)
-            keep = self._record(self._rows, tok.tolist(), lp.tolist())
-            self._stats["steps"] += 1
-            self._tok = tok
-            self._compact(keep)
-            self._update_counts()
-        except Exception as e:  # the batch cannot go on: fail its requests, keep serving the others
-            logger.error("generation engine: decode step failed: %s", traceback.format_exc())
-            for r in {id(row.req): row.req for row in self._rows}.values():
-                self._fail(r, e)
-            self._rows, self._groups, self._cache, self._tok = [], [], None, None
-            self._update_counts()
-
-    # ------------------------------------------------------------------ between steps: log-probs
-    def _logprobs(self, seqs: List[List[int]]) -> List[List[float]]:
-        from realhf.impl.model.nn.real_model import make_packed_input
-        from realhf.impl.model.utils.functional import packed_logprobs
-
-        self._check_weights()
-        dev = self.model.device
-        inp = make_packed_input([len(s) for s in seqs], device=dev)
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
-        logits = self.model(ids, inp).float()
-        lp, _ = packed_logprobs(logits, ids, inp.cu_seqlens)
-        lp = lp.tolist()
-        out, off = [], 0
-        for s in seqs:
-            out.append(lp[off:off + len(s) - 1])
-            off += len(s)
-        return out
