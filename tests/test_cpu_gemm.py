@@ -3,6 +3,8 @@ backward, the packed weights of generation (and that they never outlive a weight
 environment variable, and a tiny model's forward/backward and generation with either kernel."""
 import asyncio
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,6 +79,30 @@ def test_choice_from_environment(kernel, monkeypatch):
     assert cpu_gemm.choose() in ("aten", "onednn")  # auto: whichever the probe found faster here
     t = cpu_gemm.probe(m=16, k=64, n=64, reps=2)
     assert set(t) == {"aten", "onednn"} and all(v > 0 for v in t.values())
+
+
+@needs_onednn
+def test_auto_probes_once_per_machine(monkeypatch, tmp_path):
+    """The first auto choice on a machine is recorded and every later process uses it without probing, so processes
+    of one run (and a resumed run) cannot pick different kernels from timing noise; an existing record wins over a
+    later probe."""
+    monkeypatch.setenv("REALHF_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
+    path = cpu_gemm.machine_choice_path()
+    assert path.startswith(str(tmp_path)) and not os.path.exists(path)
+    first = cpu_gemm.choose()
+    with open(path) as f:
+        assert f.read() == first
+    other = "aten" if first == "onednn" else "onednn"
+    with open(path, "w") as f:
+        f.write(other)
+
+    def no_probe(*a, **k):
+        raise AssertionError("a recorded choice must not be probed again")
+
+    monkeypatch.setattr(cpu_gemm, "probe", no_probe)
+    assert cpu_gemm.choose() == other
+    assert cpu_gemm._write_choice(path, first) == other, "the first recorded choice stays"
 
 
 @needs_onednn

@@ -13,7 +13,9 @@ chosen for this process:
 
 The choice is ``REALHF_CPU_GEMM`` (``auto`` | ``aten`` | ``onednn``), read once per process; ``auto`` (the
 default) times both kernels on a small product when first needed and keeps oneDNN only when it is clearly
-faster (:data:`AUTO_MARGIN`), so a machine where MKL is the better kernel keeps MKL. Both compute in the
+faster (:data:`AUTO_MARGIN`), so a machine where MKL is the better kernel keeps MKL. The first process to probe on
+a machine records its choice (:func:`machine_choice_path`) and every later one uses it, so all processes of a run,
+and a resumed run, multiply alike. Both compute in the
 tensors' dtype (no lower-precision shortcut): results differ from each other only by the order of the
 additions.
 """
@@ -95,10 +97,63 @@ def choose(requested_name: Optional[str] = None) -> str:
         return name
     if not onednn_available():
         return "aten"
+    path = machine_choice_path()
+    kept = _read_choice(path)
+    if kept is not None:
+        logger.info("CPU GEMM kernel: %s (this machine's probe, %s)", kept, path)
+        return kept
     t = probe()
     pick = "onednn" if t["onednn"] < AUTO_MARGIN * t["aten"] else "aten"
-    logger.info("CPU GEMM kernel: %s (probe 128x1024x1024: aten %.2f ms, onednn %.2f ms)", pick,
-                t["aten"] * 1e3, t["onednn"] * 1e3)
+    first = _write_choice(path, pick)
+    logger.info("CPU GEMM kernel: %s (probe 128x1024x1024: aten %.2f ms, onednn %.2f ms%s)", first,
+                t["aten"] * 1e3, t["onednn"] * 1e3, "" if first == pick else "; another process chose first")
+    return first
+
+
+# Where two kernels are close, the probe's timing noise would let processes of one run, or a run and its resumed
+# relaunch, choose differently, and their results differ in rounding. So ``auto`` probes once per machine (CPU model
+# and PyTorch version) and every later process reads that choice.
+def machine_choice_path() -> str:
+    """The file holding this machine's ``auto`` choice, under ``$REALHF_CACHE_DIR`` (default ~/.cache/realhf)."""
+    import hashlib
+    import platform
+
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    key = hashlib.sha1(f"{model}|{platform.machine()}|{torch.__version__}".encode()).hexdigest()[:16]
+    base = os.environ.get("REALHF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "realhf")
+    return os.path.join(base, "cpu_gemm", f"auto-{key}")
+
+
+def _read_choice(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            name = f.read().strip()
+    except OSError:
+        return None
+    return name if name in ("aten", "onednn") else None
+
+
+def _write_choice(path: str, pick: str) -> str:
+    """Record ``pick`` unless another process recorded a choice first; returns the recorded choice (``pick`` where
+    the folder cannot be written: this process then keeps its own probe)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(pick)
+        try:
+            os.link(tmp, path)  # fails where the file exists: the first process's choice stays
+        finally:
+            os.unlink(tmp)
+    except FileExistsError:
+        return _read_choice(path) or pick
+    except OSError as e:
+        logger.debug("cannot record the CPU GEMM choice in %s: %s", path, e)
     return pick
 
 
