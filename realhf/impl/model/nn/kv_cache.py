@@ -28,6 +28,13 @@ def decode_kernel():
     return _KERNEL.load_or_warn()
 
 
+def _kernel_for(q: torch.Tensor):
+    """The C++ module where it serves this step's queries (fp32 on CPU, outside ``torch.compile``), else None."""
+    if q.is_cpu and q.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return decode_kernel()
+    return None
+
+
 def gqa_decode_attention(q, K, V, add_mask, scale: float):
     """One query per row over its cached keys: q [B, hq, d]; K, V [B, hkv, L, d]; ``add_mask`` [B, 1, 1, L] (0 where
     attended, -inf elsewhere) -> [B, hq, d]. The query heads that share a kv head go through one product with it,
@@ -99,10 +106,9 @@ class KVCache:
     def decode_attention(self, layer: int, q, k, v, scale: float):
         """q: [B, hq, d]; k, v: [B, hkv, d] of the new token of each row -> [B, hq, d]."""
         K, V = self.k[layer], self.v[layer]
-        if q.is_cpu and q.dtype == torch.float32 and not torch.compiler.is_compiling():
-            mod = decode_kernel()
-            if mod is not None:
-                return mod.decode_attention(q, K, V, self.lens, k, v, scale)
+        mod = _kernel_for(q)
+        if mod is not None:
+            return mod.decode_attention(q, K, V, self.lens, k, v, scale)
         rows, L, mask = self._step_mask()
         K[rows, :, self.lens] = k
         V[rows, :, self.lens] = v
@@ -210,6 +216,9 @@ class SharedPrefixCache(KVCache):
     ``advance``, ``keep``. Its ``k``/``v`` hold the rows' own positions only, so the compiled decode step, which
     reads them as whole sequences, does not take this cache."""
 
+    # (row_p, plens, rows listed prompt by prompt, where each prompt's rows begin) of the current rows, or None
+    _by_prompt = None
+
     def __init__(self, pk: List[torch.Tensor], pv: List[torch.Tensor], plens: torch.Tensor, row_p: torch.Tensor,
                  row_j: torch.Tensor, slots: int, max_new: int):
         B = row_p.numel()
@@ -264,12 +273,11 @@ class SharedPrefixCache(KVCache):
 
     def decode_attention(self, layer: int, q, k, v, scale: float):
         """q: [B, hq, d]; k, v: [B, hkv, d] of the new token of each row -> [B, hq, d]."""
-        if q.is_cpu and q.dtype == torch.float32 and not torch.compiler.is_compiling():
-            mod = decode_kernel()
-            if mod is not None:
-                order, starts = self._rows_by_prompt()
-                return mod.shared_prefix_decode_attention(q, self.pk[layer], self.pv[layer], self.plens, self.k[layer],
-                                                          self.v[layer], self.own, k, v, order, starts, scale)
+        mod = _kernel_for(q)
+        if mod is not None:
+            order, starts = self._rows_by_prompt()
+            return mod.shared_prefix_decode_attention(q, self.pk[layer], self.pv[layer], self.plens, self.k[layer],
+                                                      self.v[layer], self.own, k, v, order, starts, scale)
         pre_mask, own_mask, Lo, flat = self._step_mask()
         rows = torch.arange(self.batch, device=self.own.device)
         K, V = self.k[layer], self.v[layer]
@@ -281,7 +289,7 @@ class SharedPrefixCache(KVCache):
     def _rows_by_prompt(self):
         """(the rows listed prompt by prompt, where each prompt's rows begin in that list [P + 1]), kept while the
         rows and prompts stay the same tensors (they are replaced, never changed in place, when rows come or go)."""
-        c = getattr(self, "_by_prompt", None)
+        c = self._by_prompt
         if c is None or c[0] is not self.row_p or c[1] is not self.plens:
             counts = torch.bincount(self.row_p, minlength=self.plens.numel())
             starts = torch.zeros(counts.numel() + 1, dtype=torch.long, device=counts.device)
