@@ -153,8 +153,12 @@ def test_killed_manager_is_named_and_the_resumed_run_keeps_the_bound(tiny_math_r
     with open(os.path.join(str(d), exp, "trial0", "logs", "model_worker_0.log")) as f:
         assert "behind training" in f.read()
     # the rollout side's stats reach stats.jsonl with every step
-    assert any(s["async/gen_tokens_per_s"] > 0 for s in stats[1:])
-    assert all(s["async/trainer_wait_time"] >= 0 and 0 <= s["async/idle_fraction"] <= 1 for s in stats)
+    # (the step whose /status call met the killed manager logs a warning and no manager counters: at most one)
+    with_mgr = [s for s in stats if "async/idle_fraction" in s]
+    assert len(with_mgr) >= steps - 1, [sorted(k for k in s if k.startswith("async/")) for s in stats]
+    assert any(s["async/gen_tokens_per_s"] > 0 for s in with_mgr[1:])
+    assert all(s["async/trainer_wait_time"] >= 0 for s in stats)
+    assert all(0 <= s["async/idle_fraction"] <= 1 for s in with_mgr)
     assert all(s["async/episode_reward"] <= 5 for s in stats if "async/episode_reward" in s)
     events = _rollout_log(d, exp)
     restores = [e for e in events if e["event"] == "restore"]
