@@ -23,7 +23,9 @@ if os.environ.get("REALHF_BUILD_EXT", "0") == "1":
     else:
         ext_modules = [CppExtension("realhf._gae_ext", ["csrc/gae/gae.cpp"], extra_compile_args=["-O3"]),
                        CppExtension("realhf._decode_attention_ext", ["csrc/decode_attention/decode_attention.cpp"],
-                                    extra_compile_args=["-O3"])]
+                                    extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math"], extra_link_args=["-fopenmp"]),
+                       CppExtension("realhf._decode_ops_ext", ["csrc/decode_ops/decode_ops.cpp"],
+                                    extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math"], extra_link_args=["-fopenmp"])]
         cmdclass = {"build_ext": BuildExtension}
 
 setup(

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -46,19 +47,35 @@ def linear_weights(hf_model) -> list:
     return groups
 
 
-def gemm_kernels() -> dict:
+def _tile_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from realhf.impl.model.nn import decode_ops
+
+    with torch.no_grad():
+        y = decode_ops.linear(x, w, None)
+    assert y is not None, "the tile kernel does not serve this product"
+    return y
+
+
+def gemm_kernels(rows: Optional[int] = None) -> dict:
     """The CPU GEMM kernels in this PyTorch, as ``name -> (prepare(weight), multiply(x, prepared))``: aten's
     ``F.linear`` (MKL in the x86 wheels) and, where PyTorch has oneDNN, oneDNN's linear on the plain weight
-    and on a weight packed once in oneDNN's layout (what generation uses). A floor takes the fastest."""
+    and on a weight packed once in oneDNN's layout (what generation uses); for products of at most
+    ``decode_ops.MAX_ROWS`` ``rows``, realhf's own tile kernel too where it serves (an AVX-512 CPU). A floor takes
+    the fastest."""
     import torch.nn.functional as F
 
-    from realhf.impl.model.nn import cpu_gemm
+    from realhf.impl.model.nn import cpu_gemm, decode_ops
 
     kernels = {"aten": (lambda w: w, F.linear)}
     if cpu_gemm.onednn_available():
         kernels["onednn"] = (lambda w: w, cpu_gemm._onednn_linear)
         kernels["onednn_packed"] = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, cpu_gemm.PACK_ROWS),
                                     cpu_gemm._onednn_linear)
+    if rows is not None and 0 < rows <= decode_ops.MAX_ROWS:
+        with torch.no_grad():
+            probe = torch.zeros(rows, 16)
+            if decode_ops.linear_kernel(probe, torch.zeros(16, 16), None) is not None:
+                kernels["realhf_tile"] = (lambda w: w, _tile_linear)
     return kernels
 
 
@@ -81,11 +98,12 @@ def matmul_peak_gflops(dtype=torch.float32, n: int = 2048, reps: int = 7) -> dic
     return out
 
 
-def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3) -> float:
+def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3, own_kernel: bool = True) -> float:
     """Median time of multiplying ``rows`` activation rows by every weight of ``linear_weights``: the GEMM
     work of one forward pass over ``rows`` tokens and nothing else (no attention, norms or sampling). Run
     with each weight alone and with each group as one wide GEMM, with every kernel of :func:`gemm_kernels`;
-    the fastest is kept, so it is a floor for fused and unfused implementations and any of these kernels."""
+    the fastest is kept, so it is a floor for fused and unfused implementations and any of these kernels
+    (``own_kernel=False``: PyTorch's kernels only, without realhf's tile kernel)."""
 
     def sweep(ws, prep, mul):
         ws = [prep(w) for w in ws]
@@ -101,7 +119,7 @@ def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3) -> float:
     plain = [w for g in groups for w in g]
     wide = [torch.cat(g, 0) if len(g) > 1 else g[0] for g in groups]
     best = float("inf")
-    for prep, mul in gemm_kernels().values():
+    for prep, mul in gemm_kernels(rows if own_kernel else None).values():
         for ws in (plain, wide):
             best = min(best, sweep(ws, prep, mul))
     return best

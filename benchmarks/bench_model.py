@@ -120,10 +120,12 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, group, source, q):
         groups = linear_weights(m)
         prefill = gemm_sweep_seconds(groups, sum(len(p) for p in prompts), repeats=1)
         decode = gemm_sweep_seconds(groups, len(prompts) * group, repeats=5)
+        decode_lib = gemm_sweep_seconds(groups, len(prompts) * group, repeats=5, own_kernel=False)
         n = len(prompts) * group * new_tokens
         dt_s = prefill + new_tokens * decode
         q.put(dict(impl=impl, tokens=n, seconds=round(dt_s, 3), tok_per_s=round(n / dt_s, 1),
                    prefill_gemm_seconds=round(prefill, 3), decode_step_gemm_ms=round(decode * 1e3, 2),
+                   decode_step_gemm_ms_pytorch_kernels=round(decode_lib * 1e3, 2),
                    peak_rss_mb=round(_peak_mb())))
         return
     if impl == "hf":
@@ -153,6 +155,10 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, group, source, q):
             from realhf.impl.model.nn import kv_cache
 
             kv_cache.decode_kernel = lambda: None
+        if impl == "realhf_torch_ops":  # the decode step's GEMMs, norms, rotary and SiLU by PyTorch, not decode_ops
+            from realhf.impl.model.nn import decode_ops
+
+            decode_ops.enabled = lambda: False
 
         model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
 
@@ -264,8 +270,15 @@ def decode_split_worker(path, dtype_name, rows, positions, q):
         finally:
             kvc.decode_kernel = kernel_fn
 
-    variants = {"full": full_attention, "torch_attention": torch_attention, "no_attention": no_attention,
-                "no_cache": lambda self, layer, q_, k, v, scale: q_}
+    from realhf.impl.model.nn import decode_ops
+
+    ops_on = decode_ops.enabled
+
+    def torch_ops(self, layer, q_, k, v, scale):  # marker: the whole step runs with decode_ops off (below)
+        return full_attention(self, layer, q_, k, v, scale)
+
+    variants = {"full": full_attention, "torch_attention": torch_attention, "torch_ops": torch_ops,
+                "no_attention": no_attention, "no_cache": lambda self, layer, q_, k, v, scale: q_}
     out = []
     for P in positions:
         cache = KVCache(m.n_local_layers, rows, P + 64, m.n_local_kv_heads, cfg.head_dim, dt, "cpu")
@@ -280,6 +293,7 @@ def decode_split_worker(path, dtype_name, rows, positions, q):
                 for _ in range(3):
                     for name, fn in variants.items():
                         KVCache.decode_attention = fn
+                        decode_ops.enabled = (lambda: False) if name == "torch_ops" else ops_on
                         for i in range(50):
                             inp = PackedInput(cu_seqlens=torch.arange(rows + 1, dtype=torch.int32), max_seqlen=1,
                                               position_ids=cache.lens.clone(), cache=cache)
@@ -290,6 +304,7 @@ def decode_split_worker(path, dtype_name, rows, positions, q):
                             cache._mask = None  # the same positions again (nothing advances)
         finally:
             KVCache.decode_attention = full_attention
+            decode_ops.enabled = ops_on
         ms = {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
         kv_bytes = 2 * m.n_local_layers * m.n_local_kv_heads * cfg.head_dim * int(cache.lens.sum() + rows) * cache.k[0].element_size()
         attn_s = (ms["full"] - ms["no_attention"]) / 1e3
@@ -331,7 +346,7 @@ def main():
                     "questions after four worked examples (long prompts)")
     ap.add_argument("--gen-impls", default="hf,realhf,realhf_aten,gemm_floor",
                     help="generation variants to run (hf, realhf, realhf_aten, realhf_unshared, "
-                         "realhf_torch_attention, gemm_floor)")
+                         "realhf_torch_attention, realhf_torch_ops, gemm_floor)")
     ap.add_argument("--train-bs", type=int, default=8)
     ap.add_argument("--train-seqlen", type=int, default=256)
     ap.add_argument("--train-steps", type=int, default=3)
@@ -350,11 +365,14 @@ def main():
 
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, a.dtype))
         floor_ms = gemm_sweep_seconds(linear_weights(hf), a.n_prompts, repeats=5) * 1e3
+        library_floor_ms = gemm_sweep_seconds(linear_weights(hf), a.n_prompts, repeats=5, own_kernel=False) * 1e3
         del hf
         for r in _in_process(decode_split_worker, path, a.dtype, a.n_prompts,
                              [int(x) for x in a.positions.split(",")]):
             ms = r["step_ms"]
             _emit(bench="decode_split", model=a.model, dtype=a.dtype, gemm_floor_ms=round(floor_ms, 2),
+                  gemm_floor_pytorch_kernels_ms=round(library_floor_ms, 2),
+                  step_torch_ops_over_floor=round(ms["torch_ops"] / floor_ms, 2),
                   attention_ms=round(ms["full"] - ms["no_attention"], 2),
                   attention_torch_ms=round(ms["torch_attention"] - ms["no_attention"], 2),
                   cache_write_ms=round(ms["no_attention"] - ms["no_cache"], 2),

@@ -18,6 +18,8 @@
 #include <cstring>
 #include <vector>
 
+#include "../common/fast_exp.h"
+
 namespace {
 
 constexpr int kLanes = 16;
@@ -27,26 +29,6 @@ constexpr int kLanes = 16;
 #else
 #define REALHF_MULTI_TARGET
 #endif
-
-// exp(x) for x <= 0 (softmax after subtracting the maximum), to about 2 ulp: x = n ln2 + r with |r| <= ln2/2, exp(r)
-// by its degree-6 Taylor polynomial, 2^n put into the exponent bits. Plain arithmetic on independent elements, so
-// the compiler vectorises a loop of it (std::exp stays a scalar call without -ffast-math).
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: the smallest normal float, and 0 within rounding of a sum
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;  // ln2 in two parts
-  float p = 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // The sum of 16 lanes as a fixed tree (8 + 8, 4 + 4, 2 + 2, 1 + 1): vector shuffles and adds, where a running sum
 // would be 16 dependent scalar additions.
@@ -148,7 +130,7 @@ void softmax_rows(float* __restrict__ s, int g, int64_t L, int64_t ld) {
     for (int64_t t = t0; t < L; ++t) mx[t - t0] = sj[t] > mx[t - t0] ? sj[t] : mx[t - t0];
     float m = mx[0];
     for (int l = 1; l < kLanes; ++l) m = mx[l] > m ? mx[l] : m;
-    for (int64_t t = 0; t < L; ++t) sj[t] = exp_nonpositive(sj[t] - m);
+    for (int64_t t = 0; t < L; ++t) sj[t] = realhf::fast_exp(sj[t] - m);
     for (t0 = 0; t0 + kLanes <= L; t0 += kLanes)
       for (int l = 0; l < kLanes; ++l) zs[l] += sj[t0 + l];
     for (int64_t t = t0; t < L; ++t) zs[t - t0] += sj[t];

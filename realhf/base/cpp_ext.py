@@ -43,6 +43,19 @@ def _compiler_problem() -> Optional[str]:
     return None
 
 
+def _headers_flag(src: str) -> list:
+    """A define carrying a hash of the shared headers (``csrc/common/*.h``): PyTorch's build cache hashes only the
+    source file and the flags, so a changed header changes the flags and rebuilds every kernel that includes it."""
+    import glob
+    import hashlib
+
+    h = hashlib.sha1()
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(src)), "common", "*.h"))):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return [f"-DREALHF_COMMON_HEADERS={h.hexdigest()[:12]}"]
+
+
 class CppKernel:
     """One C++ extension: ``name`` (the JIT module's name), its source relative to the repository (shipped as
     ``realhf/<source>`` in wheels), ``prebuilt`` (the module setup.py may build), ``what`` (for messages)."""
@@ -90,7 +103,7 @@ class CppKernel:
             logger.info(f"Compiling the {self.what} C++ extension into {build_dir} (first use only, ~20-60 s)...")
         t0 = time.perf_counter()
         try:
-            mod = cpp_extension.load(name=self.name, sources=[src], extra_cflags=self.cflags,
+            mod = cpp_extension.load(name=self.name, sources=[src], extra_cflags=self.cflags + _headers_flag(src),
                                      build_directory=build_dir, verbose=False)
         # A JIT build fails in many ways (compiler errors -> RuntimeError, a compiler that cannot report its
         # version -> CalledProcessError, a broken cache -> ImportError/OSError). Each means "use the PyTorch path";
@@ -126,7 +139,7 @@ class CppKernel:
 
 
 # the modules that define realhf's kernels (each a module-level ``_KERNEL``)
-KERNEL_MODULES = ("realhf.impl.model.utils.gae", "realhf.impl.model.nn.kv_cache")
+KERNEL_MODULES = ("realhf.impl.model.utils.gae", "realhf.impl.model.nn.kv_cache", "realhf.impl.model.nn.decode_ops")
 
 
 def build_all() -> int:

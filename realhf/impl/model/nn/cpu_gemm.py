@@ -33,6 +33,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from realhf.impl.model.nn import decode_ops
+
 logger = logging.getLogger("realhf.cpu_gemm")
 
 KERNELS = ("auto", "aten", "onednn")
@@ -282,7 +284,13 @@ def packing() -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``torch.nn.functional.linear`` with this process's CPU GEMM kernel (see the module docstring)."""
+    """``torch.nn.functional.linear`` with this process's CPU GEMM kernel (see the module docstring); a decode
+    step's few rows (fp32 inference) go to the tile kernel of :mod:`decode_ops` where it serves, unless oneDNN's
+    packed weights are in use (:func:`packing`; as fast as the tile kernel where both were measured)."""
+    if x.dim() == 2 and x.shape[0] <= decode_ops.MAX_ROWS and not torch.is_grad_enabled() and not packing():
+        y = decode_ops.linear(x, weight, bias)
+        if y is not None:
+            return y
     if (torch.compiler.is_compiling() or not x.is_cpu or x.dtype not in _ONEDNN_DTYPES or weight.dtype != x.dtype or x.dim() < 2
             or kernel() != "onednn"):
         return F.linear(x, weight, bias)

@@ -19,7 +19,7 @@ from realhf.base.cpp_ext import CppKernel
 # keys/values are written in the same call, and no mask or score tensor is built (PyTorch fallback: below)
 _KERNEL = CppKernel("realhf_decode_attention", os.path.join("csrc", "decode_attention", "decode_attention.cpp"),
                     "realhf._decode_attention_ext", "decode attention",
-                    cflags=("-O3", "-fopenmp"))  # at::parallel_for runs on torch's OpenMP threads
+                    cflags=("-O3", "-fopenmp", "-fno-trapping-math"))  # at::parallel_for runs on torch's OpenMP threads
 
 
 def decode_kernel():

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from realhf.api.core.model_api import ReaLModelConfig
 from realhf.base import cpu_share, runtime_env
@@ -28,7 +29,7 @@ from realhf.impl.model.nn.attention import (
     flash_attn_varlen,
     varlen_causal_attention,
 )
-from realhf.impl.model.nn import cpu_gemm
+from realhf.impl.model.nn import cpu_gemm, decode_ops
 from realhf.impl.model.nn.compile_util import CompiledOrFallback
 from realhf.impl.model.nn.kv_cache import KVCache
 from realhf.impl.model.parallelism.tensor_parallel import (
@@ -199,9 +200,18 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg.layer_norm_type, cfg.hidden_dim, cfg.layer_norm_epsilon, dtype, device)
         self.mlp = MLP(cfg, tp_group, tp, dtype, device)
         self.compiled = None  # (pre, post) compiled by ReaLModel.compile_blocks, else the eager functions run
+        # a decode step's small operations in C++ (decode_ops) serve RMSNorm blocks with a SiLU-gated MLP and no
+        # qk-norm (Llama, Qwen2, SmolLM2, Mistral)
+        self.decode_fusable = (isinstance(self.attn_norm, RMSNorm) and isinstance(self.mlp_norm, RMSNorm)
+                               and self.mlp.gated and self.mlp.act is F.silu and self.attn.q_norm is None)
 
     def forward(self, x, inp, rope, layer):
-        pre, post = _BLOCK_EAGER if self.compiled is None or torch.compiler.is_compiling() else self.compiled
+        if torch.compiler.is_compiling():
+            pre, post = _BLOCK_EAGER
+        elif self.decode_fusable and self.compiled is None and decode_ops.for_rows(x) is not None:
+            pre, post = _BLOCK_DECODE
+        else:
+            pre, post = _BLOCK_EAGER if self.compiled is None else self.compiled
         q, k, v = pre(self, x, rope)
         return post(self, x, self.attn.attend(q, k, v, inp, layer))
 
@@ -218,6 +228,30 @@ def _block_post(blk: "Block", x, o):
 
 
 _BLOCK_EAGER = (_block_pre, _block_post)
+
+
+def _block_pre_decode(blk: "Block", x, rope):
+    """``_block_pre`` for a decode step's few rows (``Block.decode_fusable``): the norm and rotary in C++."""
+    ops, a, norm = decode_ops.for_rows(x), blk.attn, blk.attn_norm
+    T = x.shape[0]
+    h = ops.rms_norm(x, norm.weight, norm.eps)[0]
+    q, k, v = cpu_gemm.linear_group(h, (a.q_proj, a.k_proj, a.v_proj))
+    q, k, v = q.reshape(T, a.hq, a.d), k.reshape(T, a.hkv, a.d), v.reshape(T, a.hkv, a.d)
+    if rope is not None:
+        ops.rotary_(q, k, rope[0][:, 0], rope[1][:, 0])  # in place; [T, 1, d] tables as [T, d]
+    return q, k, v
+
+
+def _block_post_decode(blk: "Block", x, o):
+    """``_block_post`` for a decode step's few rows: the residual add with the MLP's norm, and SiLU(gate) * up, in
+    C++."""
+    ops, mlp, norm = decode_ops.for_rows(x), blk.mlp, blk.mlp_norm
+    h, x = ops.rms_norm(blk.attn.o_proj(o), norm.weight, norm.eps, x)  # h = norm(x + o_proj(o)), and the sum
+    gate, up = cpu_gemm.linear_group(h, (mlp.gate_proj, mlp.up_proj))
+    return x + mlp.down_proj(ops.silu_mul(gate, up))
+
+
+_BLOCK_DECODE = (_block_pre_decode, _block_post_decode)
 
 
 _COMPILED_BLOCK = None

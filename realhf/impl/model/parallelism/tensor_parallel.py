@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from realhf.impl.model.nn import cpu_gemm
+from realhf.impl.model.nn import cpu_gemm, decode_ops
 
 
 def _world(group) -> int:
@@ -98,7 +98,8 @@ class ColumnParallelLinear(nn.Module):
         x = copy_to_tp(x, self.group)
         n = self.weight.shape[0]
         if (not torch.is_grad_enabled() and n > 4 * self.CHUNK_ROWS and x.dim() == 2 and x.shape[0] <= 256
-                and not x.is_cuda and not torch.compiler.is_compiling() and cpu_gemm.kernel() == "aten"):
+                and not x.is_cuda and not torch.compiler.is_compiling() and cpu_gemm.kernel() == "aten"
+                and decode_ops.linear_kernel(x, self.weight, self.bias) is None):  # the tile kernel streams it whole
             out = x.new_empty(x.shape[0], n)
             for i in range(0, n, self.CHUNK_ROWS):
                 j = min(n, i + self.CHUNK_ROWS)

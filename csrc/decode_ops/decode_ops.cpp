@@ -1,0 +1,355 @@
+// The operations of a decode step other than attention, on CPU, fp32, for the few rows of a step (one per sequence):
+// the linear layers' products (skinny_linear), RMSNorm with the residual add before it (rms_norm), rotary embedding
+// of q and k in place (rotary_), and SiLU(gate) * up (silu_mul). At 32 rows of SmolLM2 each of the small operations
+// is a few microseconds of arithmetic, and their cost in PyTorch is the dispatch of 20-odd kernels per layer; here
+// each is one call.
+//
+// skinny_linear: y = x W^T + b, W in nn.Linear's own [out, in] layout (no packed copy, so a weight updated in place
+// is used as it is). x [M, K] (rows contiguous), W [N, K] (rows contiguous, any row stride), b [N] or none. Returns [M, N].
+//
+// Each output is a dot product of an x row and a W row. A tile of MR x rows and NR W rows is computed together: per
+// 16-float chunk of K, MR + NR vector loads feed MR * NR fused multiply-adds, into MR * NR accumulators of 16 lanes;
+// at the end the accumulators are reduced into one vector by a fixed tree of shuffles. The NR W rows stay in L1
+// while every x tile passes over them, so W is read from memory once; x (a few hundred KB at most) stays in L2.
+// Work is split over W row tiles; each output is computed by one thread in a fixed order, so the result does not
+// depend on the thread count. With AVX-512 (checked at load time) the tile kernel is the one above; elsewhere a
+// portable loop over the same tiles runs (vectorised by the compiler for what it targets).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define REALHF_X86 1
+#endif
+
+namespace {
+
+constexpr int kNR = 6;  // W rows per tile
+constexpr int kMR = 4;  // x rows per tile (at most)
+constexpr int kAcc = (kMR * kNR + 15) / 16 * 16;  // accumulators, padded to whole reduction trees
+
+#ifdef REALHF_X86
+// The 16 lane-sums of a[0..15] as one vector (lane t = sum of a[t]): the tree of decode_attention's scores16.
+__attribute__((target("avx512f"))) inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int k = 0; k < 8; ++k)
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)
+    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0x44), _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0xEE));
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+}
+
+// MR x rows (MR <= kMR) against kNR W rows over K (a multiple of 16): out[i * kNR + j] = x_i . w_j. ``pf``: where the
+// next tile's W rows start (or null); their cache lines are requested during this tile's loop, so the next tile
+// does not wait on memory (W is streamed once; without this the step waits on every tile's first touch).
+template <int MR>
+__attribute__((target("avx512f"))) inline void tile_avx512(const float* x, int64_t sx, const float* w, int64_t sw,
+                                                          int64_t K, float* out, const float* pf) {
+  __m512 acc[kAcc];
+  for (int t = 0; t < kAcc; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    if (pf != nullptr)
+      for (int j = 0; j < kNR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * sw + k), _MM_HINT_T0);
+    __m512 xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = _mm512_loadu_ps(x + i * sx + k);
+    for (int j = 0; j < kNR; ++j) {
+      const __m512 wv = _mm512_loadu_ps(w + j * sw + k);
+      for (int i = 0; i < MR; ++i) acc[i * kNR + j] = _mm512_fmadd_ps(xv[i], wv, acc[i * kNR + j]);
+    }
+  }
+  for (int g = 0; g < kAcc; g += 16) _mm512_storeu_ps(out + g, reduce16(acc + g));  // rows beyond MR: zeros
+}
+#endif
+
+// The same tile with plain loops: 16 lanes per dot product and the same tree, so results agree with the AVX-512
+// tile to the rounding of its fused multiply-adds.
+template <int MR>
+inline void tile_portable(const float* x, int64_t sx, const float* w, int64_t sw, int64_t K, float* out) {
+  float acc[kMR * kNR][16] = {};
+  for (int64_t k = 0; k < K; k += 16)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < kNR; ++j)
+        for (int l = 0; l < 16; ++l) acc[i * kNR + j][l] += x[i * sx + k + l] * w[j * sw + k + l];
+  for (int t = 0; t < kMR * kNR; ++t) {
+    float b[8], c[4];
+    for (int l = 0; l < 8; ++l) b[l] = acc[t][l] + acc[t][l + 8];
+    for (int l = 0; l < 4; ++l) c[l] = b[l] + b[l + 4];
+    out[t] = (c[0] + c[2]) + (c[1] + c[3]);
+  }
+}
+
+bool cpu_has_avx512() {
+#ifdef REALHF_X86
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+#else
+  return false;
+#endif
+}
+
+template <int MR>
+void tile(bool avx512, const float* x, int64_t sx, const float* w, int64_t sw, int64_t K, float* out, const float* pf) {
+#ifdef REALHF_X86
+  if (avx512) return tile_avx512<MR>(x, sx, w, sw, K, out, pf);
+#endif
+  (void)pf;
+  tile_portable<MR>(x, sx, w, sw, K, out);
+}
+
+void tile_any(int mr, bool avx512, const float* x, int64_t sx, const float* w, int64_t sw, int64_t K, float* out,
+              const float* pf) {
+  switch (mr) {
+    case 1: return tile<1>(avx512, x, sx, w, sw, K, out, pf);
+    case 2: return tile<2>(avx512, x, sx, w, sw, K, out, pf);
+    case 3: return tile<3>(avx512, x, sx, w, sw, K, out, pf);
+    default: return tile<4>(avx512, x, sx, w, sw, K, out, pf);
+  }
+}
+
+}  // namespace
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool allow_avx512) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.stride(1) == 1,
+              "skinny_linear: x must be a 2-d float32 CPU tensor with contiguous rows, got ", x.sizes(), " ",
+              x.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.device().is_cpu() && w.stride(1) == 1,
+              "skinny_linear: the weight must be a 2-d float32 CPU tensor with contiguous rows, got ", w.sizes(), " ",
+              w.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "skinny_linear: x has ", K, " columns but the weight has ", w.size(1));
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
+                    bias->device().is_cpu() && bias->stride(0) == 1,
+                "skinny_linear: the bias must be a contiguous float32 CPU vector of ", N, " values, got ",
+                bias->sizes());
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const bool avx512 = allow_avx512 && cpu_has_avx512();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t sx = x.stride(0), sw = w.stride(0);
+  const int64_t K16 = K / 16 * 16;  // the vector part of K; the tail (K % 16 columns) is added in scalar order
+  const int64_t n_tiles = (N + kNR - 1) / kNR;
+  at::parallel_for(0, n_tiles, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      // a short last tile (N % kNR) moves back to end at row N and stores only its new columns; with N < kNR the
+      // tile's rows are all row j (stride 0), one column at a time
+      const int64_t n0 = t * kNR, nr = std::min<int64_t>(kNR, N - n0);
+      const int64_t base = nr == kNR ? n0 : std::max<int64_t>(0, N - kNR);
+      const float* next = t + 1 < hi && (t + 2) * kNR <= N ? wp + (n0 + kNR) * sw : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m0));
+        float out[kAcc];
+        if (N >= kNR) {
+          tile_any(mr, avx512, xp + m0 * sx, sx, wp + base * sw, sw, K16, out, m0 == 0 ? next : nullptr);
+        } else {
+          for (int64_t j = 0; j < N; ++j) {
+            float o1[kAcc];
+            tile_any(mr, avx512, xp + m0 * sx, sx, wp + j * sw, 0, K16, o1, nullptr);
+            for (int i = 0; i < mr; ++i) out[i * kNR + j] = o1[i * kNR];
+          }
+        }
+        for (int i = 0; i < mr; ++i) {
+          const float* xr = xp + (m0 + i) * sx;
+          for (int64_t n = n0; n < n0 + nr; ++n) {
+            const float* wr = wp + n * sw;
+            float v = out[i * kNR + (n - base)];
+            for (int64_t k = K16; k < K; ++k) v += xr[k] * wr[k];
+            if (bp != nullptr) v += bp[n];
+            yp[(m0 + i) * N + n] = v;
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+namespace {
+
+// 16 lanes and a fixed tree, as the tiles above: the same sum whatever the thread count
+inline float sum_squares(const float* x, int64_t n) {
+  float acc[16] = {};
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += x[k + l] * x[k + l];
+  for (int l = 0; k < n; ++k, ++l) acc[l] += x[k] * x[k];
+  float b[8], c[4];
+  for (int l = 0; l < 8; ++l) b[l] = acc[l] + acc[l + 8];
+  for (int l = 0; l < 4; ++l) c[l] = b[l] + b[l + 4];
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+void check_rows(const torch::Tensor& t, const char* what, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.stride(1) == 1, what,
+              ": ", name, " must be a 2-d float32 CPU tensor with contiguous rows, got ", t.sizes(), " ",
+              t.scalar_type(), " strides ", t.strides());
+}
+
+}  // namespace
+
+// h = w * (x / sqrt(mean(x^2) + eps)) per row of x [T, H] (in that order of operations, as RMSNorm's PyTorch form).
+// With ``residual``: x + residual is formed first, and both it and h are returned (the residual stream and its norm
+// in one pass). Returns [h] or [h, x + residual].
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual) {
+  check_rows(x, "rms_norm", "x");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == H && w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
+              "rms_norm: the weight must be a contiguous float32 vector of ", H, " values, got ", w.sizes());
+  const bool add = residual.has_value() && residual->defined();
+  if (add) {
+    check_rows(*residual, "rms_norm", "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "rms_norm: residual ", residual->sizes(), " and x ", x.sizes(),
+                " differ in shape");
+  }
+  auto h = torch::empty({T, H}, x.options());
+  torch::Tensor sum = add ? torch::empty({T, H}, x.options()) : torch::Tensor();
+  const float* xp = x.data_ptr<float>();
+  const float* rp = add ? residual->data_ptr<float>() : nullptr;
+  const float* wp = w.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  float* sp = add ? sum.data_ptr<float>() : nullptr;
+  const int64_t sx = x.stride(0), sr = add ? residual->stride(0) : 0;
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(H, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* src = xp + t * sx;
+      if (add) {
+        float* s = sp + t * H;
+        const float* r = rp + t * sr;
+        for (int64_t i = 0; i < H; ++i) s[i] = src[i] + r[i];
+        src = s;
+      }
+      const float scale = 1.f / std::sqrt(sum_squares(src, H) / static_cast<float>(H) + e);
+      float* o = hp + t * H;
+      for (int64_t i = 0; i < H; ++i) o[i] = wp[i] * (src[i] * scale);
+    }
+  });
+  if (add) return {h, sum};
+  return {h};
+}
+
+// In place: x[t, j] = x[t, j] * cos[t, i] + x[t, j +- d/2] * sin_signed[t, i] (rotate-half rotary embedding, sin
+// already carrying the sign of the rotated half), for every head of q [T, hq, d] and k [T, hkv, d]; cos and
+// sin_signed are [T, d] (any layout whose last dimension is contiguous, e.g. a [T, 1, d] table squeezed).
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin_signed) {
+  for (auto* t : {&q, &k}) {
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == torch::kFloat32 && t->device().is_cpu() && t->stride(2) == 1,
+                "rotary_: q and k must be [T, heads, d] float32 CPU tensors with contiguous heads, got ", t->sizes(),
+                " strides ", t->strides());
+  }
+  const int64_t T = q.size(0), d = q.size(2);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == d && d % 2 == 0, "rotary_: q ", q.sizes(), " and k ", k.sizes(),
+              " must have the same rows and an even head size");
+  check_rows(cos, "rotary_", "cos");
+  check_rows(sin_signed, "rotary_", "sin_signed");
+  TORCH_CHECK(cos.size(0) == T && cos.size(1) == d && sin_signed.sizes() == cos.sizes(), "rotary_: cos ", cos.sizes(),
+              " and sin ", sin_signed.sizes(), " must be [", T, ", ", d, "]");
+  const int64_t half = d / 2;
+  auto run = [&](torch::Tensor& x, int64_t t) {
+    const float* c = cos.data_ptr<float>() + t * cos.stride(0);
+    const float* s = sin_signed.data_ptr<float>() + t * sin_signed.stride(0);
+    float* base = x.data_ptr<float>() + t * x.stride(0);
+    for (int64_t h = 0; h < x.size(1); ++h) {
+      float* v = base + h * x.stride(1);
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] + b * s[i];  // the rolled vector is [x2, x1]
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  };
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(d * (q.size(1) + k.size(1)), 1)),
+                   [&](int64_t lo, int64_t hi) {
+                     for (int64_t t = lo; t < hi; ++t) run(q, t), run(k, t);
+                   });
+}
+
+namespace {
+
+#ifdef REALHF_X86
+// silu(a) * u for 16 lanes: realhf::fast_exp's steps as AVX-512 instructions (the auto-vectorised loop of the
+// scalar form measured 10x slower on random inputs: its SSE code path stalled on denormal garbage).
+__attribute__((target("avx512f"))) inline __m512 silu_mul16(__m512 a, __m512 u) {
+  __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), a);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 magic = _mm512_set1_ps(12582912.f);
+  const __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic);
+  const __m512 n = _mm512_sub_ps(t, magic);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)), _mm512_set1_epi32(127)), 23);
+  const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
+
+__attribute__((target("avx512f"))) void silu_mul_row_avx512(const float* g, const float* u, float* o, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(o + i, silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(o + i, m, silu_mul16(_mm512_maskz_loadu_ps(m, g + i), _mm512_maskz_loadu_ps(m, u + i)));
+  }
+}
+#endif
+
+void silu_mul_row(bool avx512, const float* g, const float* u, float* o, int64_t n) {
+#ifdef REALHF_X86
+  if (avx512) return silu_mul_row_avx512(g, u, o, n);
+#endif
+  (void)avx512;
+  for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+}  // namespace
+
+// silu(gate) * up, elementwise, for gate and up [T, I] (rows contiguous; e.g. two halves of one product).
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, bool allow_avx512) {
+  check_rows(gate, "silu_mul", "gate");
+  check_rows(up, "silu_mul", "up");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "silu_mul: gate ", gate.sizes(), " and up ", up.sizes(), " differ in shape");
+  const int64_t T = gate.size(0), I = gate.size(1);
+  auto y = torch::empty({T, I}, gate.options());
+  const float* g = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  float* o = y.data_ptr<float>();
+  const int64_t sg = gate.stride(0), su = up.stride(0);
+  const bool avx512 = allow_avx512 && cpu_has_avx512();
+  at::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(I, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) silu_mul_row(avx512, g + t * sg, u + t * su, o + t * I, I);
+  });
+  return y;
+}
+
+bool has_avx512() { return cpu_has_avx512(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("skinny_linear", &skinny_linear, "x W^T + b for a few rows of x (fp32, CPU)", py::arg("x"), py::arg("w"),
+        py::arg("bias") = py::none(), py::arg("allow_avx512") = true);
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, with an optional residual added first", py::arg("x"),
+        py::arg("w"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k, in place", py::arg("q"), py::arg("k"),
+        py::arg("cos"), py::arg("sin_signed"));
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate"), py::arg("up"), py::arg("allow_avx512") = true);
+  m.def("has_avx512", &has_avx512, "whether this CPU runs the AVX-512 tile");
+}

@@ -1,0 +1,199 @@
+"""The C++ operations of a decode step (csrc/decode_ops) against the PyTorch operations they replace: the tile GEMM on
+every shape class (widths not a multiple of its tile, fewer weight rows than a tile, inner sizes not a multiple of
+16, bias, a weight that is a row slice of a wider one), RMSNorm with and without the residual add, rotary embedding in
+place on strided views, SiLU(gate) * up; on the AVX-512 path where the CPU has it and on the portable one; the same
+result at 1 and 2 threads; bad input named. A model's decode steps and greedy generation with them equal the PyTorch
+path; where they do not serve (autograd, many rows, REALHF_DECODE_OPS=0) the PyTorch path runs."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from realhf.impl.model.nn import decode_ops
+from realhf.impl.model.nn.attention import RMSNorm, apply_rotary
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATHS = [True, False]
+PATH_IDS = ["avx512-where-the-cpu-has-it", "portable"]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """A compiler exists here, so a failed build is a failure with the compiler's message, never a skip."""
+    return decode_ops._KERNEL.load(strict=True)
+
+
+@pytest.mark.parametrize("avx512", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("M,K,N", [(32, 576, 576), (32, 576, 192), (5, 64, 6), (7, 40, 13), (1, 16, 1), (3, 33, 4),
+                                   (64, 128, 100), (4, 576, 1537)])
+def test_tile_gemm_equals_f_linear(ops, M, K, N, avx512):
+    g = torch.Generator().manual_seed(M * 7 + K + N)
+    x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    want = F.linear(x.double(), w.double(), b.double()).float()
+    torch.testing.assert_close(ops.skinny_linear(x, w, b, avx512), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ops.skinny_linear(x, w, None, avx512), want - b, rtol=1e-4, atol=1e-4)
+
+
+def test_tile_gemm_on_views(ops):
+    """A weight that is a slice of a wider one (row stride > K) and an input with a row stride: read in place."""
+    g = torch.Generator().manual_seed(1)
+    wide, xs = torch.randn(50, 96, generator=g), torch.randn(9, 80, generator=g)
+    w, x = wide[3:40, 8:72], xs[:, 16:80]
+    assert w.stride(0) == 96 and x.stride(0) == 80
+    torch.testing.assert_close(ops.skinny_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_results_do_not_depend_on_threads(ops):
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(32, 576, generator=g), torch.randn(1536, 576, generator=g)
+    gate, up = torch.randn(32, 1536, generator=g), torch.randn(32, 1536, generator=g)
+    n = torch.get_num_threads()
+    outs = []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append((ops.skinny_linear(x, w), ops.silu_mul(gate, up), ops.rms_norm(x, w[0].contiguous(), 1e-5)[0]))
+    finally:
+        torch.set_num_threads(n)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_rms_norm_with_and_without_the_residual(ops):
+    g = torch.Generator().manual_seed(3)
+    x, r = torch.randn(12, 576, generator=g), torch.randn(12, 576, generator=g)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=g)
+    with torch.no_grad():
+        (h,) = ops.rms_norm(x, norm.weight, norm.eps)
+        torch.testing.assert_close(h, norm(x), rtol=1e-5, atol=1e-5)
+        h, s = ops.rms_norm(x, norm.weight, norm.eps, r)
+        assert torch.equal(s, x + r)
+        torch.testing.assert_close(h, norm(x + r), rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_in_place_on_strided_views(ops):
+    """q and k as the column views of one fused q/k/v product (what linear_group returns), rotated in place."""
+    g = torch.Generator().manual_seed(4)
+    T, hq, hkv, d = 6, 9, 3, 64
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.reshape(T, hq, d), k.reshape(T, hkv, d), v.reshape(T, hkv, d)
+    cos, sin = torch.randn(T, 1, d, generator=g), torch.randn(T, 1, d, generator=g)
+    want_q, want_k, v_before = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.clone()
+    ops.rotary_(q, k, cos[:, 0], sin[:, 0])
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v, v_before), "v shares the buffer and must not be touched"
+
+
+@pytest.mark.parametrize("avx512", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("T,I", [(32, 1536), (3, 37)])
+def test_silu_mul(ops, T, I, avx512):
+    g = torch.Generator().manual_seed(T + I)
+    gate, up = torch.randn(T, I, generator=g) * 8, torch.randn(T, I, generator=g)
+    gate[0, :4] = torch.tensor([100.0, -100.0, 0.0, 88.5])  # saturated both ways, and zero
+    torch.testing.assert_close(ops.silu_mul(gate, up, avx512), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_input_is_named(ops):
+    with pytest.raises(RuntimeError, match="x has 8 columns but the weight has 9"):
+        ops.skinny_linear(torch.zeros(2, 8), torch.zeros(3, 9))
+    with pytest.raises(RuntimeError, match="skinny_linear: x must be a 2-d float32"):
+        ops.skinny_linear(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(3, 8))
+    with pytest.raises(RuntimeError, match="the bias must be a contiguous float32 CPU vector of 3 values"):
+        ops.skinny_linear(torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(4))
+    with pytest.raises(RuntimeError, match="rms_norm: residual .* and x .* differ in shape"):
+        ops.rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-5, torch.zeros(3, 8))
+    with pytest.raises(RuntimeError, match="rotary_: cos .* must be \\[2, 8\\]"):
+        ops.rotary_(torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), torch.zeros(2, 6), torch.zeros(2, 6))
+    with pytest.raises(RuntimeError, match="silu_mul: gate .* and up .* differ in shape"):
+        ops.silu_mul(torch.zeros(2, 8), torch.zeros(2, 7))
+
+
+def test_where_the_ops_serve(ops):
+    x, w = torch.randn(4, 32), torch.randn(8, 32)
+    assert decode_ops.for_rows(x) is None, "autograd is on: the PyTorch path"
+    with torch.no_grad():
+        assert decode_ops.for_rows(x) is ops
+        assert decode_ops.for_rows(torch.randn(decode_ops.MAX_ROWS + 1, 32)) is None, "prefill-sized inputs"
+        assert decode_ops.for_rows(x.double()) is None
+        if ops.has_avx512():
+            torch.testing.assert_close(decode_ops.linear(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        assert decode_ops.linear(x, w.double(), None) is None
+
+
+def _decode_logits(model, steps: int = 4):
+    """Logits of a prefill then ``steps`` decode steps of 5 rows over a KV cache (greedy tokens fed back)."""
+    from realhf.impl.model.nn.kv_cache import KVCache
+    from realhf.impl.model.nn.real_model import PackedInput, make_packed_input
+
+    g = torch.Generator().manual_seed(0)
+    plens = [5, 3, 8, 1, 6]
+    ids = torch.randint(3, model.config.vocab_size, (sum(plens),), generator=g)
+    cache = KVCache(model.n_local_layers, len(plens), 8 + steps + 1, model.n_local_kv_heads, model.config.head_dim,
+                    torch.float32, "cpu")
+    cache.begin_prefill(torch.tensor(plens))
+    inp = make_packed_input(plens)
+    inp.cache = cache
+    out = [model(ids, inp)]
+    cache.end_prefill()
+    tok = out[0][torch.tensor(plens).cumsum(0) - 1].argmax(-1)
+    for _ in range(steps):
+        inp = PackedInput(cu_seqlens=torch.arange(len(plens) + 1, dtype=torch.int32), max_seqlen=1,
+                          position_ids=cache.lens.clone(), cache=cache)
+        out.append(model(tok, inp))
+        cache.advance()
+        tok = out[-1].argmax(-1)
+    return out
+
+
+def test_model_decode_steps_equal_the_pytorch_path(ops, monkeypatch):
+    """A tiny Qwen2 (RMSNorm, SiLU-gated MLP, rotary, grouped heads, q/k/v biases): its decode blocks take the C++
+    path, and the logits of every step equal those with the ops off."""
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn import real_model
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    model = build_from_hf(ensure_tiny_model("qwen2"), grid=single_process_grid())
+    assert all(b.decode_fusable for b in model.blocks.values())
+    used = []
+    pre = real_model._block_pre_decode
+    monkeypatch.setattr(real_model, "_BLOCK_DECODE",
+                        (lambda *a: used.append(1) or pre(*a), real_model._block_post_decode))
+    with torch.no_grad():
+        fused = _decode_logits(model)
+        assert used, "the decode steps did not take the C++ path"
+        monkeypatch.setattr(decode_ops, "enabled", lambda: False)
+        n = len(used)
+        plain = _decode_logits(model)
+        assert len(used) == n, "with REALHF_DECODE_OPS off the PyTorch path must run"
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_generation_equal_with_the_ops_off():
+    """Greedy generation of a tiny Qwen2 with the ops, and in a process with REALHF_DECODE_OPS=0: the same tokens."""
+    code = (
+        "import torch, json\n"
+        "from realhf.api.core.model_api import GenerationHyperparameters\n"
+        "from realhf.base.topology import single_process_grid\n"
+        "from realhf.impl.model.conversion.hf_io import build_from_hf\n"
+        "from realhf.impl.model.nn.generation import generate\n"
+        "from realhf.impl.model.tiny import ensure_tiny_model\n"
+        "m = build_from_hf(ensure_tiny_model('qwen2'), grid=single_process_grid())\n"
+        "g = torch.Generator().manual_seed(3)\n"
+        "prompts = [torch.randint(3, m.config.vocab_size, (n,), generator=g).tolist() for n in (4, 9, 2, 7)]\n"
+        "out = generate(m, prompts, GenerationHyperparameters(max_new_tokens=12, min_new_tokens=12, greedy=True))\n"
+        "print(json.dumps([list(map(int, t)) for t in out.tokens]))\n"
+    )
+    toks = []
+    for flag in ("1", "0"):
+        p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, REALHF_DECODE_OPS=flag),
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        toks.append(p.stdout.strip().splitlines()[-1])
+    assert toks[0] == toks[1]
