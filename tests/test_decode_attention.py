@@ -173,3 +173,6 @@ def test_shared_prefix_kernel_names_bad_input(kernel):
         kernel.shared_prefix_decode_attention(*args, torch.tensor([0, 0, 2]), torch.tensor([0, 2, 3]), 1.0)
     with pytest.raises(RuntimeError, match="row_starts must run from 0 to 3"):
         kernel.shared_prefix_decode_attention(*args, torch.tensor([0, 1, 2]), torch.tensor([0, 2, 2]), 1.0)
+    with pytest.raises(RuntimeError, match=r"^shared_prefix_decode_attention: PK must be a float32 CPU tensor"):
+        kernel.shared_prefix_decode_attention(q, cache.pk[0].double(), *args[2:], torch.tensor([0, 1, 2]),
+                                              torch.tensor([0, 2, 3]), 1.0)

@@ -168,12 +168,13 @@ bool use_avx512(int64_t d) {
 #endif
 }
 
-void check_cache(const torch::Tensor& X, const char* name, int64_t B, int64_t d) {
-  TORCH_CHECK(X.dim() == 4 && X.size(0) == B && X.size(3) == d, "decode_attention: ", name,
-              " must be [", B, ", hkv, positions, ", d, "], got ", X.sizes());
-  TORCH_CHECK(X.scalar_type() == torch::kFloat32 && X.device().is_cpu(), "decode_attention: ", name,
+// ``fn``: the calling function's name, which starts every message
+void check_cache(const char* fn, const torch::Tensor& X, const char* name, int64_t B, int64_t d) {
+  TORCH_CHECK(X.dim() == 4 && X.size(0) == B && X.size(3) == d, fn, ": ", name, " must be [", B, ", hkv, positions, ",
+              d, "], got ", X.sizes());
+  TORCH_CHECK(X.scalar_type() == torch::kFloat32 && X.device().is_cpu(), fn, ": ", name,
               " must be a float32 CPU tensor");
-  TORCH_CHECK(X.stride(3) == 1, "decode_attention: the last dimension of ", name, " must be contiguous");
+  TORCH_CHECK(X.stride(3) == 1, fn, ": the last dimension of ", name, " must be contiguous");
 }
 
 }  // namespace
@@ -183,8 +184,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor K, torch::Tensor V
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.device().is_cpu(),
               "decode_attention: q must be a float32 CPU tensor [B, hq, d], got ", q.sizes(), " ", q.scalar_type());
   const int64_t B = q.size(0), hq = q.size(1), d = q.size(2);
-  check_cache(K, "K", B, d);
-  check_cache(V, "V", B, d);
+  check_cache("decode_attention", K, "K", B, d);
+  check_cache("decode_attention", V, "V", B, d);
   TORCH_CHECK(V.sizes() == K.sizes() && V.strides() == K.strides(), "decode_attention: K and V must have the same "
               "shape and strides, got ", K.sizes(), K.strides(), " and ", V.sizes(), V.strides());
   const int64_t hkv = K.size(1), M = K.size(2);
@@ -238,10 +239,10 @@ torch::Tensor shared_prefix_decode_attention(torch::Tensor q, torch::Tensor PK, 
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.device().is_cpu(),
               "shared_prefix_decode_attention: q must be a float32 CPU tensor [B, hq, d], got ", q.sizes());
   const int64_t B = q.size(0), hq = q.size(1), d = q.size(2), P = PK.size(0);
-  check_cache(PK, "PK", P, d);
-  check_cache(PV, "PV", P, d);
-  check_cache(K, "K", B, d);
-  check_cache(V, "V", B, d);
+  check_cache("shared_prefix_decode_attention", PK, "PK", P, d);
+  check_cache("shared_prefix_decode_attention", PV, "PV", P, d);
+  check_cache("shared_prefix_decode_attention", K, "K", B, d);
+  check_cache("shared_prefix_decode_attention", V, "V", B, d);
   TORCH_CHECK(PV.sizes() == PK.sizes() && PV.strides() == PK.strides() && V.sizes() == K.sizes() &&
               V.strides() == K.strides() && PK.size(1) == K.size(1),
               "shared_prefix_decode_attention: PK/PV and K/V must match in shape and strides, with the same kv heads");
