@@ -338,3 +338,32 @@ def test_serve_registers_and_restores(loop, tmp_path):
     assert again[0]["version"] == 1
     events = [r["event"] for r in read_log(os.path.join(spec.log_dir, "rollouts.jsonl"))]
     assert events == ["issue"] * 4 + ["restore"]
+
+
+def test_a_worker_stays_while_tickets_run_elsewhere(loop):
+    """No free slot but tickets running on another worker: a rollout worker keeps asking (that worker may be killed
+    and its tickets come back, as in a CI run where the survivor had left and the run hung), and stops once every
+    slot is accepted."""
+    import time
+
+    from realhf.system.manager_client import ManagerClient
+    from realhf.system.rollout_worker import RolloutWorker
+
+    secret = new_run_secret()
+    m = Running(loop, book_of(B=2, total=1, n=4), DUMMY, secret)
+    w = RolloutWorker.__new__(RolloutWorker)  # only its allocation loop runs: no ticket is ever given to it
+    w.name, w.manager_timeout, w.rs = "w0", 30.0, None
+    w.manager = ManagerClient(m.addr, secret)
+    try:
+        ghost = [m.post("/allocate", worker="ghost")["ticket"] for _ in range(2)]
+        assert all(ghost) and m.post("/allocate", worker="w0")["reason"] == "done"
+        fut = loop.submit(w._episodes(0))
+        time.sleep(1.5)
+        assert not fut.done(), f"the worker left while tickets were still running elsewhere ({fut.exception()})"
+        for t in ghost:
+            m.post("/finish", ticket=t["id"], status="accepted")
+        fut.result(30)  # every slot accepted: it stops
+        assert m.status()["complete"]
+    finally:
+        loop.run(w.manager.close())
+        m.stop()

@@ -157,7 +157,9 @@ class RolloutWorker:
             got = await self._allocate()
             t = got.get("ticket")
             if t is None:
-                if got.get("reason") == "done":
+                # "done" only says no slot is free now: a ticket running elsewhere may still fail (its worker
+                # killed) and come back, so the worker stays until every slot is accepted (``complete``)
+                if got.get("complete"):
                     return
                 await asyncio.sleep(idle)
                 idle = min(idle * 2, 0.5)

@@ -287,7 +287,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """``torch.nn.functional.linear`` with this process's CPU GEMM kernel (see the module docstring); a decode
     step's few rows (fp32 inference) go to the tile kernel of :mod:`decode_ops` where it serves, unless oneDNN's
     packed weights are in use (:func:`packing`; as fast as the tile kernel where both were measured)."""
-    if x.dim() == 2 and x.shape[0] <= decode_ops.MAX_ROWS and not torch.is_grad_enabled() and not packing():
+    # (is_compiling first: a size test in a trace would add a guard on the row count)
+    if (not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] <= decode_ops.MAX_ROWS
+            and not torch.is_grad_enabled() and not packing()):
         y = decode_ops.linear(x, weight, bias)
         if y is not None:
             return y
