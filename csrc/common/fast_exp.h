@@ -1,8 +1,9 @@
 // exp(x) as plain float arithmetic that the compiler vectorises in a loop (std::exp stays a scalar call without
-// -ffast-math; the selects need -fno-trapping-math, which the kernels' builds pass), to about 2 ulp, for x <= 88 (exp(88) ~ 1.65e38, near the largest float); below -87 it returns
-// exp(-87) ~ 1.6e-38 (the smallest normal float, 0 within the rounding of any sum it joins). x = n ln2 + r with
-// |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial, 2^n put into the exponent bits. Shared by the C++ kernels
-// (the softmax of decode attention, SiLU of the decode ops).
+// -ffast-math; the selects need -fno-trapping-math, which the kernels' builds pass), to about 2 ulp, for x <= 88
+// (exp(88) ~ 1.65e38, near the largest float); below -87 it returns exp(-87) ~ 1.6e-38 (the smallest normal float,
+// 0 within the rounding of any sum it joins). x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor
+// polynomial, 2^n put into the exponent bits. Used by decode attention's softmax; the decode ops' SiLU runs the same
+// steps as AVX-512 instructions (silu_mul16).
 #pragma once
 
 #include <cstdint>

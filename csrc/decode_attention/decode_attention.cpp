@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../common/fast_exp.h"
+#include "../common/lane_sums.h"
 
 namespace {
 
@@ -30,22 +31,12 @@ constexpr int kLanes = 16;
 #define REALHF_MULTI_TARGET
 #endif
 
-// The sum of 16 lanes as a fixed tree (8 + 8, 4 + 4, 2 + 2, 1 + 1): vector shuffles and adds, where a running sum
-// would be 16 dependent scalar additions.
-inline float sum16(const float* a) {
-  float b[8], c[4];
-  for (int l = 0; l < 8; ++l) b[l] = a[l] + a[l + 8];
-  for (int l = 0; l < 4; ++l) c[l] = b[l] + b[l + 4];
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define REALHF_AVX512 1
 
 // The scores of 16 consecutive positions for one query, d a multiple of 16: one accumulator per position over the d
-// chunks, then the 16 accumulators reduced into one vector (lane t = position t) by a fixed tree of in-lane and
-// cross-lane shuffles, so no sum goes through a scalar.
+// chunks, then the 16 accumulators reduced into one vector (lane t = position t) by realhf::reduce16.
 __attribute__((target("avx512f"))) inline __m512 scores16_avx512(const float* q, const float* K, int64_t st, int d) {
   __m512 a[16];
   for (int p = 0; p < 16; ++p) a[p] = _mm512_setzero_ps();
@@ -53,14 +44,7 @@ __attribute__((target("avx512f"))) inline __m512 scores16_avx512(const float* q,
     const __m512 qv = _mm512_loadu_ps(q + i);
     for (int p = 0; p < 16; ++p) a[p] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(K + p * st + i), a[p]);
   }
-  __m512 b[8], c[4];
-  for (int k = 0; k < 8; ++k)  // [p0 + p2, q0 + q2, p1 + p3, q1 + q3] in each 128-bit block
-    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-  for (int k = 0; k < 4; ++k)  // each 128-bit block: the block's sums of positions 4k .. 4k+3
-    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0x44), _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0xEE));
-  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+  return realhf::reduce16(a);
 }
 
 // the scores (times scale) of the whole blocks of 16 positions, for each of g queries (query j's scores at s + j * ld);
@@ -100,7 +84,7 @@ inline float dot(const float* __restrict__ a, const float* __restrict__ b, int d
   int i = 0;
   for (; i + kLanes <= d; i += kLanes)
     for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  float sum = sum16(acc);
+  float sum = realhf::sum16(acc);
   for (; i < d; ++i) sum += a[i] * b[i];
   return sum;
 }
@@ -134,7 +118,7 @@ void softmax_rows(float* __restrict__ s, int g, int64_t L, int64_t ld) {
     for (t0 = 0; t0 + kLanes <= L; t0 += kLanes)
       for (int l = 0; l < kLanes; ++l) zs[l] += sj[t0 + l];
     for (int64_t t = t0; t < L; ++t) zs[t - t0] += sj[t];
-    const float inv = 1.f / sum16(zs);
+    const float inv = 1.f / realhf::sum16(zs);
     for (int64_t t = 0; t < L; ++t) sj[t] *= inv;
   }
 }

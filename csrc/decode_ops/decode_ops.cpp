@@ -5,11 +5,12 @@
 // each is one call.
 //
 // skinny_linear: y = x W^T + b, W in nn.Linear's own [out, in] layout (no packed copy, so a weight updated in place
-// is used as it is). x [M, K] (rows contiguous), W [N, K] (rows contiguous, any row stride), b [N] or none. Returns [M, N].
+// is used as it is). x [M, K] (rows contiguous), W [N, K] (rows contiguous, any row stride), b [N] or none.
+// Returns [M, N].
 //
 // Each output is a dot product of an x row and a W row. A tile of MR x rows and NR W rows is computed together: per
 // 16-float chunk of K, MR + NR vector loads feed MR * NR fused multiply-adds, into MR * NR accumulators of 16 lanes;
-// at the end the accumulators are reduced into one vector by a fixed tree of shuffles. The NR W rows stay in L1
+// at the end the accumulators are reduced by realhf::reduce16 (csrc/common/lane_sums.h). The NR W rows stay in L1
 // while every x tile passes over them, so W is read from memory once; x (a few hundred KB at most) stays in L2.
 // Work is split over W row tiles; each output is computed by one thread in a fixed order, so the result does not
 // depend on the thread count. With AVX-512 (checked at load time) the tile kernel is the one above; elsewhere a
@@ -22,6 +23,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../common/lane_sums.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -35,18 +37,6 @@ constexpr int kMR = 4;  // x rows per tile (at most)
 constexpr int kAcc = (kMR * kNR + 15) / 16 * 16;  // accumulators, padded to whole reduction trees
 
 #ifdef REALHF_X86
-// The 16 lane-sums of a[0..15] as one vector (lane t = sum of a[t]): the tree of decode_attention's scores16.
-__attribute__((target("avx512f"))) inline __m512 reduce16(const __m512* a) {
-  __m512 b[8], c[4];
-  for (int k = 0; k < 8; ++k)
-    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-  for (int k = 0; k < 4; ++k)
-    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0x44), _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], 0xEE));
-  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
-}
-
 // MR x rows (MR <= kMR) against kNR W rows over K (a multiple of 16): out[i * kNR + j] = x_i . w_j. ``pf``: where the
 // next tile's W rows start (or null); their cache lines are requested during this tile's loop, so the next tile
 // does not wait on memory (W is streamed once; without this the step waits on every tile's first touch).
@@ -65,7 +55,7 @@ __attribute__((target("avx512f"))) inline void tile_avx512(const float* x, int64
       for (int i = 0; i < MR; ++i) acc[i * kNR + j] = _mm512_fmadd_ps(xv[i], wv, acc[i * kNR + j]);
     }
   }
-  for (int g = 0; g < kAcc; g += 16) _mm512_storeu_ps(out + g, reduce16(acc + g));  // rows beyond MR: zeros
+  for (int g = 0; g < kAcc; g += 16) _mm512_storeu_ps(out + g, realhf::reduce16(acc + g));  // rows beyond MR: zeros
 }
 #endif
 
@@ -78,12 +68,7 @@ inline void tile_portable(const float* x, int64_t sx, const float* w, int64_t sw
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < kNR; ++j)
         for (int l = 0; l < 16; ++l) acc[i * kNR + j][l] += x[i * sx + k + l] * w[j * sw + k + l];
-  for (int t = 0; t < kMR * kNR; ++t) {
-    float b[8], c[4];
-    for (int l = 0; l < 8; ++l) b[l] = acc[t][l] + acc[t][l + 8];
-    for (int l = 0; l < 4; ++l) c[l] = b[l] + b[l + 4];
-    out[t] = (c[0] + c[2]) + (c[1] + c[3]);
-  }
+  for (int t = 0; t < kMR * kNR; ++t) out[t] = realhf::sum16(acc[t]);
 }
 
 bool cpu_has_avx512() {
@@ -179,17 +164,14 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 
 namespace {
 
-// 16 lanes and a fixed tree, as the tiles above: the same sum whatever the thread count
+// 16 lanes and realhf::sum16, as the tiles above: the same sum whatever the thread count
 inline float sum_squares(const float* x, int64_t n) {
   float acc[16] = {};
   int64_t k = 0;
   for (; k + 16 <= n; k += 16)
     for (int l = 0; l < 16; ++l) acc[l] += x[k + l] * x[k + l];
   for (int l = 0; k < n; ++k, ++l) acc[l] += x[k] * x[k];
-  float b[8], c[4];
-  for (int l = 0; l < 8; ++l) b[l] = acc[l] + acc[l + 8];
-  for (int l = 0; l < 4; ++l) c[l] = b[l] + b[l + 4];
-  return (c[0] + c[2]) + (c[1] + c[3]);
+  return realhf::sum16(acc);
 }
 
 void check_rows(const torch::Tensor& t, const char* what, const char* name) {
