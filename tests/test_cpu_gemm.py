@@ -2,7 +2,6 @@
 backward, the packed weights of generation (and that they never outlive a weight update), the choice by
 environment variable, and a tiny model's forward/backward and generation with either kernel."""
 import asyncio
-
 import os
 
 import pytest

@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from realhf.base import logging
+from realhf.base.cache_dir import realhf_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,8 @@ class CppKernel:
 
     def build_directory(self) -> str:
         """The cache folder of the compiled extension, one per Python and torch version."""
-        base = os.environ.get("REALHF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "realhf")
         tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-        return os.path.join(base, "torch_extensions", tag, self.name)
+        return os.path.join(realhf_cache_dir(), "torch_extensions", tag, self.name)
 
     @functools.lru_cache(maxsize=None)
     def _load(self) -> Tuple[Optional[ModuleType], Optional[BaseException], float]:

@@ -28,7 +28,8 @@ import time
 import torch
 
 from realhf.base import logging
-from realhf.impl.model.tiny import atomic_dir, realhf_cache_dir
+from realhf.base.cache_dir import realhf_cache_dir
+from realhf.impl.model.tiny import atomic_dir
 
 logger = logging.getLogger("realhf.impl.model.smollm2")
 

@@ -33,6 +33,8 @@ import tempfile
 import time
 from typing import Any, Callable, Iterator
 
+from realhf.base.cache_dir import realhf_cache_dir  # noqa: F401  (part of this module's interface)
+
 import torch
 
 from realhf.base import logging
@@ -67,12 +69,6 @@ VOCAB_MULTIPLE = 16
 
 
 # --------------------------------------------------------------------------- cache helpers
-
-
-def realhf_cache_dir() -> str:
-    """Root of realhf's local cache: ``$REALHF_CACHE_DIR`` or ``~/.cache/realhf``."""
-    root = os.environ.get("REALHF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "realhf")
-    return os.path.abspath(root)
 
 
 @contextlib.contextmanager

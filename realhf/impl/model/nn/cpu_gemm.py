@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from realhf.base.cache_dir import realhf_cache_dir
 from realhf.impl.model.nn import decode_ops
 
 logger = logging.getLogger("realhf.cpu_gemm")
@@ -127,8 +128,7 @@ def machine_choice_path() -> str:
     except OSError:
         pass
     key = hashlib.sha1(f"{model}|{platform.machine()}|{torch.__version__}".encode()).hexdigest()[:16]
-    base = os.environ.get("REALHF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "realhf")
-    return os.path.join(base, "cpu_gemm", f"auto-{key}")
+    return os.path.join(realhf_cache_dir(), "cpu_gemm", f"auto-{key}")
 
 
 def _read_choice(path: str) -> Optional[str]:
@@ -287,10 +287,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """``torch.nn.functional.linear`` with this process's CPU GEMM kernel (see the module docstring); a decode
     step's few rows (fp32 inference) go to the tile kernel of :mod:`decode_ops` where it serves, unless oneDNN's
     packed weights are in use (:func:`packing`; as fast as the tile kernel where both were measured)."""
-    # (is_compiling first: a size test in a trace would add a guard on the row count)
-    if (not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] <= decode_ops.MAX_ROWS
-            and not torch.is_grad_enabled() and not packing()):
-        y = decode_ops.linear(x, weight, bias)
+    if not packing():
+        y = decode_ops.linear(x, weight, bias)  # None where it does not serve (decode_ops.for_rows)
         if y is not None:
             return y
     if (torch.compiler.is_compiling() or not x.is_cpu or x.dtype not in _ONEDNN_DTYPES or weight.dtype != x.dtype or x.dim() < 2

@@ -38,8 +38,9 @@ def enabled() -> bool:
 def for_rows(x: torch.Tensor):
     """The C++ module where it serves ``x`` (2-d, at most :data:`MAX_ROWS` rows, fp32 on CPU, no autograd, outside
     ``torch.compile``), else None."""
-    if (x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype != torch.float32 or not x.is_cpu or torch.is_grad_enabled()
-            or torch.compiler.is_compiling() or not enabled()):
+    # (is_compiling first: a size test inside a trace would add a guard on the row count)
+    if (torch.compiler.is_compiling() or torch.is_grad_enabled() or x.dim() != 2 or x.shape[0] > MAX_ROWS
+            or x.dtype != torch.float32 or not x.is_cpu or not enabled()):
         return None
     return _KERNEL.load_or_warn()
 
