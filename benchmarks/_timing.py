@@ -123,3 +123,23 @@ def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3, own_kernel: bo
         for ws in (plain, wide):
             best = min(best, sweep(ws, prep, mul))
     return best
+
+
+def realhf_train_step(model, ids: list):
+    """A callable running one training step of ``model`` (a ReaLModel) on the sequences ``ids`` (1-D token tensors
+    on the model's device), packed: forward, backward of the mean next-token loss, AdamW. What bench_model.py and
+    bench_gpu.py time for realhf."""
+    from realhf.api.core.data_api import SequenceSample
+    from realhf.impl.model.backend.engine import TrainEngine
+    from realhf.impl.model.backend.optim import OptimizerConfig
+    from realhf.impl.model.utils.functional import packed_logprobs
+
+    eng = TrainEngine(model, OptimizerConfig(lr=1e-6), 100)
+    sample = SequenceSample.from_default(ids=list(range(len(ids))), seqlens=[int(t.numel()) for t in ids],
+                                         data={"packed_input_ids": torch.cat(ids)})
+
+    def loss_fn(out, mb):
+        lp, valid = packed_logprobs(out, mb.data["packed_input_ids"], mb.cu_seqlens())
+        return -lp.sum() / valid.sum(), {}
+
+    return lambda: eng.train_batch(sample, loss_fn, lambda mb: mb.total_tokens())

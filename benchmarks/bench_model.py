@@ -200,24 +200,13 @@ def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
             opt.zero_grad()
     else:
         settings = _set_kernel(impl)
-        from realhf.api.core.data_api import SequenceSample
+        from _timing import realhf_train_step
         from realhf.base.topology import single_process_grid
-        from realhf.impl.model.backend.engine import TrainEngine
-        from realhf.impl.model.backend.optim import OptimizerConfig
         from realhf.impl.model.conversion.hf_io import build_from_hf
-        from realhf.impl.model.utils.functional import packed_logprobs
 
         model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
-        eng = TrainEngine(model, OptimizerConfig(lr=1e-6), 100)
         n_params = model.num_params()
-        sample = SequenceSample.from_default(ids=list(range(bs)), seqlens=[seqlen] * bs, data={"packed_input_ids": torch.cat(ids)})
-
-        def loss_fn(out, mb):
-            lp, valid = packed_logprobs(out, mb.data["packed_input_ids"], mb.cu_seqlens())
-            return -lp.sum() / valid.sum(), {}
-
-        def step():
-            eng.train_batch(sample, loss_fn, lambda mb: mb.total_tokens())
+        step = realhf_train_step(model, ids)
     step()  # warm-up
     ts = []
     for _ in range(steps):

@@ -137,11 +137,22 @@ def test_generation_on_cuda_matches_cpu_greedy():
     from realhf.impl.model.nn.real_model import make_packed_input
 
     path = ensure_tiny_model("qwen2")
+    from realhf.impl.model.nn import graph_decode
+
     g = GenerationHyperparameters(max_new_tokens=16, greedy=True)
     cpu_m = build_from_hf(path)
     cpu = generate(cpu_m, PROMPTS, g)
+    before = dict(graph_decode.STATS)
     gpu = generate(build_from_hf(path, dtype=torch.float32, env=_cuda_env()), PROMPTS, g)
+    # the decode steps ran as CUDA graphs (graph_decode.py; on by default on CUDA)
+    assert graph_decode.STATS["failures"] == before["failures"], "capturing the decode step failed"
+    assert graph_decode.STATS["replays"] > before["replays"] and graph_decode.STATS["captures"] > before["captures"]
     bf16 = generate(build_from_hf(path, env=_cuda_env()), PROMPTS, g)
+    bf16_eager = generate(build_from_hf(path, env=_cuda_env()), PROMPTS,
+                          GenerationHyperparameters(max_new_tokens=16, greedy=True, cuda_graph=False))
+    # graphs or not, bf16 on CUDA: the same tokens up to the first near-tie (bf16 logits' rounding is ~1e-2)
+    for a, b in zip(bf16.tokens, bf16_eager.tokens):
+        assert a[:4] == b[:4], (a, b)
     assert all(1 <= len(t) <= 16 for t in bf16.tokens) and all(torch.isfinite(torch.tensor(lp)).all() for lp in bf16.logprobs)
     # fp32 on both devices: the same tokens until the CPU's two best logits are within 1e-4 of each other
     # (reductions in another order move fp32 logits by ~1e-6 here, far less; closer ties may flip legitimately)

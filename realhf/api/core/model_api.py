@@ -85,6 +85,9 @@ class GenerationHyperparameters:
     # decode with one compiled graph per step (torch.compile; see realhf/impl/model/nn/compiled_decode.py):
     # much faster for small models, at a one-off compile cost; single-stage, tp = 1 replicas only
     compile_decode: bool = False
+    # on CUDA, replay the decode step as a CUDA graph (see realhf/impl/model/nn/graph_decode.py); single-stage,
+    # tp = 1 replicas; ignored on CPU and under compile_decode
+    cuda_graph: bool = True
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

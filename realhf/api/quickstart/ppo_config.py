@@ -28,6 +28,9 @@ class SamplingConfig:
     compile_decode: bool = option(
         False, "compile the decode step with torch.compile (single-stage tp=1 generation; faster for small "
         "models, at a compile cost of seconds to minutes once per run)")
+    cuda_graph: bool = option(
+        True, "on CUDA, replay the decode step as a CUDA graph (single-stage tp=1 generation; the step's ~1,000 kernel "
+        "launches become one); ignored on CPU")
 
     def __post_init__(self):
         self.to_hyperparameters()  # its checks name the fields
@@ -38,6 +41,7 @@ class SamplingConfig:
             max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens, greedy=self.greedy,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             stop_token_ids=tuple(self.stop_token_ids), n=n, seed=self.seed, compile_decode=self.compile_decode,
+            cuda_graph=self.cuda_graph,
         )
 
 

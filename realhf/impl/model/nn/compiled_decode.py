@@ -65,27 +65,38 @@ def _supported(model) -> Optional[str]:
     return None
 
 
+def static_step_fns(model):
+    """(step, step_sample): the decode step of ``model`` with static shapes, as plain functions of tensors.
+
+    ``step(ids [B], lens [B], ks, vs)`` -> logits [B, V]: writes each row's new key/value into the buffers ``ks``/
+    ``vs`` (one [B, hkv, L, d] per layer) at ``lens[row]`` and attends over the whole length ``L``, masked.
+    ``step_sample(ids, lens, ks, vs, ban, row_u, greedy, temperature)`` -> (tokens [B], log-probs [B]) also samples,
+    with the eager sampler's code. Both have no data-dependent shapes or host synchronisation, so they can be
+    compiled whole (``CompiledDecoder``) or captured as a CUDA graph (``graph_decode.GraphDecoder``)."""
+    from realhf.impl.model.nn.real_model import PackedInput as PI
+
+    def step(ids, lens, ks, vs):
+        L = ks[0].shape[2]
+        pos = torch.arange(L, device=lens.device)
+        # additive mask [B, 1, 1, L]: 0 at the positions a row attends to (<= its length), -inf elsewhere
+        bias = torch.where(pos.unsqueeze(0) <= lens.unsqueeze(1), 0.0, float("-inf")).to(ks[0].dtype)
+        view = _StaticDecodeView(ks, vs, lens, bias[:, None, None, :])
+        return model(ids, PI(cu_seqlens=lens, max_seqlen=1, position_ids=lens, cache=view))
+
+    def step_sample(ids, lens, ks, vs, ban, row_u, greedy: bool, temperature: float):
+        logits = step(ids, lens, ks, vs).float()
+        return sample_with_mask(logits, greedy, temperature, 0, 1.0, None, ban, row_u)
+
+    return step, step_sample
+
+
 class CompiledDecoder:
     """``step(ids [B], cache)`` -> logits [B, V] of the next token of every cache row; writes each row's
     new key/value into ``cache`` at ``cache.lens`` (the caller advances ``lens`` afterwards)."""
 
     def __init__(self, model):
-        from realhf.impl.model.nn.real_model import PackedInput
-
         self.model = model
-        PI = PackedInput
-
-        def step(ids, lens, ks, vs):
-            L = ks[0].shape[2]
-            pos = torch.arange(L, device=lens.device)
-            # additive mask [B, 1, 1, L]: 0 at the positions a row attends to (<= its length), -inf elsewhere
-            bias = torch.where(pos.unsqueeze(0) <= lens.unsqueeze(1), 0.0, float("-inf")).to(ks[0].dtype)
-            view = _StaticDecodeView(ks, vs, lens, bias[:, None, None, :])
-            return model(ids, PI(cu_seqlens=lens, max_seqlen=1, position_ids=lens, cache=view))
-
-        def step_sample(ids, lens, ks, vs, ban, row_u, greedy: bool, temperature: float):
-            logits = step(ids, lens, ks, vs).float()
-            return sample_with_mask(logits, greedy, temperature, 0, 1.0, None, ban, row_u)
+        step, step_sample = static_step_fns(model)
 
         # on failure a step returns None and generate runs the eager step
         kw = dict(fallback=lambda *args: None, dynamic=True, fullgraph=True, options={"cpp_wrapper": True})

@@ -204,9 +204,11 @@ def _sample_packet(model: ReaLModel, out: torch.Tensor, gconfig: GenerationHyper
 def _record(rows: List[int], tl: List[int], ll: List[float], stop: set, tokens: List[List[int]],
             logps: List[List[float]], no_eos: List[bool]) -> List[int]:
     """Append one step's samples (``tl``/``ll``, one per entry of ``rows``: original sequence indices) to
-    the outputs; return the positions in ``rows`` of the sequences that did not stop."""
+    the outputs; return the positions in ``rows`` of the sequences that did not stop. Rows < 0 are skipped."""
     keep = []
     for j, orig in enumerate(rows):
+        if orig < 0:  # a finished row left in a CUDA graph's batch (see _mark_finished)
+            continue
         tokens[orig].append(tl[j])
         logps[orig].append(ll[j])
         if tl[j] in stop:
@@ -279,6 +281,15 @@ def _drop_finished(cache: KVCache, keep: List[int], alive: torch.Tensor, tok: to
     return alive[kt], tok[kt]
 
 
+def _mark_finished(keep: List[int], alive: torch.Tensor) -> torch.Tensor:
+    """``alive`` with -1 at every position not in ``keep``: the finished rows stay in the batch (their outputs are
+    ignored), so a CUDA graph captured on the cache's buffers keeps serving."""
+    kt = torch.tensor(keep, dtype=torch.long, device=alive.device)
+    out = torch.full_like(alive, -1)
+    out[kt] = alive[kt]
+    return out
+
+
 @torch.no_grad()
 @cpu_gemm.with_packed_weights
 def generate(
@@ -343,6 +354,12 @@ def generate(
         from realhf.impl.model.nn.compiled_decode import compiled_decoder
 
         decoder = compiled_decoder(model)
+    elif gconfig.cuda_graph:
+        from realhf.impl.model.nn import graph_decode
+
+        decoder = graph_decode.decoder_for(model)
+    # a graph decoder keeps finished rows in the batch while more than half of them still run
+    lazy_drop = decoder is not None and getattr(decoder, "keeps_finished_rows", False)
     shared = _share_prefixes(model, prompts, gconfig, decoder is not None)
     # a shared-prefix cache keeps the prompts apart from the generated positions: the prefill's holds prompts only
     cache = KVCache(model.n_local_layers, B // gconfig.n, max(seqlens) + 1 if shared else max_len,
@@ -394,11 +411,17 @@ def generate(
     tokens: List[List[int]] = [[] for _ in range(B)]
     logps: List[List[float]] = [[] for _ in range(B)]
     no_eos = [True] * B
+    n_live = B
     for step in range(gconfig.max_new_tokens):
         keep = _record(alive.tolist(), tok.tolist(), lp.tolist(), stop, tokens, logps, no_eos)
         if step == gconfig.max_new_tokens - 1 or not keep:
             break
-        alive, tok = _drop_finished(cache, keep, alive, tok)
+        if lazy_drop and 2 * len(keep) > alive.numel():
+            if len(keep) < n_live:
+                alive = _mark_finished(keep, alive)
+        else:
+            alive, tok = _drop_finished(cache, keep, alive, tok)
+        n_live = len(keep)
         out_rows = alive.numel()
         if fold:
             u = streams.uniforms(alive, step + 1) if streams is not None else None

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The CUDA path on a GPU machine, in one go (about 4 minutes on one H200, 2026-11-26; results in README.md):
+#   1. benchmarks/bench_gpu.py: SmolLM2-sized generation and training against transformers, bf16
+#   2. pytest -m gpu (tests/test_gpu_path.py, tests/test_gen_server_gpu.py); tests needing 2 GPUs, vLLM,
+#      SGLang or flash-attn skip themselves where those are missing
+#   3. the tiny-model GRPO and PPO learning tests (tests/test_grpo_learns.py), which on a CUDA machine run their
+#      workers on cuda:0 in bf16 with NCCL, as a user's run would
+# (2) and (3) run side by side after (1). Logs go to $OUT (default outputs/gpu_check); the last lines of each
+# are printed. Python packages missing on the machine may be given as wheels in .whl/ (installed to
+# /tmp/site); for a machine with PyTorch but none of realhf's other requirements (Python 3.12):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl pyzmq omegaconf hydra-core latex2sympy2-extended gguf
+#   pip wheel --no-deps antlr4-python3-runtime==4.9.3 -w .whl
+# Exit status: non-zero if any part failed.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 3
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi -L
+python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())"
+
+status=0
+part() {  # part NAME SECONDS CMD...: run CMD under a time limit, its output to $OUT/NAME.log
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "=== $name: exit $rc after $(($(date +%s) - start)) s"
+  return $rc
+}
+show() { tail -n "${2:-25}" "$OUT/$1.log"; }
+
+part bench "${BENCH_LIMIT:-130}" python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} || status=1
+show bench 14
+grep -h -m3 "CUDA graph" "$OUT/bench.log"
+PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -rs --timeout 240"
+part pytest_gpu "${TEST_LIMIT:-190}" $PYTEST -m gpu tests/test_gpu_path.py tests/test_gen_server_gpu.py -v &
+gpu_pid=$!
+part learn "${TEST_LIMIT:-190}" $PYTEST tests/test_grpo_learns.py -k "grpo_learns_tiny or ppo_with_critic" -v -s &
+learn_pid=$!
+wait $gpu_pid || status=1
+wait $learn_pid || status=1
+show pytest_gpu 30
+grep -E "held-out greedy accuracy|passed|failed|Error" "$OUT/learn.log" | tail -n 12
+grep -h -m3 "CUDA graph" "$OUT/learn.log" "$OUT/pytest_gpu.log"
+exit $status
