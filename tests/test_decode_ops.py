@@ -161,9 +161,10 @@ def test_model_decode_steps_equal_the_pytorch_path(ops, monkeypatch):
     model = build_from_hf(ensure_tiny_model("qwen2"), grid=single_process_grid())
     assert all(b.decode_fusable for b in model.blocks.values())
     used = []
-    pre = real_model._block_pre_decode
+    pre, whole = real_model._block_pre_decode, real_model._block_decode_whole
     monkeypatch.setattr(real_model, "_BLOCK_DECODE",
                         (lambda *a: used.append(1) or pre(*a), real_model._block_post_decode))
+    monkeypatch.setattr(real_model, "_block_decode_whole", lambda *a: _counted(used, whole(*a)))
     with torch.no_grad():
         fused = _decode_logits(model)
         assert used, "the decode steps did not take the C++ path"
@@ -173,6 +174,91 @@ def test_model_decode_steps_equal_the_pytorch_path(ops, monkeypatch):
         assert len(used) == n, "with REALHF_DECODE_OPS off the PyTorch path must run"
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _counted(used, y):
+    if y is not None:
+        used.append(1)
+    return y
+
+
+def _whole_block_calls(monkeypatch):
+    from realhf.impl.model.nn import real_model
+
+    calls, whole = [], real_model._block_decode_whole
+    monkeypatch.setattr(real_model, "_block_decode_whole", lambda *a: _counted(calls, whole(*a)))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_whole_block_in_one_call_equals_the_op_by_op_path(ops, monkeypatch, family):
+    """decode_block (the whole block of a decode step in one C++ call) runs the op-by-op C++ path's functions in its
+    order: the logits of every decode step are equal to the bit (Qwen2: q/k/v biases; Llama: none)."""
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn import real_model
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    model = build_from_hf(ensure_tiny_model(family), grid=single_process_grid())
+    calls = _whole_block_calls(monkeypatch)
+    with torch.no_grad():
+        whole = _decode_logits(model)
+        assert len(calls) == 4 * model.n_local_layers, "every decode step of every layer should take one call"
+        monkeypatch.setattr(real_model, "_block_decode_whole", lambda *a: None)
+        by_op = _decode_logits(model)
+    for a, b in zip(whole, by_op):
+        assert torch.equal(a, b)
+
+
+def test_whole_block_over_shared_prompt_keys_values(ops, monkeypatch):
+    """The samples of a prompt decoding over one shared copy of its keys/values (SharedPrefixCache): generation with
+    decode_block equals generation with the op-by-op path, tokens and log-probs to the bit."""
+    from realhf.api.core.model_api import GenerationHyperparameters
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn import generation, real_model
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    model = build_from_hf(ensure_tiny_model("qwen2"), grid=single_process_grid())
+    monkeypatch.setattr(generation, "_share_prefixes", lambda *a: True)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    gc = GenerationHyperparameters(max_new_tokens=10, min_new_tokens=10, n=3, temperature=0.9)
+    calls = _whole_block_calls(monkeypatch)
+    whole = generation.generate(model, prompts, gc, seeds=[1, 2, 3])
+    assert len(calls) == 9 * model.n_local_layers
+    monkeypatch.setattr(real_model, "_block_decode_whole", lambda *a: None)
+    by_op = generation.generate(model, prompts, gc, seeds=[1, 2, 3])
+    assert whole.tokens == by_op.tokens and whole.logprobs == by_op.logprobs
+
+
+def test_whole_block_is_not_used_where_it_cannot_serve(ops, monkeypatch):
+    """With the C++ attention off (REALHF_NO_CPP_EXT's effect on kv_cache), or with autograd, no decode_block call."""
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn import kv_cache
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    model = build_from_hf(ensure_tiny_model("qwen2"), grid=single_process_grid())
+    calls = _whole_block_calls(monkeypatch)
+    _decode_logits(model, steps=2)  # autograd on: the PyTorch path
+    assert calls == []
+    monkeypatch.setattr(kv_cache, "decode_kernel", lambda: None)
+    with torch.no_grad():
+        _decode_logits(model, steps=2)
+    assert calls == []
+
+
+def test_decode_block_names_bad_input(ops):
+    x = torch.randn(2, 8)
+    w = torch.randn(8, 8)
+    K = torch.zeros(2, 1, 4, 8)
+    with pytest.raises(RuntimeError, match="decode_block: give both cos and sin_signed"):
+        ops.decode_block(x, torch.ones(8), 1e-6, w, None, w, None, w, None, w, None, torch.ones(8), 1e-6, w, None, w,
+                         None, w, None, torch.ones(2, 8), None, K, K.clone(), torch.zeros(2, dtype=torch.long), 1.0, 1, 1)
+    with pytest.raises(RuntimeError, match="decode_block: K must be"):
+        ops.decode_block(x, torch.ones(8), 1e-6, w, None, w, None, w, None, w, None, torch.ones(8), 1e-6, w, None, w,
+                         None, w, None, None, None, K[0], K[0], torch.zeros(2, dtype=torch.long), 1.0, 1, 1)
 
 
 def test_greedy_generation_equal_with_the_ops_off():
@@ -197,3 +283,24 @@ def test_greedy_generation_equal_with_the_ops_off():
         assert p.returncode == 0, p.stderr[-2000:]
         toks.append(p.stdout.strip().splitlines()[-1])
     assert toks[0] == toks[1]
+
+
+def test_a_change_to_an_included_source_rebuilds_the_kernel(tmp_path):
+    """decode_ops.cpp compiles decode_attention.cpp into itself: the build flags carry a hash of the shared headers
+    and of such included sources, so editing either (not only the main source) makes PyTorch's cache rebuild."""
+    from realhf.base.cpp_ext import _headers_flag
+
+    (tmp_path / "common").mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "common" / "x.h").write_text("// header\n")
+    (tmp_path / "b" / "b.cpp").write_text("// included\n")
+    main = tmp_path / "a" / "a.cpp"
+    main.write_text('#include "../common/x.h"\n#include "../b/b.cpp"\n')
+    first = _headers_flag(str(main))
+    (tmp_path / "b" / "b.cpp").write_text("// included, edited\n")
+    second = _headers_flag(str(main))
+    (tmp_path / "common" / "x.h").write_text("// header, edited\n")
+    third = _headers_flag(str(main))
+    assert len({tuple(first), tuple(second), tuple(third)}) == 3
+    assert _headers_flag(str(main)) == third  # the same files: the same flag

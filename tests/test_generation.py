@@ -126,3 +126,28 @@ def test_samples_of_a_prompt_share_its_prefill(share, monkeypatch):
         err = (fresh[len(p) - 1 : len(seq) - 1] - torch.tensor(lps)).abs().max().item()
         assert err < 1e-4, f"sample {i}: log-probs differ from a fresh forward by {err:.3g}"
     assert bool(made) == share, "the shared-prefix cache should be used exactly when sharing pays"
+
+
+def test_greedy_tokens_equal_the_log_softmax_form():
+    """The two-pass greedy sampler: the same tokens as an argmax over the banned-masked logits, log-probs of the
+    unmodified distribution within float rounding, banned ids never chosen (even where one is the row's maximum),
+    and the caller's logits left as they were."""
+    from realhf.impl.model.nn.generation import greedy_tokens
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 300, generator=g) * 4
+    logits[0, 7] = 100.0  # a banned id is the row's maximum
+    logits[1, 11] = logits[1, 12] = 60.0  # equal maxima: the first wins
+    banned = torch.tensor([7, 250])
+    mask = torch.zeros(300, dtype=torch.bool)
+    mask[banned] = True
+    before = logits.clone()
+    ref_lp = torch.log_softmax(logits, -1)
+    ref_tok = logits.masked_fill(mask, float("-inf")).argmax(-1)
+    for tok, lp in (greedy_tokens(logits, banned), greedy_tokens(logits, ban=mask),
+                    greedy_tokens(logits, ban=mask.expand(6, 300))):
+        assert torch.equal(logits, before)
+        assert torch.equal(tok, ref_tok) and tok[0] != 7 and tok[1] == 11
+        torch.testing.assert_close(lp, ref_lp.gather(-1, tok[:, None]).squeeze(-1), rtol=0, atol=1e-5)
+    tok, lp = greedy_tokens(logits)
+    assert tok[0] == 7 and torch.allclose(lp[0], ref_lp[0, 7], atol=1e-5)

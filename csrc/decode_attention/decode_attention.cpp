@@ -297,6 +297,7 @@ torch::Tensor shared_prefix_decode_attention(torch::Tensor q, torch::Tensor PK, 
   return out;
 }
 
+#ifndef REALHF_NO_PYBIND_MODULE  // defined where another module compiles this file into itself (decode_ops.cpp)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "one decode step of grouped-query attention over a KV cache (fp32, CPU); writes the new keys/values first "
@@ -311,3 +312,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("row_order"), pybind11::arg("row_starts"), pybind11::arg("scale"),
         pybind11::arg("allow_avx512") = true);
 }
+#endif

@@ -2,7 +2,8 @@
 // the linear layers' products (skinny_linear), RMSNorm with the residual add before it (rms_norm), rotary embedding
 // of q and k in place (rotary_), and SiLU(gate) * up (silu_mul). At 32 rows of SmolLM2 each of the small operations
 // is a few microseconds of arithmetic, and their cost in PyTorch is the dispatch of 20-odd kernels per layer; here
-// each is one call.
+// each is one call. decode_block runs a whole block of a decode step (both norms, the products, rotary, attention over
+// the cache, SiLU and the residuals) in one call, with the same functions in the same order as the Python path.
 //
 // skinny_linear: y = x W^T + b, W in nn.Linear's own [out, in] layout (no packed copy, so a weight updated in place
 // is used as it is). x [M, K] (rows contiguous), W [N, K] (rows contiguous, any row stride), b [N] or none.
@@ -29,6 +30,11 @@
 #include <immintrin.h>
 #define REALHF_X86 1
 #endif
+
+// decode attention's functions, for decode_block (compiled into this module without their own Python module)
+#define REALHF_NO_PYBIND_MODULE
+#include "../decode_attention/decode_attention.cpp"
+#undef REALHF_NO_PYBIND_MODULE
 
 namespace {
 
@@ -325,6 +331,47 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, bool allow_avx512) 
 
 bool has_avx512() { return cpu_has_avx512(); }
 
+using OptT = c10::optional<torch::Tensor>;
+
+// One decode step of a pre-norm block with RMSNorm, rotary embedding and a SiLU-gated MLP (Llama, Qwen2, SmolLM2,
+// Mistral), for x [T, H] (one row per cache row):
+//   h = rms_norm(x); q, k, v = h Wq^T + bq, ...; rotary(q, k); a = attention over the cache (new k, v written first);
+//   s = x + (a Wo^T + bo); h2 = rms_norm(s); returns s + (silu(h2 Wg^T + bg) * (h2 Wu^T + bu)) Wd^T + bd
+// The attention is decode_attention over K, V [B, hkv, M, d] at ``lens``; or, with ``pk`` given,
+// shared_prefix_decode_attention over the prompts' PK/PV and the rows' own K/V (``lens`` then holds the rows' own
+// positions). The same functions run in the same order as realhf's Python decode path, so the result is the same
+// to the bit.
+torch::Tensor decode_block(torch::Tensor x, torch::Tensor attn_norm_w, double attn_eps, torch::Tensor wq, OptT bq,
+                           torch::Tensor wk, OptT bk, torch::Tensor wv, OptT bv, torch::Tensor wo, OptT bo,
+                           torch::Tensor mlp_norm_w, double mlp_eps, torch::Tensor wg, OptT bg, torch::Tensor wu, OptT bu,
+                           torch::Tensor wd, OptT bd, OptT cos, OptT sin_signed, torch::Tensor K, torch::Tensor V,
+                           torch::Tensor lens, double scale, int64_t hq, int64_t hkv, OptT pk, OptT pv, OptT plens,
+                           OptT row_order, OptT row_starts) {
+  check_rows(x, "decode_block", "x");
+  TORCH_CHECK(K.dim() == 4 && hq > 0 && hkv > 0, "decode_block: K must be [B, hkv, positions, d], got ", K.sizes());
+  TORCH_CHECK(cos.has_value() == sin_signed.has_value(), "decode_block: give both cos and sin_signed, or neither");
+  const int64_t T = x.size(0), d = K.size(3);
+  auto h = rms_norm(x, attn_norm_w, attn_eps, c10::nullopt)[0];
+  auto q = skinny_linear(h, wq, bq, true).view({T, hq, d});
+  auto k = skinny_linear(h, wk, bk, true).view({T, hkv, d});
+  auto v = skinny_linear(h, wv, bv, true).view({T, hkv, d});
+  if (cos.has_value()) rotary_(q, k, *cos, *sin_signed);
+  torch::Tensor a;
+  if (pk.has_value()) {
+    TORCH_CHECK(pv.has_value() && plens.has_value() && row_order.has_value() && row_starts.has_value(),
+                "decode_block: a shared-prefix cache needs pk, pv, plens, row_order and row_starts");
+    a = shared_prefix_decode_attention(q, *pk, *pv, *plens, K, V, lens, k, v, *row_order, *row_starts, scale, true);
+  } else {
+    a = decode_attention(q, K, V, lens, k, v, scale, true);
+  }
+  auto o = skinny_linear(a.view({T, hq * d}), wo, bo, true);
+  auto hs = rms_norm(o, mlp_norm_w, mlp_eps, x);  // h2 = norm(x + o), and x + o
+  auto gate = skinny_linear(hs[0], wg, bg, true);
+  auto up = skinny_linear(hs[0], wu, bu, true);
+  auto y = skinny_linear(silu_mul(gate, up, true), wd, bd, true);
+  return y.add_(hs[1]);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x W^T + b for a few rows of x (fp32, CPU)", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none(), py::arg("allow_avx512") = true);
@@ -334,4 +381,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cos"), py::arg("sin_signed"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate"), py::arg("up"), py::arg("allow_avx512") = true);
   m.def("has_avx512", &has_avx512, "whether this CPU runs the AVX-512 tile");
+  m.def("decode_block", &decode_block, "one decode step of a RMSNorm / rotary / SiLU-gated block, in one call",
+        py::arg("x"), py::arg("attn_norm_w"), py::arg("attn_eps"), py::arg("wq"), py::arg("bq"), py::arg("wk"),
+        py::arg("bk"), py::arg("wv"), py::arg("bv"), py::arg("wo"), py::arg("bo"), py::arg("mlp_norm_w"),
+        py::arg("mlp_eps"), py::arg("wg"), py::arg("bg"), py::arg("wu"), py::arg("bu"), py::arg("wd"), py::arg("bd"),
+        py::arg("cos"), py::arg("sin_signed"), py::arg("K"), py::arg("V"), py::arg("lens"), py::arg("scale"),
+        py::arg("hq"), py::arg("hkv"), py::arg("pk") = py::none(), py::arg("pv") = py::none(),
+        py::arg("plens") = py::none(), py::arg("row_order") = py::none(), py::arg("row_starts") = py::none());
 }

@@ -45,13 +45,18 @@ def _compiler_problem() -> Optional[str]:
 
 
 def _headers_flag(src: str) -> list:
-    """A define carrying a hash of the shared headers (``csrc/common/*.h``): PyTorch's build cache hashes only the
-    source file and the flags, so a changed header changes the flags and rebuilds every kernel that includes it."""
+    """A define carrying a hash of the shared headers (``csrc/common/*.h``) and of the other sources ``src`` includes
+    by a relative path (decode_ops.cpp compiles decode_attention.cpp into itself): PyTorch's build cache hashes only
+    the source file and the flags, so a changed header changes the flags and rebuilds every kernel that includes it."""
     import glob
     import hashlib
+    import re
 
+    with open(src) as f:
+        included = re.findall(r'^#include "([^"]+\.cpp)"', f.read(), re.MULTILINE)
     h = hashlib.sha1()
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(src)), "common", "*.h"))):
+    paths = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(src)), "common", "*.h")))
+    for path in paths + [os.path.normpath(os.path.join(os.path.dirname(src), i)) for i in included]:
         with open(path, "rb") as f:
             h.update(f.read())
     return [f"-DREALHF_COMMON_HEADERS={h.hexdigest()[:12]}"]

@@ -116,6 +116,9 @@ class AsyncPPOMathConfig(PPOMathConfig):
         if self.ppo.gen.compile_decode:
             raise ValueError("ppo.gen.compile_decode=true has no use in async-ppo-math: the generation servers decode; "
                              "give a gen server's options in gen_server.extra, e.g. '{\"compile_decode\": true}'")
+        if not self.ppo.gen.cuda_graph:
+            raise ValueError("ppo.gen.cuda_graph=false has no use in async-ppo-math: the generation servers decode "
+                             "(CUDA graphs serve generate(), which actor_gen of ppo-math calls)")
         if self.use_critic and self.async_rl.workflow != "rlvr":
             raise ValueError(f"use_critic=true needs answers that follow the prompt (GAE over one answer); "
                              f"async_rl.workflow={self.async_rl.workflow!r} may insert tokens between turns: use "

@@ -6,6 +6,9 @@ sequence of a decode step), fp32 on CPU.
   portable form is slower than the BLAS kernels).
 - ``rms_norm`` (with the residual add before it), ``rotary_`` and ``silu_mul``: each one call where PyTorch
   dispatches several kernels of a few microseconds of arithmetic each.
+- ``decode_block``: a whole block of a decode step in one call (``real_model._block_decode_whole``): the functions
+  above and the decode attention kernel (``csrc/decode_attention``, compiled into this module), in the order the
+  Python path calls them, so the result is the same to the bit, without the Python-level calls of each layer.
 
 Each output comes from one thread in a fixed order of additions, so results do not depend on the thread count; they
 differ from the PyTorch path only in rounding. ``REALHF_DECODE_OPS=0`` turns them off (the PyTorch path runs; for

@@ -118,6 +118,8 @@ def sample_tokens(
     CDF, so a sequence's sample does not depend on which other sequences share its batch
     (layout-independent sampling).
     """
+    if g.greedy and not torch.compiler.is_compiling():
+        return greedy_tokens(logits, banned)
     ban = None
     if banned is not None and banned.numel() > 0:
         ban = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
@@ -125,11 +127,34 @@ def sample_tokens(
     return sample_with_mask(logits, g.greedy, g.temperature, g.top_k, g.top_p, gen, ban, row_u)
 
 
+def greedy_tokens(logits: torch.Tensor, banned: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None):
+    """logits [B, V] -> (the most likely token of each row other than the ``banned`` ids, or the True entries of the
+    mask ``ban`` ([V] or [B, V]); its log-prob under the unmodified distribution). The first of equal maxima, as an
+    argmax. Two passes over the logits instead of a log-softmax, a masked copy and an argmax (SmolLM2 at 32 rows:
+    1.4 ms against 3.5-4.9 ms on 2 CPU cores); banned ids are set aside in place and restored."""
+    if banned is not None and banned.numel() > 0:
+        saved = logits[:, banned]
+        logits[:, banned] = float("-inf")
+        best, tok = logits.max(-1)
+        logits[:, banned] = saved
+        top = torch.maximum(best, saved.max(-1).values)  # the row's maximum, banned ids included
+    elif ban is not None:
+        best, tok = logits.masked_fill(ban, float("-inf")).max(-1)
+        top = logits.max(-1).values
+    else:
+        best, tok = logits.max(-1)
+        top = best
+    lse = top + (logits - top.unsqueeze(-1)).exp_().sum(-1).log_()
+    return tok, best - lse
+
+
 def sample_with_mask(logits: torch.Tensor, greedy: bool, temperature: float, top_k: int, top_p: float,
                      gen: Optional[torch.Generator], ban: Optional[torch.Tensor], row_u: Optional[torch.Tensor]):
     """``sample_tokens`` with the banned tokens as a boolean mask ``ban`` [V] (or None). Without top-k/top-p
     and with ``row_u`` or ``greedy`` it is a pure tensor function (no data-dependent Python branching), so
     the compiled decode step (``compiled_decode.py``) samples inside its graph with this same code."""
+    if greedy and not torch.compiler.is_compiling():  # (compiled graphs keep the log-softmax form below)
+        return greedy_tokens(logits, ban=ban)
     scaled = logits if greedy or temperature == 1.0 else logits / temperature
     logp = torch.log_softmax(scaled, -1)
     if greedy or top_k or top_p < 1.0:

@@ -160,7 +160,7 @@ def decoder_for(model, capture: bool = True) -> Optional[GraphDecoder]:
     """A CUDA-graph decoder for ``model`` (one per generation), or None where unsupported (tensor or pipeline
     parallelism; with ``capture``, a model not on CUDA)."""
     why = _supported(model)
-    if why is None and capture and model.device.type != "cuda":
+    if why is None and capture and not model.flat.is_cuda:
         why = f"device {model.device} (CUDA graphs need a CUDA device)"
     if why is not None:
         logger.debug(f"CUDA graph decode not used: {why}")

@@ -120,6 +120,10 @@ class KVCache:
         )
         return out.squeeze(2)
 
+    def block_attention(self, layer: int) -> dict:
+        """The cache arguments of the C++ ``decode_block`` (decode_ops.cpp) for ``layer``."""
+        return dict(K=self.k[layer], V=self.v[layer], lens=self.lens)
+
     def advance(self):
         """Every row consumed one more position (after all layers ran a decode step)."""
         self.lens += 1
@@ -285,6 +289,13 @@ class SharedPrefixCache(KVCache):
         V[rows, :, self.own] = v
         return shared_prefix_attention(q, self.pk[layer], self.pv[layer], pre_mask, K[:, :, :Lo], V[:, :, :Lo], own_mask,
                                        flat, self.slots, scale)
+
+    def block_attention(self, layer: int) -> dict:
+        """The cache arguments of the C++ ``decode_block`` (decode_ops.cpp) for ``layer``: the prompts' shared
+        keys/values and each row's own."""
+        order, starts = self._rows_by_prompt()
+        return dict(K=self.k[layer], V=self.v[layer], lens=self.own, pk=self.pk[layer], pv=self.pv[layer],
+                    plens=self.plens, row_order=order, row_starts=starts)
 
     def _rows_by_prompt(self):
         """(the rows listed prompt by prompt, where each prompt's rows begin in that list [P + 1]), kept while the

@@ -29,7 +29,7 @@ from realhf.impl.model.nn.attention import (
     flash_attn_varlen,
     varlen_causal_attention,
 )
-from realhf.impl.model.nn import cpu_gemm, decode_ops
+from realhf.impl.model.nn import cpu_gemm, decode_ops, kv_cache
 from realhf.impl.model.nn.compile_util import CompiledOrFallback
 from realhf.impl.model.nn.kv_cache import KVCache
 from realhf.impl.model.parallelism.tensor_parallel import (
@@ -204,11 +204,15 @@ class Block(nn.Module):
         # qk-norm (Llama, Qwen2, SmolLM2, Mistral)
         self.decode_fusable = (isinstance(self.attn_norm, RMSNorm) and isinstance(self.mlp_norm, RMSNorm)
                                and self.mlp.gated and self.mlp.act is F.silu and self.attn.q_norm is None)
+        self.tp1 = tp == 1  # the whole block in one C++ call (decode_ops' decode_block) needs no tp collectives
 
     def forward(self, x, inp, rope, layer):
         if torch.compiler.is_compiling():
             pre, post = _BLOCK_EAGER
         elif self.decode_fusable and self.compiled is None and decode_ops.for_rows(x) is not None:
+            y = _block_decode_whole(self, x, inp, rope, layer)
+            if y is not None:
+                return y
             pre, post = _BLOCK_DECODE
         else:
             pre, post = _BLOCK_EAGER if self.compiled is None else self.compiled
@@ -252,6 +256,28 @@ def _block_post_decode(blk: "Block", x, o):
 
 
 _BLOCK_DECODE = (_block_pre_decode, _block_post_decode)
+
+
+def _block_decode_whole(blk: "Block", x, inp, rope, layer: int):
+    """A decode step of the whole block in one C++ call (``decode_block`` of csrc/decode_ops: the functions of
+    ``_block_pre_decode``, the cache's C++ attention and ``_block_post_decode``, in the same order, so the same
+    result to the bit, without ~15 Python-level calls per layer), where it serves: tp = 1, a KV cache whose attention
+    runs in C++, the tile kernel serving the products. Else None."""
+    cache, a, mlp = inp.cache, blk.attn, blk.mlp
+    if (not blk.tp1 or cache is None or not cache.decoding or not hasattr(cache, "block_attention")
+            or kv_cache.decode_kernel() is None):
+        return None
+    ops = decode_ops.linear_kernel(x, a.q_proj.weight, a.q_proj.bias)
+    if ops is None or cache.k[layer].dtype != torch.float32:
+        return None
+    cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)
+    return ops.decode_block(
+        x if x.stride(1) == 1 else x.contiguous(), blk.attn_norm.weight, blk.attn_norm.eps,
+        a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+        a.o_proj.weight, a.o_proj.bias, blk.mlp_norm.weight, blk.mlp_norm.eps,
+        mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
+        mlp.down_proj.weight, mlp.down_proj.bias, cos, sin, scale=a.scale, hq=a.hq, hkv=a.hkv,
+        **cache.block_attention(layer))
 
 
 _COMPILED_BLOCK = None
