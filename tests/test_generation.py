@@ -151,3 +151,26 @@ def test_greedy_tokens_equal_the_log_softmax_form():
         torch.testing.assert_close(lp, ref_lp.gather(-1, tok[:, None]).squeeze(-1), rtol=0, atol=1e-5)
     tok, lp = greedy_tokens(logits)
     assert tok[0] == 7 and torch.allclose(lp[0], ref_lp[0, 7], atol=1e-5)
+
+
+@pytest.mark.parametrize("B,V", [(32, 49152), (7, 1000), (3, 5), (4, 513)])
+def test_inverse_cdf_equals_the_whole_vocabulary_cumulative_sum(B, V):
+    """The two-level inverse CDF picks the token a float64 cumulative sum over the whole vocabulary picks, and never
+    a zero-weight token (weights with plateaus of zeros, vocabularies that are not a multiple of the block)."""
+    from realhf.impl.model.nn.generation import inverse_cdf
+
+    g = torch.Generator().manual_seed(B * V)
+    for _ in range(5):
+        w = torch.rand(B, V, generator=g) ** 8
+        w[:, ::7] = 0
+        u = torch.rand(B, dtype=torch.float64, generator=g)
+        cdf = w.double().cumsum(-1)
+        ref = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1).clamp(max=V - 1)
+        got = inverse_cdf(w, u)
+        assert torch.equal(got, ref)
+        assert (w.gather(-1, got[:, None]) > 0).all()
+    # the end of the range: u just below 1 lands on the last nonzero token
+    w = torch.zeros(2, V)
+    w[:, 0] = 1.0
+    w[:, V - 1 if V > 1 else 0] = 1.0
+    assert inverse_cdf(w, torch.tensor([0.999999, 0.0], dtype=torch.float64)).tolist() == [V - 1, 0]
