@@ -158,18 +158,14 @@ def sample_with_mask(logits: torch.Tensor, greedy: bool, temperature: float, top
     scaled = logits if greedy or temperature == 1.0 else logits / temperature
     if not (greedy or top_k or top_p < 1.0):
         return _plain_sample(scaled, gen, ban, row_u)
+    # greedy under torch.compile, or top-k/top-p
     logp = torch.log_softmax(scaled, -1)
-    if greedy or top_k or top_p < 1.0:
-        if ban is not None:
-            scaled = scaled.masked_fill(ban, float("-inf"))
-        if greedy:
-            tok = scaled.argmax(-1)
-            return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-        probs = filter_logits(scaled, top_k, top_p).softmax(-1)
-    else:  # plain sampling: the probabilities are exp(logp); banned tokens get none (both samplers renormalise)
-        probs = logp.exp()
-        if ban is not None:
-            probs = probs.masked_fill(ban, 0.0)
+    if ban is not None:
+        scaled = scaled.masked_fill(ban, float("-inf"))
+    if greedy:
+        tok = scaled.argmax(-1)
+        return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    probs = filter_logits(scaled, top_k, top_p).softmax(-1)
     tok = inverse_cdf(probs, row_u) if row_u is not None else torch.multinomial(probs, 1, generator=gen).squeeze(-1)
     return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 

@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 STATS = {"captures": 0, "replays": 0, "failures": 0}
 
 
-
 class _Entry:
     """One captured step: the graph, the inputs it reads (held, so the buffers outlive it), its outputs."""
 
@@ -70,7 +69,7 @@ class GraphDecoder:
     # ------------------------------------------------------------ public
     def __call__(self, ids: torch.Tensor, cache) -> Optional[torch.Tensor]:
         key = ("logits", ids.shape[0]) + self._buffers_key(cache)
-        out = self._run(key, self._step, lambda: (self._ids(ids), cache.lens, cache.k, cache.v), ids)
+        out = self._run(key, self._step, lambda: (ids.clone(), cache.lens, cache.k, cache.v), ids)
         return None if out is None else out.clone()
 
     def sample(self, ids: torch.Tensor, cache, ban: torch.Tensor, row_u: Optional[torch.Tensor], greedy: bool,
@@ -79,7 +78,7 @@ class GraphDecoder:
 
         def args():
             u = None if row_u is None else row_u.to(device=ids.device, dtype=torch.float64).clone()
-            return (self._ids(ids), cache.lens, cache.k, cache.v, ban.clone(), u, bool(greedy), float(temperature))
+            return (ids.clone(), cache.lens, cache.k, cache.v, ban.clone(), u, bool(greedy), float(temperature))
 
         def feed(entry: _Entry):
             entry.args[4].copy_(ban)
@@ -89,19 +88,11 @@ class GraphDecoder:
         out = self._run(key, self._step_sample, args, ids, feed)
         return None if out is None else (out[0].clone(), out[1].clone())
 
-    def close(self) -> None:
-        """Forget every graph (and the buffers they hold)."""
-        self._entries.clear()
-
     # ------------------------------------------------------------ internals
     @staticmethod
     def _buffers_key(cache) -> tuple:
         k0 = cache.k[0]
         return (k0.data_ptr(), tuple(k0.shape), cache.v[0].data_ptr(), cache.lens.data_ptr(), len(cache.k))
-
-    @staticmethod
-    def _ids(ids: torch.Tensor) -> torch.Tensor:
-        return ids.clone()
 
     def _run(self, key: tuple, fn: Callable, make_args: Callable[[], tuple], ids: torch.Tensor,
              feed: Optional[Callable[[_Entry], None]] = None):
