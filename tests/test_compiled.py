@@ -11,7 +11,8 @@ import torch
 
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.impl.model.conversion.hf_io import build_from_hf
-from realhf.impl.model.nn.generation import RowStreams, generate, sample_tokens
+from realhf.impl.model.nn.generation import generate
+from realhf.impl.model.nn.sampling import RowStreams, sample_tokens
 from realhf.impl.model.tiny import ensure_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

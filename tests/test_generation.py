@@ -132,7 +132,7 @@ def test_greedy_tokens_equal_the_log_softmax_form():
     """The two-pass greedy sampler: the same tokens as an argmax over the banned-masked logits, log-probs of the
     unmodified distribution within float rounding, banned ids never chosen (even where one is the row's maximum),
     and the caller's logits left as they were."""
-    from realhf.impl.model.nn.generation import greedy_tokens
+    from realhf.impl.model.nn.sampling import greedy_tokens
 
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 300, generator=g) * 4
@@ -157,7 +157,7 @@ def test_greedy_tokens_equal_the_log_softmax_form():
 def test_inverse_cdf_equals_the_whole_vocabulary_cumulative_sum(B, V):
     """The two-level inverse CDF picks the token a float64 cumulative sum over the whole vocabulary picks, and never
     a zero-weight token (weights with plateaus of zeros, vocabularies that are not a multiple of the block)."""
-    from realhf.impl.model.nn.generation import inverse_cdf
+    from realhf.impl.model.nn.sampling import inverse_cdf
 
     g = torch.Generator().manual_seed(B * V)
     for _ in range(5):

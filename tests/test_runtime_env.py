@@ -116,7 +116,7 @@ FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, tor
 ON_HOST = {
     ("real_model.py", "ReaLModel.init_random"): "layout- and device-independent init from host generators",
     ("attention.py", "rotary_inv_freq"): "rotary tables computed on the host like HF's, then moved",
-    ("generation.py", "RowStreams.uniforms"): "per-sequence host generators: the same samples on any device",
+    ("sampling.py", "RowStreams.uniforms"): "per-sequence host generators: the same samples on any device",
     ("engine.py", "InferenceEngine.offload"): "the offloaded copy is host memory by definition",
     ("cpu_gemm.py", "probe"): "times the CPU GEMM kernels: host tensors by definition",
 }

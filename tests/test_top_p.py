@@ -3,7 +3,7 @@ top_p, found on a growing top-k prefix rather than by sorting the vocabulary."""
 import pytest
 import torch
 
-from realhf.impl.model.nn.generation import _top_p_remove, filter_logits
+from realhf.impl.model.nn.sampling import _top_p_remove, filter_logits
 
 
 @pytest.mark.parametrize("V,scale", [(7, 1.0), (1000, 0.3), (1000, 3.0), (49152, 1.0), (49152, 8.0)])

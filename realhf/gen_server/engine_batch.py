@@ -10,7 +10,7 @@ from typing import Any, List, Optional
 import torch
 
 from realhf.gen_server.api import SampleOutput, sample_seed
-from realhf.impl.model.nn.generation import RowStreams, sample_with_mask
+from realhf.impl.model.nn.sampling import RowStreams, sample_with_mask
 from realhf.impl.model.nn.kv_cache import KVCache, SharedPrefixCache
 
 CHUNK = RowStreams.CHUNK  # a seeded sample's random numbers are drawn this many at a time, as generate does

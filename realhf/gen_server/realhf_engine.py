@@ -14,7 +14,7 @@ the loop:
    row joining or leaving copies only its own keys/values; ``SharedSlotCache`` where requests ask for several
    samples: the samples of a prompt decode over one copy of its keys/values, read once per step for all);
 3. runs ONE decode step for every running row in one forward pass, samples a token per row (rows grouped
-   by identical sampling parameters, ``generation.sample_with_mask``), records it with the current weight
+   by identical sampling parameters, ``sampling.sample_with_mask``), records it with the current weight
    version, finishes rows that produced a stop token (``"stop"``, the token included) or reached
    ``max_new_tokens`` (``"length"``), and drops them from the batch (the last rows move into their slots);
 4. answers the requests whose samples have all finished.

@@ -11,7 +11,7 @@ so its shapes do not change from step to step; rows (the batch) and the cache le
 dynamic, so dropping finished rows or a new batch with longer prompts reuse the same compiled code.
 The step writes the new keys/values into the cache buffers in place, like the eager path. For greedy
 decoding and plain sampling with per-sequence random streams (what RL rollouts use), the graph also samples
-the next tokens, with the eager sampler's own code (``generation.sample_with_mask``), so a step is one call;
+the next tokens, with the eager sampler's own code (``sampling.sample_with_mask``), so a step is one call;
 top-k/top-p sampling runs eagerly on the step's logits.
 
 Used by ``generate`` when ``GenerationHyperparameters.compile_decode`` is set, for a model replica that
@@ -29,7 +29,7 @@ import torch
 
 from realhf.base import logging
 from realhf.impl.model.nn.compile_util import CompiledOrFallback
-from realhf.impl.model.nn.generation import sample_with_mask
+from realhf.impl.model.nn.sampling import sample_with_mask
 
 logger = logging.getLogger(__name__)
 
