@@ -162,8 +162,10 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, group, source, q):
 
         model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
 
+        kv = "float16" if impl == "realhf_kv16" else "auto"  # an fp16 KV cache (kv_cache_dtype)
+
         def run(k):
-            g = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, greedy=True, n=group)
+            g = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, greedy=True, n=group, kv_cache_dtype=kv)
             out = generate(model, prompts, g, eos_token_id=tok.eos_token_id)
             return sum(len(t) for t in out.tokens)
 
@@ -341,8 +343,8 @@ def main():
                     help="generation prompts: short addition questions, GSM8K train questions, or GSM8K train "
                     "questions after four worked examples (long prompts)")
     ap.add_argument("--gen-impls", default="hf,realhf,realhf_aten,gemm_floor",
-                    help="generation variants to run (hf, realhf, realhf_aten, realhf_unshared, "
-                         "realhf_torch_attention, realhf_torch_ops, gemm_floor)")
+                    help="generation variants to run (hf, realhf, realhf_kv16 (an fp16 KV cache), realhf_aten, "
+                         "realhf_unshared, realhf_torch_attention, realhf_torch_ops, gemm_floor)")
     ap.add_argument("--train-bs", type=int, default=8)
     ap.add_argument("--train-seqlen", type=int, default=256)
     ap.add_argument("--train-steps", type=int, default=3)
@@ -399,8 +401,9 @@ def main():
                   [("realhf", "hf"), ("realhf", "realhf_aten"), ("realhf", "realhf_unshared"),
                    ("realhf", "realhf_torch_attention"), ("gemm_floor", "hf")]
                   if x in tps and y in tps}
-        if "realhf" in tps and "gemm_floor" in tps:
-            ratios["realhf_fraction_of_floor"] = round(tps["realhf"] / tps["gemm_floor"], 2)
+        for x in ("realhf", "realhf_kv16"):
+            if x in tps and "gemm_floor" in tps:
+                ratios[f"{x}_fraction_of_floor"] = round(tps[x] / tps["gemm_floor"], 2)
         _emit(bench="generate_ratio", **ratios)
     if "train" not in skip:
         res = {impl: _in_process(train_worker, impl, path, a.dtype, a.train_bs, a.train_seqlen, a.train_steps)

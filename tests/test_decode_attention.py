@@ -1,7 +1,7 @@
 """The C++ decode-attention kernel (csrc/decode_attention) against the PyTorch path it replaces on CPU: the same
 outputs and the same cache writes, over grouped and plain heads, odd head sizes, rows of every length and the strided
-buffers of the generation server's slot cache; generation with it equals generation without it; bad input is named;
-without the kernel the PyTorch path runs after one warning."""
+buffers of the generation server's slot cache, over fp32 and fp16 caches; generation with it equals generation
+without it; bad input is named; without the kernel the PyTorch path runs after one warning."""
 import os
 import subprocess
 import sys
@@ -84,12 +84,43 @@ def test_kernel_names_bad_input(kernel):
         kernel.decode_attention(q.double(), K, K.clone(), torch.tensor([0, 1]), k, k, 1.0)
 
 
-def test_kv_cache_steps_equal_with_and_without_the_kernel(kernel, monkeypatch):
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512-where-the-cpu-has-it", "portable"])
+@pytest.mark.parametrize("B,hq,hkv,d,M", [(6, 9, 3, 64, 50), (3, 6, 2, 48, 33), (2, 2, 1, 20, 7)])
+def test_fp16_cache_is_the_fp32_kernel_on_rounded_keys_and_values(kernel, B, hq, hkv, d, M, avx512):
+    """An fp16 cache: the new keys/values are stored rounded to fp16, and the output is the fp32 computation over the
+    rounded cache (the arithmetic stays fp32); it differs from the fp32 cache's output by fp16 rounding only."""
+    g = torch.Generator().manual_seed(B * 100 + d)
+    K, V = torch.randn(B, hkv, M, d, generator=g).half(), torch.randn(B, hkv, M, d, generator=g).half()
+    q = torch.randn(B, hq, d, generator=g)
+    k, v = torch.randn(B, hkv, d, generator=g), torch.randn(B, hkv, d, generator=g)
+    lens = torch.randint(0, M, (B,), generator=g)
+    lens[0] = M - 1
+    K32, V32 = K.float(), V.float()
+    want = kernel.decode_attention(q, K32, V32, lens, k.half().float(), v.half().float(), 0.31, allow_avx512=avx512)
+    got = kernel.decode_attention(q, K, V, lens, k, v, 0.31, allow_avx512=avx512)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    assert torch.equal(K.float(), K32) and torch.equal(V.float(), V32), "the new keys/values, rounded, at each length"
+    exact = kernel.decode_attention(q, K32.clone(), V32.clone(), lens, k, v, 0.31)  # unrounded new key/value
+    assert (got - exact).abs().max() < 5e-3
+
+
+def test_fp16_cache_must_be_fp16_throughout(kernel):
+    K = torch.zeros(2, 1, 4, 8)
+    q, k = torch.zeros(2, 2, 8), torch.zeros(2, 1, 8)
+    with pytest.raises(RuntimeError, match="same shape, strides and dtype"):
+        kernel.decode_attention(q, K.half(), K.clone(), torch.tensor([0, 1]), k, k, 1.0)
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        kernel.decode_attention(q, K.bfloat16(), K.bfloat16(), torch.tensor([0, 1]), k, k, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32-cache", "fp16-cache"])
+def test_kv_cache_steps_equal_with_and_without_the_kernel(kernel, monkeypatch, dtype):
     """Prefill, decode steps and dropped rows through KVCache: with the kernel and with the PyTorch path."""
     def run():
         g = torch.Generator().manual_seed(5)
         plens = torch.tensor([3, 7, 1, 5])
-        c = KVCache(2, 4, 16, 2, 16, torch.float32, "cpu")
+        c = KVCache(2, 4, 16, 2, 16, dtype, "cpu")
         c.begin_prefill(plens)
         for layer in range(2):
             c.store_prefill(layer, torch.randn(int(plens.sum()), 2, 16, generator=g),
@@ -128,11 +159,11 @@ def test_generation_without_a_compiler_uses_pytorch_after_one_warning():
     assert p.stderr.count("decode attention C++ extension unavailable (disabled by REALHF_NO_CPP_EXT)") == 1, p.stderr
 
 
-def _shared_cache(plens, copies, max_new, seed=1, hkv=3, d=16):
+def _shared_cache(plens, copies, max_new, seed=1, hkv=3, d=16, dtype=torch.float32):
     """A SharedPrefixCache over random prompts' keys/values (2 layers), as generate() builds it after a prefill."""
     g = torch.Generator().manual_seed(seed)
     T = int(sum(plens))
-    c = KVCache(2, len(plens), max(plens) + 1, hkv, d, torch.float32, "cpu")
+    c = KVCache(2, len(plens), max(plens) + 1, hkv, d, dtype, "cpu")
     c.begin_prefill(torch.tensor(plens))
     for layer in range(2):
         c.store_prefill(layer, torch.randn(T, hkv, d, generator=g), torch.randn(T, hkv, d, generator=g))
@@ -140,11 +171,12 @@ def _shared_cache(plens, copies, max_new, seed=1, hkv=3, d=16):
     return kv_cache.SharedPrefixCache.from_prefill(c, torch.tensor(copies), max_new=max_new)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32-cache", "fp16-cache"])
 @pytest.mark.parametrize("d", [16, 20])  # the AVX-512 path where the CPU has it, and the portable one
-def test_shared_prefix_kernel_equals_the_pytorch_path(kernel, monkeypatch, d):
+def test_shared_prefix_kernel_equals_the_pytorch_path(kernel, monkeypatch, d, dtype):
     """Steps over shared prompts with rows finishing (one prompt leaving entirely), with the kernel and without."""
     def run():
-        cache = _shared_cache([5, 19, 3, 33], [2, 3, 1, 2], max_new=12, d=d)
+        cache = _shared_cache([5, 19, 3, 33], [2, 3, 1, 2], max_new=12, d=d, dtype=dtype)
         g = torch.Generator().manual_seed(2)
         outs = []
         for step in range(10):
@@ -173,6 +205,6 @@ def test_shared_prefix_kernel_names_bad_input(kernel):
         kernel.shared_prefix_decode_attention(*args, torch.tensor([0, 0, 2]), torch.tensor([0, 2, 3]), 1.0)
     with pytest.raises(RuntimeError, match="row_starts must run from 0 to 3"):
         kernel.shared_prefix_decode_attention(*args, torch.tensor([0, 1, 2]), torch.tensor([0, 2, 2]), 1.0)
-    with pytest.raises(RuntimeError, match=r"^shared_prefix_decode_attention: PK must be a float32 CPU tensor"):
+    with pytest.raises(RuntimeError, match=r"^shared_prefix_decode_attention: PK must be a float32 or float16 CPU tensor, got Double"):
         kernel.shared_prefix_decode_attention(q, cache.pk[0].double(), *args[2:], torch.tensor([0, 1, 2]),
                                               torch.tensor([0, 2, 3]), 1.0)

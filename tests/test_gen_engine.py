@@ -241,6 +241,33 @@ def test_compiled_decode_equals_generate(path, ref_model):
 # --------------------------------------------------------------------------- finish reasons
 
 
+@pytest.mark.parametrize("share", [True, False], ids=["shared-kv", "slot-kv"])
+def test_fp16_kv_cache_equals_generate_with_one(path, ref_model, share):
+    """Backend option kv_cache_dtype="float16": the server's caches hold fp16, and its seeded samples equal in-process
+    generate() with the same option (tokens exactly, log-probs to rounding), over the slot and shared-prompt caches."""
+    prompts = _prompts(lens=[5, 9, 4])
+
+    async def main():
+        e = _engine(path, extra={"kv_cache_dtype": "float16", "share_prefixes": share})
+        await e.start()
+        try:
+            out = await asyncio.gather(*[e.generate(_req(f"r{i}", p, n=2, seed=10 + i, max_new_tokens=16,
+                                                         temperature=0.9)) for i, p in enumerate(prompts)])
+            return out, e._cache.k[0].dtype
+        finally:
+            await e.close()
+
+    res, dtype = asyncio.run(main())
+    assert dtype == torch.float16
+    for i, (r, p) in enumerate(zip(res, prompts)):
+        ref = _gen(ref_model, [p], seeds=[10 + i], n=2, max_new_tokens=16, temperature=0.9, kv_cache_dtype="float16")
+        assert [o.output_ids for o in r.outputs] == ref.tokens, f"prompt {i}: samples differ from generate()"
+        for o, lps in zip(r.outputs, ref.logprobs):
+            assert _max_err(o.logprobs, lps) < 1e-5
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, got 'fp8'"):
+        _engine(path, extra={"kv_cache_dtype": "fp8"})
+
+
 def test_stop_min_new_tokens_and_length(path, ref_model):
     # a prompt whose greedy continuation emits a new token at some step k >= 2 (the tiny model likes repeating)
     for seed in range(100):

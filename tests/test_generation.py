@@ -88,6 +88,44 @@ def test_sampled_logprobs_match_forward_and_seed_reproducible():
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared-kv", "copied-kv"])
+def test_fp16_kv_cache_logprobs_are_a_fresh_forward_to_fp16_rounding(share, monkeypatch):
+    """kv_cache_dtype="float16" (fp32 model): seeded samples whose log-probs equal a fresh fp32 forward of the sampled
+    sequence to within fp16 rounding of the cached keys/values, and the cache really holds fp16 (the C++ kernel's
+    path here; the PyTorch path is tested against it in test_decode_attention)."""
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn import generation, kv_cache
+    from realhf.impl.model.nn.real_model import make_packed_input
+    from realhf.impl.model.utils.functional import packed_logprobs
+
+    path = ensure_tiny_model("qwen2")
+    model = build_from_hf(path, grid=single_process_grid())
+    monkeypatch.setattr(generation, "_share_prefixes", lambda *a: share)
+    seen = []
+    init = kv_cache.KVCache.__init__
+    monkeypatch.setattr(kv_cache.KVCache, "__init__", lambda self, *a: seen.append(a[5]) or init(self, *a))
+    prompts = _prompts(model.config.vocab_size)
+    gc = GenerationHyperparameters(max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, n=2, kv_cache_dtype="float16")
+    out = generation.generate(model, prompts, gc, seeds=list(range(len(prompts))))
+    assert seen == [torch.float16]
+    errs = []
+    with torch.no_grad():
+        for i, (toks, lps) in enumerate(zip(out.tokens, out.logprobs)):
+            p = prompts[i // 2]
+            seq = torch.tensor(p + toks)
+            logits = model(seq, make_packed_input([len(seq)]))
+            fresh, _ = packed_logprobs(logits, seq, torch.tensor([0, len(seq)], dtype=torch.int32))
+            errs.append((fresh[len(p) - 1:len(seq) - 1] - torch.tensor(lps)).abs().max().item())
+    assert max(errs) < 5e-3, f"fp16-cache log-probs differ from a fresh fp32 forward by {max(errs):.3g}"
+    assert max(errs) > 0, "an fp16 cache rounds the keys/values; exactly equal log-probs mean it was not used"
+
+
+def test_bad_kv_cache_dtype_is_named():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, got 'bfloat16'"):
+        GenerationHyperparameters(kv_cache_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-kv", "copied-kv"])
 def test_samples_of_a_prompt_share_its_prefill(share, monkeypatch):
     """With n samples per prompt the prompt is prefilled once, and its samples decode over one shared copy of its
     keys/values (SharedPrefixCache, where sharing pays: forced here) or over copies of its cache row: greedy samples

@@ -189,7 +189,8 @@ def _sampling(prefix: str, mfc: str) -> Dict[str, Any]:
     """``<prefix>.*`` of a SamplingConfig: the generating interface's engine options."""
     out = {f"{prefix}.{k}": Reach(v, _gconfig(mfc, k))
            for k, v in (("max_new_tokens", "64"), ("min_new_tokens", "2"), ("greedy", "true"), ("top_p", "0.9"),
-                        ("top_k", "5"), ("compile_decode", "true"), ("cuda_graph", "false"))}
+                        ("top_k", "5"), ("compile_decode", "true"), ("cuda_graph", "false"),
+                        ("kv_cache_dtype", "float16"))}
     out[f"{prefix}.stop_token_ids"] = Reach("[5,6]", lambda b: list(b.iface(mfc).gconfig.stop_token_ids))
     out[f"{prefix}.seed"] = Reach("11", _attrs(f"{mfc}.seed"))  # the per-sample random streams
     return out
@@ -391,6 +392,7 @@ ASYNC: Dict[str, Any] = {
     "ppo.gen.stop_token_ids": Reach("[5,6]", _gconf("stop_token_ids")),
     "ppo.gen.compile_decode": Refused("true"),
     "ppo.gen.cuda_graph": Refused("false"),
+    "ppo.gen.kv_cache_dtype": Refused("float16"),
     "ppo.gen.temperature": Reach("0.7", lambda b: (b.spec.rollout.gconfig["temperature"], b.iface("actor_train").temperature,
                                                    b.iface("ref_inf").temperature), expect=lambda x: _n(x, 3)),
     "ppo.behav_imp_weight_cap": Reach("2.0", _attrs("actor_train.cfg.behav_imp_weight_cap")),

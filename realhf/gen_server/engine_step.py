@@ -126,7 +126,7 @@ class EngineSteps:
             # the prefill's own cache holds the prompts only: its rows are copied into the running batch's slots
             # (room for max_len positions there), so decode positions here would be zeroed memory never used
             cache = KVCache(model.n_local_layers, len(prompts), max(seqlens) + 1, model.n_local_kv_heads,
-                            cfg.head_dim, model.dtype, dev)
+                            cfg.head_dim, self._cache_dtype(), dev)
             inp = make_packed_input(seqlens, device=dev)
             inp.cache = cache
             inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
@@ -157,6 +157,10 @@ class EngineSteps:
             if any(row.done and row.req in batch for row in self._rows):
                 self._drop_failed_rows()
 
+    def _cache_dtype(self) -> torch.dtype:
+        """The KV caches' dtype: the model's, or fp16 (backend option ``kv_cache_dtype``)."""
+        return torch.float16 if self._kv_dtype == "float16" else self.model.dtype
+
     def _cache_for(self, batch: List[Req]):
         """Make sure the running batch has a KV cache for the new rows of ``batch``. A batch that starts empty takes a
         ``SharedSlotCache`` when its requests ask for several samples of prompts long enough for sharing to pay
@@ -165,10 +169,10 @@ class EngineSteps:
         m = self.model
         shared = any(r.sp.n > 1 for r in batch) and self._share is not False and (self._share or sharing_pays(
             [len(r.ids) for r in batch], [r.sp.n for r in batch], m.n_local_kv_heads, m.config.head_dim,
-            m.flat.element_size()))
+            self._cache_dtype().itemsize))
         kind = SharedSlotCache if shared else SlotCache
         if self._cache is None or (not self._rows and type(self._cache) is not kind):
-            self._cache = kind(m.n_local_layers, m.n_local_kv_heads, m.config.head_dim, m.dtype, m.device,
+            self._cache = kind(m.n_local_layers, m.n_local_kv_heads, m.config.head_dim, self._cache_dtype(), m.device,
                                self.cfg.max_num_seqs, self._len_limit[1] + 1)
 
     def _groups_of(self, rows: List[Row]) -> List[Group]:

@@ -37,8 +37,9 @@ as one compiled graph, ``realhf.impl.model.nn.compiled_decode``; a one-off compi
 ``max_prefill_tokens`` (int, default 16384: prompt tokens prefilled in one iteration at most; one request
 is always admitted even if longer), ``share_prefixes`` (bool; unset: where it pays, ``kv_cache.sharing_pays``;
 true: a running batch that starts with a request for several samples decodes them over one shared copy of its
-prompt's keys/values; false: never; off under ``compile_decode``). ``pp_size`` other than 1 is refused, as is ``tp_size`` other than 1:
-this backend runs one model replica per server.
+prompt's keys/values; false: never; off under ``compile_decode``), ``kv_cache_dtype`` ("auto", the model's dtype, or
+"float16": see ``GenerationHyperparameters.kv_cache_dtype``). ``pp_size`` other than 1 is refused, as is
+``tp_size`` other than 1: this backend runs one model replica per server.
 
 The pieces: this module (the thread, commands, the async interface), ``engine_step.py`` (admission, decode steps,
 rows), ``engine_weights.py`` (weight updates), ``engine_batch.py`` (requests, rows, sampling groups, slot caches).
@@ -60,12 +61,14 @@ from realhf.impl.model.nn import cpu_gemm
 from realhf.gen_server.engine_step import EngineSteps
 from realhf.gen_server.engine_weights import EngineWeights
 from realhf.gen_server.engine_batch import Group, Req, Row
+from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.impl.model.nn.kv_cache import decode_kernel
 
 logger = logging.getLogger("realhf.gen_server.engine")
 
 # pp_size is accepted only to be refused with the reason (this backend serves pp = tp = 1)
-_EXTRA_KEYS = {"compile_decode": bool, "max_prefill_tokens": int, "pp_size": int, "share_prefixes": bool}
+_EXTRA_KEYS = {"compile_decode": bool, "kv_cache_dtype": str, "max_prefill_tokens": int, "pp_size": int,
+               "share_prefixes": bool}
 
 class EngineClosed(RuntimeError):
     pass
@@ -114,6 +117,10 @@ class RealhfEngine(EngineWeights, EngineSteps, GenerationEngine):
         # None: where it pays (kv_cache.sharing_pays). The compiled decode step reads whole-sequence caches: with it,
         # samples keep their own copies of the prompt
         self._share = False if self._compile else extra.get("share_prefixes")
+        self._kv_dtype = extra.get("kv_cache_dtype", "auto")
+        if self._kv_dtype not in GenerationHyperparameters.KV_CACHE_DTYPES:
+            raise ValueError(f"gen backend option kv_cache_dtype must be one of "
+                             f"{', '.join(GenerationHyperparameters.KV_CACHE_DTYPES)}, got {self._kv_dtype!r}")
         self._max_prefill_tokens = int(extra.get("max_prefill_tokens", 16384))
         if self._max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self._max_prefill_tokens}")

@@ -88,8 +88,16 @@ class GenerationHyperparameters:
     # on CUDA, replay the decode step as a CUDA graph (see realhf/impl/model/nn/graph_decode.py); single-stage,
     # tp = 1 replicas; ignored on CPU and under compile_decode
     cuda_graph: bool = True
+    # the KV cache's dtype: "auto" (the model's) or "float16" (for an fp32 model on CPU it halves the bytes attention
+    # reads a step, at fp16 rounding of the cached keys/values; the arithmetic stays in the model's dtype)
+    kv_cache_dtype: str = "auto"
+
+    KV_CACHE_DTYPES = ("auto", "float16")
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in self.KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(self.KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -105,6 +113,12 @@ class GenerationHyperparameters:
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+    def cache_dtype(self, model_dtype):
+        """The KV cache's torch dtype for a model of ``model_dtype``."""
+        import torch
+
+        return model_dtype if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

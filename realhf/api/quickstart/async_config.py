@@ -116,6 +116,10 @@ class AsyncPPOMathConfig(PPOMathConfig):
         if self.ppo.gen.compile_decode:
             raise ValueError("ppo.gen.compile_decode=true has no use in async-ppo-math: the generation servers decode; "
                              "give a gen server's options in gen_server.extra, e.g. '{\"compile_decode\": true}'")
+        if self.ppo.gen.kv_cache_dtype != "auto":
+            raise ValueError(f"ppo.gen.kv_cache_dtype={self.ppo.gen.kv_cache_dtype} has no use in async-ppo-math: the "
+                             "generation servers hold the KV caches; give a gen server's options in gen_server.extra, "
+                             "e.g. '{\"kv_cache_dtype\": \"float16\"}'")
         if not self.ppo.gen.cuda_graph:
             raise ValueError("ppo.gen.cuda_graph=false has no use in async-ppo-math: the generation servers decode "
                              "(CUDA graphs serve generate(), which actor_gen of ppo-math calls)")

@@ -31,6 +31,9 @@ class SamplingConfig:
     cuda_graph: bool = option(
         True, "on CUDA, replay the decode step as a CUDA graph (single-stage tp=1 generation; the step's ~1,000 kernel "
         "launches become one); ignored on CPU")
+    kv_cache_dtype: str = option(
+        "auto", "the KV cache's dtype: auto (the model's) or float16 (an fp32 model on CPU reads half the bytes in "
+        "attention over the cache; log-probs then differ from an fp32 forward by fp16 rounding, about 1e-3)")
 
     def __post_init__(self):
         self.to_hyperparameters()  # its checks name the fields
@@ -41,7 +44,7 @@ class SamplingConfig:
             max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens, greedy=self.greedy,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             stop_token_ids=tuple(self.stop_token_ids), n=n, seed=self.seed, compile_decode=self.compile_decode,
-            cuda_graph=self.cuda_graph,
+            cuda_graph=self.cuda_graph, kv_cache_dtype=self.kv_cache_dtype,
         )
 
 

@@ -20,9 +20,9 @@ from realhf.api.core.workflow_api import AnswerSample, RolloutWorkflow, Trajecto
 from realhf.gen_server.api import SampleOutput, SamplingParams
 from realhf.impl.workflow.rewards import call_reward, load_reward_fn
 
-# gconfig keys: SamplingConfig's fields (compile_decode and cuda_graph are the servers' business) plus n
+# gconfig keys: SamplingConfig's fields (compile_decode, cuda_graph and kv_cache_dtype are the servers' business) plus n
 _SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-GCONFIG_KEYS = tuple(sorted(set(_SAMPLING_KEYS) | {"compile_decode", "cuda_graph"}))
+GCONFIG_KEYS = tuple(sorted(set(_SAMPLING_KEYS) | {"compile_decode", "cuda_graph", "kv_cache_dtype"}))
 
 
 def sampling_params(gconfig: Union[Dict[str, Any], Any], tokenizer) -> Tuple[SamplingParams, Optional[int]]:

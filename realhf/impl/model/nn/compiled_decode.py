@@ -29,6 +29,7 @@ import torch
 
 from realhf.base import logging
 from realhf.impl.model.nn.compile_util import CompiledOrFallback
+from realhf.impl.model.nn.kv_cache import as_query_dtype
 from realhf.impl.model.nn.sampling import sample_with_mask
 
 logger = logging.getLogger(__name__)
@@ -48,11 +49,12 @@ class _StaticDecodeView:
     def decode_attention(self, layer: int, q, k, v, scale: float):
         """q: [B, hq, d]; k, v: [B, hkv, d] -> [B, hq, d]."""
         K, V = self.k[layer], self.v[layer]
-        K[self.rows, :, self.lens] = k
-        V[self.rows, :, self.lens] = v
+        K[self.rows, :, self.lens] = k.to(K.dtype)
+        V[self.rows, :, self.lens] = v.to(V.dtype)
         B, hq, d = q.shape
         hkv = k.shape[1]
         qg = q.view(B, hkv, hq // hkv, d)  # the query heads of each kv head
+        K, V = as_query_dtype(K, q), as_query_dtype(V, q)  # a cache narrower than the model (kv_cache_dtype)
         s = torch.matmul(qg, K.transpose(-1, -2)) * scale + self.bias  # [B, hkv, g, L]
         out = torch.matmul(s.softmax(-1), V)  # [B, hkv, g, d]
         return out.reshape(B, hq, d)

@@ -160,7 +160,7 @@ def _share_prefixes(model: ReaLModel, prompts: List[List[int]], gconfig: Generat
         return False
     lens = [len(p) for p in prompts[::gconfig.n]]
     return kv_cache.sharing_pays(lens, [gconfig.n] * len(lens), model.n_local_kv_heads, model.config.head_dim,
-                                 model.flat.element_size())
+                                 gconfig.cache_dtype(model.dtype).itemsize)
 
 
 def _decode_input(cache: KVCache, device) -> PackedInput:
@@ -261,7 +261,7 @@ def generate(
     shared = _share_prefixes(model, prompts, gconfig, decoder is not None)
     # a shared-prefix cache keeps the prompts apart from the generated positions: the prefill's holds prompts only
     cache = KVCache(model.n_local_layers, B // gconfig.n, max(seqlens) + 1 if shared else max_len,
-                    model.n_local_kv_heads, cfg.head_dim, model.dtype, device)
+                    model.n_local_kv_heads, cfg.head_dim, gconfig.cache_dtype(model.dtype), device)
 
     def run_stage(x_in, inp: PackedInput, n_tokens: int):
         if decoder is not None and inp.cache is not None and inp.cache.decoding:
@@ -422,7 +422,7 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
         _Group(rows=rows, alive=torch.tensor(rows, dtype=torch.long, device=device),
                # sized for the group's distinct prompts: the prefill fills one row each, then copies them
                cache=KVCache(model.n_local_layers, len({i // n for i in rows}), prefill_len, model.n_local_kv_heads,
-                             cfg.head_dim, model.dtype, device),
+                             cfg.head_dim, gconfig.cache_dtype(model.dtype), device),
                streams=RowStreams([row_seeds[i] for i in rows]) if row_seeds is not None and model.is_last else None)
         for rows in split_rows(B, n_groups)
     ]

@@ -4,6 +4,10 @@ Per local layer, keys and values live in [B, h_kv, max_len, d] buffers. Prefill 
 prompt tokens of every sequence at their positions; each decode step writes one token per sequence at
 ``lens[b]`` and attends to positions ``<= lens[b]``. ``keep(rows)`` drops finished sequences so they
 stop costing work.
+
+The buffers' dtype may be narrower than the model's (``GenerationHyperparameters.kv_cache_dtype``: an fp16
+cache for an fp32 model on CPU halves the bytes each decode step reads); keys and values are rounded when
+written and widened to the queries' dtype when read, so the arithmetic keeps the model's precision.
 """
 from __future__ import annotations
 
@@ -33,6 +37,12 @@ def _kernel_for(q: torch.Tensor):
     if q.is_cpu and q.dtype == torch.float32 and not torch.compiler.is_compiling():
         return decode_kernel()
     return None
+
+
+def as_query_dtype(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Cached keys/values (or a mask made in the cache's dtype) ``x`` in the dtype of the queries ``q`` (a copy only
+    where the cache is narrower than the model)."""
+    return x if x.dtype == q.dtype else x.to(q.dtype)
 
 
 def gqa_decode_attention(q, K, V, add_mask, scale: float):
@@ -77,8 +87,8 @@ class KVCache:
 
     def store_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         b, pos = self._prefill_idx
-        self.k[layer][b, :, pos] = k
-        self.v[layer][b, :, pos] = v
+        self.k[layer][b, :, pos] = k.to(self.k[layer].dtype)
+        self.v[layer][b, :, pos] = v.to(self.v[layer].dtype)
 
     def end_prefill(self):
         self.lens = self._pending.clone()
@@ -110,12 +120,13 @@ class KVCache:
         if mod is not None:
             return mod.decode_attention(q, K, V, self.lens, k, v, scale)
         rows, L, mask = self._step_mask()
-        K[rows, :, self.lens] = k
-        V[rows, :, self.lens] = v
+        K[rows, :, self.lens] = k.to(K.dtype)
+        V[rows, :, self.lens] = v.to(V.dtype)
+        K, V = as_query_dtype(K[:, :, :L], q), as_query_dtype(V[:, :, :L], q)
         if q.is_cpu:
-            return gqa_decode_attention(q, K[:, :, :L], V[:, :, :L], mask, scale)
+            return gqa_decode_attention(q, K, V, as_query_dtype(mask, q), scale)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), K[:, :, :L], V[:, :, :L], attn_mask=mask, scale=scale,
+            q.unsqueeze(2), K, V, attn_mask=mask, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out.squeeze(2)
@@ -285,10 +296,12 @@ class SharedPrefixCache(KVCache):
         pre_mask, own_mask, Lo, flat = self._step_mask()
         rows = torch.arange(self.batch, device=self.own.device)
         K, V = self.k[layer], self.v[layer]
-        K[rows, :, self.own] = k
-        V[rows, :, self.own] = v
-        return shared_prefix_attention(q, self.pk[layer], self.pv[layer], pre_mask, K[:, :, :Lo], V[:, :, :Lo], own_mask,
-                                       flat, self.slots, scale)
+        K[rows, :, self.own] = k.to(K.dtype)
+        V[rows, :, self.own] = v.to(V.dtype)
+        own_mask = None if own_mask is None else as_query_dtype(own_mask, q)
+        return shared_prefix_attention(q, as_query_dtype(self.pk[layer], q), as_query_dtype(self.pv[layer], q),
+                                       as_query_dtype(pre_mask, q), as_query_dtype(K[:, :, :Lo], q),
+                                       as_query_dtype(V[:, :, :Lo], q), own_mask, flat, self.slots, scale)
 
     def block_attention(self, layer: int) -> dict:
         """The cache arguments of the C++ ``decode_block`` (decode_ops.cpp) for ``layer``: the prompts' shared

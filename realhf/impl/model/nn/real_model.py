@@ -268,7 +268,7 @@ def _block_decode_whole(blk: "Block", x, inp, rope, layer: int):
             or kv_cache.decode_kernel() is None):
         return None
     ops = decode_ops.linear_kernel(x, a.q_proj.weight, a.q_proj.bias)
-    if ops is None or cache.k[layer].dtype != torch.float32:
+    if ops is None or cache.k[layer].dtype not in (torch.float32, torch.float16):  # (the C++ attention's caches)
         return None
     cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)
     return ops.decode_block(
