@@ -225,8 +225,9 @@ def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
 
 
 def decode_split_worker(path, dtype_name, rows, positions, q):
-    """Median decode-step times (ms) of ``rows`` rows whose caches hold about ``positions`` positions: ``full`` (each
-    block in one C++ call where decode_block serves), ``by_op`` (the block op by op: the C++ ops and attention called
+    """Median decode-step times (ms) of ``rows`` rows whose caches hold about ``positions`` positions: ``full`` (every
+    block in one C++ call, DecodeLayers, where decode_block serves), ``per_layer`` (one decode_block call per block),
+    ``by_op`` (the block op by op: the C++ ops and attention called
     from Python; every variant below runs this way too), ``torch_attention`` (attention by PyTorch ops, not the C++
     kernel), ``torch_ops`` (decode_ops off), then
     with attention over the cache replaced by its input (``no_attention``: the keys/values still written), then
@@ -272,9 +273,10 @@ def decode_split_worker(path, dtype_name, rows, positions, q):
 
     from realhf.impl.model.nn import real_model
 
-    whole_block = real_model._block_decode_whole
-    variants = {"full": full_attention, "by_op": full_attention, "torch_attention": torch_attention,
-                "torch_ops": torch_ops, "no_attention": no_attention, "no_cache": lambda self, layer, q_, k, v, scale: q_}
+    whole_block, stack = real_model._block_decode_whole, real_model._decode_layers_whole
+    variants = {"full": full_attention, "per_layer": full_attention, "by_op": full_attention,
+                "torch_attention": torch_attention, "torch_ops": torch_ops, "no_attention": no_attention,
+                "no_cache": lambda self, layer, q_, k, v, scale: q_}
     out = []
     for P in positions:
         cache = KVCache(m.n_local_layers, rows, P + 64, m.n_local_kv_heads, cfg.head_dim, dt, "cpu")
@@ -290,7 +292,9 @@ def decode_split_worker(path, dtype_name, rows, positions, q):
                     for name, fn in variants.items():
                         KVCache.decode_attention = fn
                         decode_ops.enabled = (lambda: False) if name == "torch_ops" else ops_on
-                        real_model._block_decode_whole = whole_block if name == "full" else (lambda *a: None)
+                        real_model._block_decode_whole = (whole_block if name in ("full", "per_layer")
+                                                          else (lambda *a: None))
+                        real_model._decode_layers_whole = stack if name == "full" else (lambda *a: None)
                         for i in range(50):
                             inp = PackedInput(cu_seqlens=torch.arange(rows + 1, dtype=torch.int32), max_seqlen=1,
                                               position_ids=cache.lens.clone(), cache=cache)
@@ -302,7 +306,7 @@ def decode_split_worker(path, dtype_name, rows, positions, q):
         finally:
             KVCache.decode_attention = full_attention
             decode_ops.enabled = ops_on
-            real_model._block_decode_whole = whole_block
+            real_model._block_decode_whole, real_model._decode_layers_whole = whole_block, stack
         ms = {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
         kv_bytes = 2 * m.n_local_layers * m.n_local_kv_heads * cfg.head_dim * int(cache.lens.sum() + rows) * cache.k[0].element_size()
         attn_s = (ms["by_op"] - ms["no_attention"]) / 1e3

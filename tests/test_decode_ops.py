@@ -125,7 +125,7 @@ def test_where_the_ops_serve(ops):
         assert decode_ops.linear(x, w.double(), None) is None
 
 
-def _decode_logits(model, steps: int = 4):
+def _decode_logits(model, steps: int = 4, dtype=torch.float32):
     """Logits of a prefill then ``steps`` decode steps of 5 rows over a KV cache (greedy tokens fed back)."""
     from realhf.impl.model.nn.kv_cache import KVCache
     from realhf.impl.model.nn.real_model import PackedInput, make_packed_input
@@ -134,7 +134,7 @@ def _decode_logits(model, steps: int = 4):
     plens = [5, 3, 8, 1, 6]
     ids = torch.randint(3, model.config.vocab_size, (sum(plens),), generator=g)
     cache = KVCache(model.n_local_layers, len(plens), 8 + steps + 1, model.n_local_kv_heads, model.config.head_dim,
-                    torch.float32, "cpu")
+                    dtype, "cpu")
     cache.begin_prefill(torch.tensor(plens))
     inp = make_packed_input(plens)
     inp.cache = cache
@@ -165,6 +165,8 @@ def test_model_decode_steps_equal_the_pytorch_path(ops, monkeypatch):
     monkeypatch.setattr(real_model, "_BLOCK_DECODE",
                         (lambda *a: used.append(1) or pre(*a), real_model._block_post_decode))
     monkeypatch.setattr(real_model, "_block_decode_whole", lambda *a: _counted(used, whole(*a)))
+    stack = real_model._decode_layers_whole
+    monkeypatch.setattr(real_model, "_decode_layers_whole", lambda *a: _counted(used, stack(*a)))
     with torch.no_grad():
         fused = _decode_logits(model)
         assert used, "the decode steps did not take the C++ path"
@@ -183,10 +185,13 @@ def _counted(used, y):
 
 
 def _whole_block_calls(monkeypatch):
+    """Counts the layers that take decode_block one call each; the stack of layers in one call (DecodeLayers) is
+    turned off, so that they do (it is tested against them below)."""
     from realhf.impl.model.nn import real_model
 
     calls, whole = [], real_model._block_decode_whole
     monkeypatch.setattr(real_model, "_block_decode_whole", lambda *a: _counted(calls, whole(*a)))
+    monkeypatch.setattr(real_model, "_decode_layers_whole", lambda *a: None)
     return calls
 
 
@@ -233,20 +238,66 @@ def test_whole_block_over_shared_prompt_keys_values(ops, monkeypatch):
 
 
 def test_whole_block_is_not_used_where_it_cannot_serve(ops, monkeypatch):
-    """With the C++ attention off (REALHF_NO_CPP_EXT's effect on kv_cache), or with autograd, no decode_block call."""
+    """With the C++ attention off (REALHF_NO_CPP_EXT's effect on kv_cache), or with autograd, no decode_block call,
+    neither one per layer nor the stack of layers in one call."""
     from realhf.base.topology import single_process_grid
     from realhf.impl.model.conversion.hf_io import build_from_hf
-    from realhf.impl.model.nn import kv_cache
+    from realhf.impl.model.nn import kv_cache, real_model
     from realhf.impl.model.tiny import ensure_tiny_model
 
     model = build_from_hf(ensure_tiny_model("qwen2"), grid=single_process_grid())
+    stack, stacked = real_model._decode_layers_whole, []
     calls = _whole_block_calls(monkeypatch)
+    monkeypatch.setattr(real_model, "_decode_layers_whole", lambda *a: _counted(stacked, stack(*a)))
     _decode_logits(model, steps=2)  # autograd on: the PyTorch path
-    assert calls == []
+    assert calls == [] and stacked == []
     monkeypatch.setattr(kv_cache, "decode_kernel", lambda: None)
     with torch.no_grad():
         _decode_logits(model, steps=2)
-    assert calls == []
+    assert calls == [] and stacked == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32-cache", "fp16-cache"])
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_stack_of_layers_in_one_call_equals_one_call_per_layer(ops, monkeypatch, family, dtype):
+    """DecodeLayers (every block of a decode step in one C++ call, what ReaLModel.forward takes by default) runs each
+    layer as decode_block does: logits equal to the bit. It holds the model's own parameter tensors, so a parameter
+    given new storage through ``.data`` (as parameter reallocation does) or updated in place is what it reads next."""
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn import real_model
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    model = build_from_hf(ensure_tiny_model(family), grid=single_process_grid())
+    stack, stacked = real_model._decode_layers_whole, []
+    monkeypatch.setattr(real_model, "_decode_layers_whole", lambda *a: _counted(stacked, stack(*a)))
+    with torch.no_grad():
+        one_call = _decode_logits(model, dtype=dtype)
+        assert len(stacked) == 4, "every decode step should run its layers in one call"
+        blk = list(model.blocks.values())[1]
+        blk.mlp.up_proj.weight.data = blk.mlp.up_proj.weight.data * 1.5  # new storage for one parameter
+        blk.attn.o_proj.weight.mul_(0.5)  # and an update in place
+        one_call_new = _decode_logits(model, dtype=dtype)
+        calls = _whole_block_calls(monkeypatch)
+        per_layer_new = _decode_logits(model, dtype=dtype)
+        assert len(calls) == 4 * model.n_local_layers
+    for a, b in zip(one_call_new, per_layer_new):
+        assert torch.equal(a, b)
+    assert not torch.equal(one_call[-1], one_call_new[-1]), "the changed weights should change the logits"
+
+
+def test_decode_layers_names_bad_input(ops):
+    w, n = torch.randn(8, 8), torch.ones(8)
+    layer = [n, w, None, w, None, w, None, w, None, n, w, None, w, None, w, None]
+    with pytest.raises(RuntimeError, match="layer 0 lacks parameter 3"):
+        ops.DecodeLayers([layer[:3] + [None] + layer[4:]], [[1e-6, 1e-6]], scale=1.0, hq=1, hkv=1)
+    with pytest.raises(RuntimeError, match="layer 1 needs 16 parameters and 2 eps"):
+        ops.DecodeLayers([layer, layer[:-1]], [[1e-6, 1e-6]] * 2, scale=1.0, hq=1, hkv=1)
+    dl = ops.DecodeLayers([layer, layer], [[1e-6, 1e-6]] * 2, scale=1.0, hq=1, hkv=1)
+    assert dl.n_layers == 2
+    K = torch.zeros(2, 1, 4, 8)
+    with pytest.raises(RuntimeError, match="2 layers but caches of 1 and 1"):
+        dl.run(torch.randn(2, 8), None, None, [K], [K], torch.zeros(2, dtype=torch.long))
 
 
 def test_decode_block_names_bad_input(ops):
@@ -304,3 +355,27 @@ def test_a_change_to_an_included_source_rebuilds_the_kernel(tmp_path):
     third = _headers_flag(str(main))
     assert len({tuple(first), tuple(second), tuple(third)}) == 3
     assert _headers_flag(str(main)) == third  # the same files: the same flag
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-kv", "copied-kv"])
+def test_generation_with_the_stack_of_layers_equals_one_call_per_layer(ops, monkeypatch, share):
+    """Seeded generation over shared prompt keys/values and over copied ones: tokens and log-probs to the bit with
+    DecodeLayers and with one decode_block call per layer."""
+    from realhf.api.core.model_api import GenerationHyperparameters
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn import generation, real_model
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    model = build_from_hf(ensure_tiny_model("qwen2"), grid=single_process_grid())
+    monkeypatch.setattr(generation, "_share_prefixes", lambda *a: share)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    gc = GenerationHyperparameters(max_new_tokens=10, min_new_tokens=10, n=3, temperature=0.9)
+    stack, stacked = real_model._decode_layers_whole, []
+    monkeypatch.setattr(real_model, "_decode_layers_whole", lambda *a: _counted(stacked, stack(*a)))
+    one_call = generation.generate(model, prompts, gc, seeds=[1, 2, 3])
+    assert len(stacked) == 9
+    _whole_block_calls(monkeypatch)
+    per_layer = generation.generate(model, prompts, gc, seeds=[1, 2, 3])
+    assert one_call.tokens == per_layer.tokens and one_call.logprobs == per_layer.logprobs

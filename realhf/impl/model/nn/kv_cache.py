@@ -135,6 +135,10 @@ class KVCache:
         """The cache arguments of the C++ ``decode_block`` (decode_ops.cpp) for ``layer``."""
         return dict(K=self.k[layer], V=self.v[layer], lens=self.lens)
 
+    def layers_attention(self) -> dict:
+        """The cache arguments of the C++ ``DecodeLayers.run`` (decode_ops.cpp): those of every layer."""
+        return dict(K=self.k, V=self.v, lens=self.lens)
+
     def advance(self):
         """Every row consumed one more position (after all layers ran a decode step)."""
         self.lens += 1
@@ -309,6 +313,12 @@ class SharedPrefixCache(KVCache):
         order, starts = self._rows_by_prompt()
         return dict(K=self.k[layer], V=self.v[layer], lens=self.own, pk=self.pk[layer], pv=self.pv[layer],
                     plens=self.plens, row_order=order, row_starts=starts)
+
+    def layers_attention(self) -> dict:
+        """The cache arguments of the C++ ``DecodeLayers.run`` for every layer."""
+        order, starts = self._rows_by_prompt()
+        return dict(K=self.k, V=self.v, lens=self.own, pk=self.pk, pv=self.pv, plens=self.plens, row_order=order,
+                    row_starts=starts)
 
     def _rows_by_prompt(self):
         """(the rows listed prompt by prompt, where each prompt's rows begin in that list [P + 1]), kept while the
