@@ -379,3 +379,21 @@ def test_generation_with_the_stack_of_layers_equals_one_call_per_layer(ops, monk
     _whole_block_calls(monkeypatch)
     per_layer = generation.generate(model, prompts, gc, seeds=[1, 2, 3])
     assert one_call.tokens == per_layer.tokens and one_call.logprobs == per_layer.logprobs
+
+
+def test_greedy_sample_names_bad_input_and_does_not_depend_on_threads(ops):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(12, 49152, generator=g)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.greedy_sample(x, torch.tensor([3]), None)
+        torch.set_num_threads(2)
+        two = ops.greedy_sample(x, torch.tensor([3]), None)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    with pytest.raises(RuntimeError, match=r"banned token 49152 outside the vocabulary \[0, 49152\)"):
+        ops.greedy_sample(x, torch.tensor([49152]), None)
+    with pytest.raises(RuntimeError, match="ban must be a bool CPU mask"):
+        ops.greedy_sample(x, None, torch.zeros(12, 49152, dtype=torch.bool))

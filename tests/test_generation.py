@@ -166,17 +166,33 @@ def test_samples_of_a_prompt_share_its_prefill(share, monkeypatch):
     assert bool(made) == share, "the shared-prefix cache should be used exactly when sharing pays"
 
 
-def test_greedy_tokens_equal_the_log_softmax_form():
-    """The two-pass greedy sampler: the same tokens as an argmax over the banned-masked logits, log-probs of the
-    unmodified distribution within float rounding, banned ids never chosen (even where one is the row's maximum),
-    and the caller's logits left as they were."""
+@pytest.mark.parametrize("path", ["cpp", "torch"])
+def test_greedy_tokens_equal_the_log_softmax_form(path, monkeypatch):
+    """The greedy sampler (C++ greedy_sample for a decode step's rows, else two PyTorch passes): the same tokens as an
+    argmax over the banned-masked logits, log-probs of the unmodified distribution within float rounding, banned ids
+    never chosen (even where one is the row's maximum, or ties with an allowed one), and the caller's logits left as
+    they were."""
+    from realhf.impl.model.nn import decode_ops
     from realhf.impl.model.nn.sampling import greedy_tokens
 
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 300, generator=g) * 4
     logits[0, 7] = 100.0  # a banned id is the row's maximum
     logits[1, 11] = logits[1, 12] = 60.0  # equal maxima: the first wins
+    logits[2, 5] = logits[2, 250] = 80.0  # an allowed maximum before a banned one
+    logits[3, 250] = logits[3, 260] = 80.0  # a banned maximum before an allowed one
     banned = torch.tensor([7, 250])
+    if path == "torch":
+        monkeypatch.setattr(decode_ops, "enabled", lambda: False)
+    torch.set_grad_enabled(False)  # a decode step's state (the C++ path serves no autograd)
+    try:
+        assert (decode_ops.for_rows(logits) is not None) == (path == "cpp")
+        _check_greedy(logits, banned, greedy_tokens)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _check_greedy(logits, banned, greedy_tokens):
     mask = torch.zeros(300, dtype=torch.bool)
     mask[banned] = True
     before = logits.clone()
@@ -187,6 +203,7 @@ def test_greedy_tokens_equal_the_log_softmax_form():
         assert torch.equal(logits, before)
         assert torch.equal(tok, ref_tok) and tok[0] != 7 and tok[1] == 11
         torch.testing.assert_close(lp, ref_lp.gather(-1, tok[:, None]).squeeze(-1), rtol=0, atol=1e-5)
+    assert tok[2] == 5 and tok[3] == 260
     tok, lp = greedy_tokens(logits)
     assert tok[0] == 7 and torch.allclose(lp[0], ref_lp[0, 7], atol=1e-5)
 

@@ -331,6 +331,87 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, bool allow_avx512) 
 
 bool has_avx512() { return cpu_has_avx512(); }
 
+namespace {
+
+// One row of greedy_sample: the first index of the row's maximum among the allowed tokens (``ban``: 1 = banned, or
+// null), and its log-prob under the whole row's softmax. Three passes over the row (in L2): the maximum, the first
+// allowed index holding it (a full scan for the maximum of the allowed tokens only where every maximum is banned),
+// and the sum of exp(x - max) in 16 lanes.
+REALHF_MULTI_TARGET
+void greedy_row(const float* __restrict__ x, int64_t V, const uint8_t* __restrict__ ban, int64_t* tok, float* lp) {
+  float mx[kLanes];
+  for (int l = 0; l < kLanes; ++l) mx[l] = -INFINITY;
+  int64_t i = 0;
+  for (; i + kLanes <= V; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) mx[l] = x[i + l] > mx[l] ? x[i + l] : mx[l];
+  for (; i < V; ++i) mx[0] = x[i] > mx[0] ? x[i] : mx[0];
+  float top = mx[0];
+  for (int l = 1; l < kLanes; ++l) top = mx[l] > top ? mx[l] : top;
+  int64_t best_i = -1;
+  for (i = 0; i < V; ++i)
+    if (x[i] == top && (ban == nullptr || !ban[i])) {
+      best_i = i;
+      break;
+    }
+  float best = top;
+  if (best_i < 0) {  // every maximum is banned: the maximum of the allowed tokens (the first of equal ones)
+    best = -INFINITY;
+    best_i = 0;
+    for (i = 0; i < V; ++i)
+      if (!ban[i] && x[i] > best) best = x[i], best_i = i;
+  }
+  float s[kLanes] = {0};
+  for (i = 0; i + kLanes <= V; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) s[l] += realhf::fast_exp(x[i + l] - top);
+  for (int l = 0; i < V; ++i, ++l) s[l] += realhf::fast_exp(x[i] - top);
+  *tok = best_i;
+  *lp = best - (top + std::log(realhf::sum16(s)));
+}
+
+}  // namespace
+
+// Greedy sampling of each row of logits [B, V] (fp32, rows contiguous): the most likely token other than the
+// ``banned`` ids (int64 [n]) or the True entries of ``ban`` (bool [V]), the first of equal maxima as an argmax, and
+// its log-prob under the unmodified distribution. Returns (tokens int64 [B], log-probs fp32 [B]). Rows run in
+// parallel; each row's result comes from one thread, so it does not depend on the thread count.
+std::vector<torch::Tensor> greedy_sample(torch::Tensor logits, c10::optional<torch::Tensor> banned,
+                                         c10::optional<torch::Tensor> ban) {
+  check_rows(logits, "greedy_sample", "logits");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "greedy_sample: logits over an empty vocabulary");
+  std::vector<uint8_t> mask;
+  if (banned.has_value() && banned->defined() && banned->numel() > 0) {
+    TORCH_CHECK(banned->dim() == 1 && banned->scalar_type() == torch::kInt64 && banned->device().is_cpu(),
+                "greedy_sample: banned must be a 1-D int64 CPU tensor of token ids");
+    mask.assign(static_cast<size_t>(V), 0);
+    auto bc = banned->contiguous();
+    const int64_t* b = bc.data_ptr<int64_t>();
+    for (int64_t j = 0; j < bc.numel(); ++j) {
+      TORCH_CHECK(b[j] >= 0 && b[j] < V, "greedy_sample: banned token ", b[j], " outside the vocabulary [0, ", V, ")");
+      mask[static_cast<size_t>(b[j])] = 1;
+    }
+  }
+  if (ban.has_value() && ban->defined()) {
+    TORCH_CHECK(ban->dim() == 1 && ban->size(0) == V && ban->scalar_type() == torch::kBool && ban->device().is_cpu(),
+                "greedy_sample: ban must be a bool CPU mask [", V, "], got ", ban->sizes(), " ", ban->scalar_type());
+    if (mask.empty()) mask.assign(static_cast<size_t>(V), 0);
+    auto mc = ban->contiguous();
+    const bool* m = mc.data_ptr<bool>();
+    for (int64_t j = 0; j < V; ++j) mask[static_cast<size_t>(j)] |= m[j] ? 1 : 0;
+  }
+  auto tok = torch::empty({B}, logits.options().dtype(torch::kInt64));
+  auto lp = torch::empty({B}, logits.options());
+  const float* xp = logits.data_ptr<float>();
+  const int64_t sx = logits.stride(0);
+  const uint8_t* mp = mask.empty() ? nullptr : mask.data();
+  int64_t* tp = tok.data_ptr<int64_t>();
+  float* lpp = lp.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) greedy_row(xp + r * sx, V, mp, tp + r, lpp + r);
+  });
+  return {tok, lp};
+}
+
 using OptT = c10::optional<torch::Tensor>;
 
 // One decode step of a pre-norm block with RMSNorm, rotary embedding and a SiLU-gated MLP (Llama, Qwen2, SmolLM2,
@@ -432,6 +513,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cos"), py::arg("sin_signed"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate"), py::arg("up"), py::arg("allow_avx512") = true);
   m.def("has_avx512", &has_avx512, "whether this CPU runs the AVX-512 tile");
+  m.def("greedy_sample", &greedy_sample, "greedy token and its log-prob for each row of fp32 logits",
+        py::arg("logits"), py::arg("banned") = py::none(), py::arg("ban") = py::none());
   m.def("decode_block", &decode_block, "one decode step of a RMSNorm / rotary / SiLU-gated block, in one call",
         py::arg("x"), py::arg("attn_norm_w"), py::arg("attn_eps"), py::arg("wq"), py::arg("bq"), py::arg("wk"),
         py::arg("bk"), py::arg("wv"), py::arg("bv"), py::arg("wo"), py::arg("bo"), py::arg("mlp_norm_w"),
