@@ -243,7 +243,7 @@ def _block_pre_decode(blk: "Block", x, rope):
     q, k, v = cpu_gemm.linear_group(h, (a.q_proj, a.k_proj, a.v_proj))
     q, k, v = q.reshape(T, a.hq, a.d), k.reshape(T, a.hkv, a.d), v.reshape(T, a.hkv, a.d)
     if rope is not None:
-        ops.rotary_(q, k, rope[0][:, 0], rope[1][:, 0])  # in place; [T, 1, d] tables as [T, d]
+        ops.rotary_(q, k, *_rope_rows(rope))  # in place
     return q, k, v
 
 
@@ -259,26 +259,46 @@ def _block_post_decode(blk: "Block", x, o):
 _BLOCK_DECODE = (_block_pre_decode, _block_post_decode)
 
 
+# the caches whose attention the C++ decode kernels read (an fp16 cache: GenerationHyperparameters.kv_cache_dtype)
+_CPP_KV_DTYPES = (torch.float32, torch.float16)
+
+
+def _whole_block_ops(x, cache, attn):
+    """The decode_ops module where ``decode_block`` serves a decode step of ``x`` through a block with attention
+    ``attn`` over ``cache``: a decoding KV cache whose attention runs in C++, and the tile kernel serving the products
+    (``decode_ops.linear_kernel``: fp32 rows on an AVX-512 CPU, outside autograd and torch.compile). Else None."""
+    if (cache is None or not cache.decoding or not hasattr(cache, "block_attention")
+            or kv_cache.decode_kernel() is None or cache.k[0].dtype not in _CPP_KV_DTYPES):
+        return None
+    return decode_ops.linear_kernel(x, attn.q_proj.weight, attn.q_proj.bias)
+
+
+def _block_params(blk: "Block") -> list:
+    """A block's parameters in the order decode_block and DecodeLayers take them (csrc/decode_ops): attn_norm, q, its
+    bias, k, v, o (each with its bias), mlp_norm, gate, up, down (each with its bias)."""
+    a, mlp = blk.attn, blk.mlp
+    return [blk.attn_norm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight,
+            a.v_proj.bias, a.o_proj.weight, a.o_proj.bias, blk.mlp_norm.weight, mlp.gate_proj.weight,
+            mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias]
+
+
+def _rope_rows(rope):
+    """The decode step's rotary tables as (cos, sin) [T, d] (from [T, 1, d]), or (None, None) without rotary."""
+    return (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)
+
+
 def _block_decode_whole(blk: "Block", x, inp, rope, layer: int):
     """A decode step of the whole block in one C++ call (``decode_block`` of csrc/decode_ops: the functions of
     ``_block_pre_decode``, the cache's C++ attention and ``_block_post_decode``, in the same order, so the same
-    result to the bit, without ~15 Python-level calls per layer), where it serves: tp = 1, a KV cache whose attention
-    runs in C++, the tile kernel serving the products. Else None."""
-    cache, a, mlp = inp.cache, blk.attn, blk.mlp
-    if (not blk.tp1 or cache is None or not cache.decoding or not hasattr(cache, "block_attention")
-            or kv_cache.decode_kernel() is None):
+    result to the bit, without ~15 Python-level calls per layer), where it serves: tp = 1 and
+    :func:`_whole_block_ops`. Else None."""
+    ops = _whole_block_ops(x, inp.cache, blk.attn) if blk.tp1 else None
+    if ops is None:
         return None
-    ops = decode_ops.linear_kernel(x, a.q_proj.weight, a.q_proj.bias)
-    if ops is None or cache.k[layer].dtype not in (torch.float32, torch.float16):  # (the C++ attention's caches)
-        return None
-    cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)
-    return ops.decode_block(
-        x if x.stride(1) == 1 else x.contiguous(), blk.attn_norm.weight, blk.attn_norm.eps,
-        a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
-        a.o_proj.weight, a.o_proj.bias, blk.mlp_norm.weight, blk.mlp_norm.eps,
-        mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
-        mlp.down_proj.weight, mlp.down_proj.bias, cos, sin, scale=a.scale, hq=a.hq, hkv=a.hkv,
-        **cache.block_attention(layer))
+    p, a = _block_params(blk), blk.attn
+    return ops.decode_block(x if x.stride(1) == 1 else x.contiguous(), p[0], blk.attn_norm.eps, *p[1:9], p[9],
+                            blk.mlp_norm.eps, *p[10:], *_rope_rows(rope), scale=a.scale, hq=a.hq, hkv=a.hkv,
+                            **inp.cache.block_attention(layer))
 
 
 # model -> its blocks' C++ DecodeLayers (built at the first decode step that can take it; see _decode_layers_whole)
@@ -289,31 +309,22 @@ def _decode_layers_whole(model: "ReaLModel", x, inp, rope):
     """A decode step of every block of ``model`` in one C++ call (decode_ops' ``DecodeLayers``: each layer as
     :func:`_block_decode_whole` runs it, so the same result to the bit, without a Python-level call and ~30 converted
     arguments per layer: about 4 ms a step for SmolLM2's 30 layers), where it serves: every block takes
-    ``decode_block`` (``Block.decode_fusable``, not compiled, tp = 1), the cache's attention runs in C++ and the tile
-    kernel serves the products. Else None (the blocks run one by one)."""
-    cache = inp.cache
-    if (torch.compiler.is_compiling() or cache is None or not cache.decoding or not hasattr(cache, "layers_attention")
-            or kv_cache.decode_kernel() is None or cache.k[0].dtype not in (torch.float32, torch.float16)):
+    ``decode_block`` (``Block.decode_fusable``, not compiled, tp = 1, :func:`_whole_block_ops`). Else None (the
+    blocks run one by one)."""
+    if torch.compiler.is_compiling():  # (before any test on the data, which a trace would guard on)
         return None
     blocks = list(model.blocks.values())
-    if not all(b.decode_fusable and b.tp1 and b.compiled is None for b in blocks):
-        return None
     a0 = blocks[0].attn
-    ops = decode_ops.linear_kernel(x, a0.q_proj.weight, a0.q_proj.bias)
-    if ops is None:
+    ops = _whole_block_ops(x, inp.cache, a0)
+    if ops is None or not all(b.decode_fusable and b.tp1 and b.compiled is None for b in blocks):
         return None
     layers = _DECODE_LAYERS.get(model)
     if layers is None or layers[0] is not ops:
-        params = [[b.attn_norm.weight, b.attn.q_proj.weight, b.attn.q_proj.bias, b.attn.k_proj.weight,
-                   b.attn.k_proj.bias, b.attn.v_proj.weight, b.attn.v_proj.bias, b.attn.o_proj.weight,
-                   b.attn.o_proj.bias, b.mlp_norm.weight, b.mlp.gate_proj.weight, b.mlp.gate_proj.bias,
-                   b.mlp.up_proj.weight, b.mlp.up_proj.bias, b.mlp.down_proj.weight, b.mlp.down_proj.bias]
-                  for b in blocks]
         eps = [[b.attn_norm.eps, b.mlp_norm.eps] for b in blocks]
-        layers = (ops, ops.DecodeLayers(params, eps, scale=a0.scale, hq=a0.hq, hkv=a0.hkv))
+        layers = (ops, ops.DecodeLayers([_block_params(b) for b in blocks], eps, scale=a0.scale, hq=a0.hq,
+                                        hkv=a0.hkv))
         _DECODE_LAYERS[model] = layers
-    cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)
-    return layers[1].run(x if x.stride(1) == 1 else x.contiguous(), cos, sin, **cache.layers_attention())
+    return layers[1].run(x if x.stride(1) == 1 else x.contiguous(), *_rope_rows(rope), **inp.cache.layers_attention())
 
 
 _COMPILED_BLOCK = None
@@ -500,7 +511,7 @@ class ReaLModel(nn.Module):
         rope = self.rotary.cos_sin(inp.position_ids, x.dtype) if self.rotary is not None else None
         ticking = cpu_share.active() and not torch.compiler.is_compiling()  # CPU threads that follow idle cores
         y = None
-        if not ticking and inp.cache is not None and decode_ops.for_rows(x) is not None:
+        if not ticking and inp.cache is not None:
             y = _decode_layers_whole(self, x, inp, rope)  # a decode step of every block in one C++ call
         if y is not None:
             x = y
