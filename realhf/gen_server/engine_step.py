@@ -10,6 +10,7 @@ from typing import Dict, List
 
 import torch
 
+from realhf.api.core.model_api import kv_cache_torch_dtype
 from realhf.base import logging
 from realhf.gen_server.api import SampleOutput
 from realhf.gen_server.engine_batch import Group, Req, Row, SharedSlotCache, SlotCache, sample_groups, sampling_key
@@ -159,7 +160,7 @@ class EngineSteps:
 
     def _cache_dtype(self) -> torch.dtype:
         """The KV caches' dtype: the model's, or fp16 (backend option ``kv_cache_dtype``)."""
-        return torch.float16 if self._kv_dtype == "float16" else self.model.dtype
+        return kv_cache_torch_dtype(self._kv_dtype, self.model.dtype)
 
     def _cache_for(self, batch: List[Req]):
         """Make sure the running batch has a KV cache for the new rows of ``batch``. A batch that starts empty takes a

@@ -61,7 +61,7 @@ from realhf.impl.model.nn import cpu_gemm
 from realhf.gen_server.engine_step import EngineSteps
 from realhf.gen_server.engine_weights import EngineWeights
 from realhf.gen_server.engine_batch import Group, Req, Row
-from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.api.core.model_api import check_kv_cache_dtype
 from realhf.impl.model.nn.kv_cache import decode_kernel
 
 logger = logging.getLogger("realhf.gen_server.engine")
@@ -118,9 +118,7 @@ class RealhfEngine(EngineWeights, EngineSteps, GenerationEngine):
         # samples keep their own copies of the prompt
         self._share = False if self._compile else extra.get("share_prefixes")
         self._kv_dtype = extra.get("kv_cache_dtype", "auto")
-        if self._kv_dtype not in GenerationHyperparameters.KV_CACHE_DTYPES:
-            raise ValueError(f"gen backend option kv_cache_dtype must be one of "
-                             f"{', '.join(GenerationHyperparameters.KV_CACHE_DTYPES)}, got {self._kv_dtype!r}")
+        check_kv_cache_dtype(self._kv_dtype, "gen backend option kv_cache_dtype")
         self._max_prefill_tokens = int(extra.get("max_prefill_tokens", 16384))
         if self._max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self._max_prefill_tokens}")

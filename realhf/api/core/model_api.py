@@ -92,12 +92,8 @@ class GenerationHyperparameters:
     # reads a step, at fp16 rounding of the cached keys/values; the arithmetic stays in the model's dtype)
     kv_cache_dtype: str = "auto"
 
-    KV_CACHE_DTYPES = ("auto", "float16")
-
     def __post_init__(self):
-        if self.kv_cache_dtype not in self.KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(self.KV_CACHE_DTYPES)}, got "
-                             f"{self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -116,9 +112,24 @@ class GenerationHyperparameters:
 
     def cache_dtype(self, model_dtype):
         """The KV cache's torch dtype for a model of ``model_dtype``."""
-        import torch
+        return kv_cache_torch_dtype(self.kv_cache_dtype, model_dtype)
 
-        return model_dtype if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
+
+# the KV cache dtypes generation takes (GenerationHyperparameters.kv_cache_dtype, the gen server's backend option)
+KV_CACHE_DTYPES = ("auto", "float16")
+
+
+def check_kv_cache_dtype(name: str, what: str = "kv_cache_dtype") -> None:
+    """Refuse a KV cache dtype outside :data:`KV_CACHE_DTYPES`; the message begins with ``what``."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"{what} must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+
+
+def kv_cache_torch_dtype(name: str, model_dtype):
+    """The torch dtype of a KV cache named ``name`` ("auto": the model's) for a model of ``model_dtype``."""
+    import torch
+
+    return model_dtype if name == "auto" else getattr(torch, name)
 
 
 # ---------------------------------------------------------------------------------------------------
