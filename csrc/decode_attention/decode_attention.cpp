@@ -84,10 +84,34 @@ __attribute__((target("avx512f"))) int64_t scores_avx512(const float* q, int g, 
   return whole;
 }
 
+// out[j] for G heads of N * 16 floats at once (G * N <= 24 accumulators in registers): each value row is loaded once for
+// the G heads, and the G * N independent sums keep both FMA ports busy (one head's N sums wait on the FMA latency)
+template <int G, int N, typename T>
+__attribute__((target("avx512f"))) void weighted_values_heads(const float* p, int64_t ld, const T* V, int64_t st,
+                                                              int64_t L, float* out, bool accumulate) {
+  constexpr int d = 16 * N;
+  constexpr int64_t ahead = 2048 / (d * sizeof(T)) > 0 ? 2048 / (d * sizeof(T)) : 1;
+  __m512 acc[G][N];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < N; ++c) acc[j][c] = accumulate ? _mm512_loadu_ps(out + j * d + 16 * c) : _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    if (t + ahead < L) prefetch_rows(V, st, t + ahead, t + ahead + 1, d);
+    const T* vt = V + t * st;
+    __m512 v[N];
+    for (int c = 0; c < N; ++c) v[c] = load16(vt + 16 * c);
+    for (int j = 0; j < G; ++j) {
+      const __m512 w = _mm512_set1_ps(p[j * ld + t]);
+      for (int c = 0; c < N; ++c) acc[j][c] = _mm512_fmadd_ps(w, v[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < N; ++c) _mm512_storeu_ps(out + j * d + 16 * c, acc[j][c]);
+}
+
 // out[j] (g heads of d floats, d a multiple of 16, at most 128) (+)= sum over t < L of p[j * ld + t] V[t], the d
 // floats of a head held in registers; the first head's pass requests values a few positions ahead
 template <typename T>
-__attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, int64_t ld, int g, const T* V,
+__attribute__((target("avx512f"))) void weighted_values_avx512_heads(const float* p, int64_t ld, int g, const T* V,
                                                                int64_t st, int64_t L, int d, float* out,
                                                                bool accumulate) {
   const int n = d / 16;
@@ -104,6 +128,23 @@ __attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, i
     }
     for (int c = 0; c < n; ++c) _mm512_storeu_ps(out + j * d + 16 * c, acc[c]);
   }
+}
+
+template <typename T>
+__attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, int64_t ld, int g, const T* V,
+                                                               int64_t st, int64_t L, int d, float* out,
+                                                               bool accumulate) {
+  // heads in groups the registers hold
+  int j = 0;
+  if (d == 64) {
+    for (; j + 6 <= g; j += 6) weighted_values_heads<6, 4>(p + j * ld, ld, V, st, L, out + j * d, accumulate);
+    for (; j + 3 <= g; j += 3) weighted_values_heads<3, 4>(p + j * ld, ld, V, st, L, out + j * d, accumulate);
+    for (; j + 2 <= g; j += 2) weighted_values_heads<2, 4>(p + j * ld, ld, V, st, L, out + j * d, accumulate);
+  } else if (d == 128) {
+    for (; j + 3 <= g; j += 3) weighted_values_heads<3, 8>(p + j * ld, ld, V, st, L, out + j * d, accumulate);
+    for (; j + 2 <= g; j += 2) weighted_values_heads<2, 8>(p + j * ld, ld, V, st, L, out + j * d, accumulate);
+  }
+  if (j < g) weighted_values_avx512_heads(p + j * ld, ld, g - j, V, st, L, d, out + j * d, accumulate);
 }
 #endif
 
