@@ -35,7 +35,7 @@ def _torch_step(q, K, V, lens, k, v, scale):
 
 @pytest.mark.parametrize("avx512", [True, False], ids=["avx512-where-the-cpu-has-it", "portable"])
 @pytest.mark.parametrize("B,hq,hkv,d,M", [(6, 9, 3, 64, 50), (4, 4, 4, 8, 10), (3, 6, 2, 48, 33), (2, 2, 1, 20, 7),
-                                          (1, 16, 2, 128, 300)])
+                                          (1, 16, 2, 128, 300), (2, 14, 2, 64, 40), (3, 4, 2, 64, 21)])
 def test_kernel_equals_the_pytorch_path(kernel, B, hq, hkv, d, M, avx512):
     g = torch.Generator().manual_seed(B * 1000 + d)
     # a slot storage bigger than the batch (the gen server's SlotCache views its first B rows)
