@@ -103,7 +103,12 @@ def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3, own_kernel: bo
     work of one forward pass over ``rows`` tokens and nothing else (no attention, norms or sampling). Run
     with each weight alone and with each group as one wide GEMM, with every kernel of :func:`gemm_kernels`;
     the fastest is kept, so it is a floor for fused and unfused implementations and any of these kernels
-    (``own_kernel=False``: PyTorch's kernels only, without realhf's tile kernel)."""
+    (``own_kernel=False``: PyTorch's kernels only, without realhf's tile kernel). The process keeps freed host memory
+    as realhf's workers do (``realhf.base.host_memory``): with glibc's default, each large output is a fresh mapping
+    whose pages fault in again, which made the prefill's floor about 7% slower than the products it bounds."""
+    from realhf.base import host_memory
+
+    host_memory.retain_freed_memory()
 
     def sweep(ws, prep, mul):
         ws = [prep(w) for w in ws]
