@@ -90,7 +90,7 @@ template <int G, int N, typename T>
 __attribute__((target("avx512f"))) void weighted_values_heads(const float* p, int64_t ld, const T* V, int64_t st,
                                                               int64_t L, float* out, bool accumulate) {
   constexpr int d = 16 * N;
-  constexpr int64_t ahead = 2048 / (d * sizeof(T)) > 0 ? 2048 / (d * sizeof(T)) : 1;
+  constexpr int64_t ahead = 2048 / (d * sizeof(T));  // about 2 KiB of values ahead (at least 4 rows: d <= 128)
   __m512 acc[G][N];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < N; ++c) acc[j][c] = accumulate ? _mm512_loadu_ps(out + j * d + 16 * c) : _mm512_setzero_ps();
@@ -108,10 +108,11 @@ __attribute__((target("avx512f"))) void weighted_values_heads(const float* p, in
     for (int c = 0; c < N; ++c) _mm512_storeu_ps(out + j * d + 16 * c, acc[j][c]);
 }
 
-// out[j] (g heads of d floats, d a multiple of 16, at most 128) (+)= sum over t < L of p[j * ld + t] V[t], the d
-// floats of a head held in registers; the first head's pass requests values a few positions ahead
+// out[j] (g heads of d floats, d a multiple of 16, at most 128) (+)= sum over t < L of p[j * ld + t] V[t], one head
+// after another, the d floats of a head held in registers; the first head's pass requests values a few positions
+// ahead (the heads weighted_values_heads does not take)
 template <typename T>
-__attribute__((target("avx512f"))) void weighted_values_avx512_heads(const float* p, int64_t ld, int g, const T* V,
+__attribute__((target("avx512f"))) void weighted_values_avx512_each(const float* p, int64_t ld, int g, const T* V,
                                                                int64_t st, int64_t L, int d, float* out,
                                                                bool accumulate) {
   const int n = d / 16;
@@ -130,11 +131,12 @@ __attribute__((target("avx512f"))) void weighted_values_avx512_heads(const float
   }
 }
 
+// out[j] (g heads of d floats) (+)= sum over t < L of p[j * ld + t] V[t]: at d = 64 and 128 the heads in groups the
+// registers hold (weighted_values_heads), the rest one by one; each output's sum runs in the same order either way
 template <typename T>
 __attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, int64_t ld, int g, const T* V,
                                                                int64_t st, int64_t L, int d, float* out,
                                                                bool accumulate) {
-  // heads in groups the registers hold
   int j = 0;
   if (d == 64) {
     for (; j + 6 <= g; j += 6) weighted_values_heads<6, 4>(p + j * ld, ld, V, st, L, out + j * d, accumulate);
@@ -144,7 +146,7 @@ __attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, i
     for (; j + 3 <= g; j += 3) weighted_values_heads<3, 8>(p + j * ld, ld, V, st, L, out + j * d, accumulate);
     for (; j + 2 <= g; j += 2) weighted_values_heads<2, 8>(p + j * ld, ld, V, st, L, out + j * d, accumulate);
   }
-  if (j < g) weighted_values_avx512_heads(p + j * ld, ld, g - j, V, st, L, d, out + j * d, accumulate);
+  if (j < g) weighted_values_avx512_each(p + j * ld, ld, g - j, V, st, L, d, out + j * d, accumulate);
 }
 #endif
 
