@@ -7,6 +7,8 @@ Prints JSON lines, then a summary table:
     greedy, every row exactly ``new_tokens`` new tokens, for each ``--gen-works`` item ``ROWSxTOKENS`` (``ROWS``
     distinct prompts of ``--prompt-len`` tokens) or ``PROMPTSxGROUPxTOKENS`` (a GRPO group: realhf decodes the
     group over one copy of the prompt's keys/values, transformers over repeated prompts)
+  * the generation server's engine (``gen`` backend, in-process) on the same works, its decode step replayed as
+    CUDA graphs over a padded batch and eagerly (``cuda_graph`` false)
   * training: one forward + backward + AdamW step of packed sequences (realhf ``TrainEngine``: bf16 parameters
     with fp32 master weights; transformers: bf16 parameters, fused AdamW), tokens/s, achieved TFLOP/s
     (6 * params * tokens + causal attention) and its fraction of the measured matmul rate, for each
@@ -174,6 +176,54 @@ def generation(path: str, work: str, prompt_len: int, env) -> None:
          realhf_over_realhf_eager=round(res["realhf"] / res["realhf_eager"], 2), graph_stats=dict(graph_decode.STATS))
 
 
+def gen_server(path: str, work: str, prompt_len: int) -> None:
+    """realhf's generation server engine (backend ``gen``, in-process: no HTTP) on the same work, with its decode step
+    replayed as CUDA graphs (default) and eagerly (``cuda_graph`` false). Every request is sent at once; a group's
+    samples are seeded (temperature 1) and every row generates exactly the work's token count. Each mode runs the
+    work twice: the first run pays the captures (``cold``), the second replays them."""
+    import asyncio
+
+    import transformers
+
+    from realhf.gen_server.api import EngineConfig, GenerateRequest, SamplingParams
+    from realhf.gen_server.realhf_engine import RealhfEngine
+
+    n_prompts, group, new = _parse_work(work)
+    prompts = _prompts(n_prompts, prompt_len, transformers.AutoConfig.from_pretrained(path).vocab_size)
+    res = {}
+    for impl, graphs in (("gen_server", True), ("gen_server_eager", False)):
+        _empty_cache()
+
+        async def main():
+            e = RealhfEngine(EngineConfig(backend="gen", model_path=path, dtype="bfloat16" if DEV == "cuda" else None,
+                                          device=DEV, max_model_len=prompt_len + new + 8,
+                                          max_num_seqs=max(256, n_prompts * group), extra={"cuda_graph": graphs}))
+            await e.start()
+            try:
+                runs = []
+                for rep in range(2):
+                    reqs = [GenerateRequest(f"{rep}-{i}", p, SamplingParams(
+                        n=group, max_new_tokens=new, min_new_tokens=new, greedy=group == 1, temperature=1.0,
+                        seed=None if group == 1 else i)) for i, p in enumerate(prompts)]
+                    _sync()
+                    t = time.perf_counter()
+                    out = await asyncio.gather(*[e.generate(r) for r in reqs])
+                    _sync()
+                    runs.append((sum(len(o.output_ids) for r in out for o in r.outputs), time.perf_counter() - t))
+                return runs, e.metrics()
+            finally:
+                await e.close()
+
+        _reset_peak()
+        runs, m = asyncio.run(main())
+        (n0, s0), (n, sec) = runs
+        res[impl] = n / sec
+        emit(part="gen_server", work=work, impl=impl, tokens=n, seconds=round(sec, 3), tok_per_s=round(n / sec, 1),
+             cold_tok_per_s=round(n0 / s0, 1), peak_cuda_gib=_peak_gib(),
+             graphs={k: v for k, v in m.items() if k.startswith("graph")}, steps=m["steps"])
+    emit(part="gen_server", work=work, graphs_over_eager=round(res["gen_server"] / res["gen_server_eager"], 2))
+
+
 def training(path: str, shape: str, peak_tflops: float, env, steps: int = 5) -> None:
     import transformers
 
@@ -229,7 +279,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--train-shapes", default="8x256,16x1024")
     ap.add_argument("--weights", default="auto", choices=["auto", "real", "random"])
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: gen,train")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: gen,server,train")
     ap.add_argument("--profile-decode", type=int, default=0, metavar="ROWS",
                     help="only profile realhf's and transformers' decode of ROWS rows (torch.profiler tables)")
     ap.add_argument("--smoke-cpu", action="store_true", help="check this script on a tiny model on the CPU")
@@ -319,6 +369,9 @@ def run_parts(args, path, env, peaks) -> None:
     if "gen" not in skip:
         for w in filter(None, args.gen_works.split(",")):
             generation(path, w, args.prompt_len, env)
+    if "server" not in skip:
+        for w in filter(None, args.gen_works.split(",")):
+            gen_server(path, w, args.prompt_len)
     if "train" not in skip:
         for s in filter(None, args.train_shapes.split(",")):
             training(path, s, peaks["bf16_matmul_tflops"], env)
@@ -329,7 +382,10 @@ def run_parts(args, path, env, peaks) -> None:
         if "impl" in r:
             by.setdefault((r["part"], r.get("work") or r.get("shape")), {})[r["impl"]] = r
     for (part, work), d in by.items():
-        if part == "gen":
+        if part == "gen_server":
+            print(f"| gen server | {work} | {d['gen_server']['tok_per_s']} tok/s | "
+                  f"{d['gen_server_eager']['tok_per_s']} tok/s | - | - |")
+        elif part == "gen":
             print(f"| gen | {work} | {d['realhf']['tok_per_s']} tok/s | {d['realhf_eager']['tok_per_s']} tok/s | "
                   f"{d['hf']['tok_per_s']} tok/s | "
                   f"{d['realhf']['tok_per_s'] / d['hf']['tok_per_s']:.2f}x |")

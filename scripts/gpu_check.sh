@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The CUDA path on a GPU machine, in one go (about 4 minutes on one H200, 2026-11-26; results in README.md):
-#   1. benchmarks/bench_gpu.py: SmolLM2-sized generation and training against transformers, bf16
+# The CUDA path on a GPU machine, in one go (about 4 minutes on one H200 in Session 17, before the gen-server part; results in README.md):
+#   1. benchmarks/bench_gpu.py: SmolLM2-sized generation and training against transformers, and the gen server's
+#      engine with and without CUDA graphs, bf16 (BENCH_ARGS="--gen-works 32x128,8x4x64 --skip train" for a
+#      shorter run)
 #   2. pytest -m gpu (tests/test_gpu_path.py, tests/test_gen_server_gpu.py); tests needing 2 GPUs, vLLM,
 #      SGLang or flash-attn skip themselves where those are missing
 #   3. the tiny-model GRPO and PPO learning tests (tests/test_grpo_learns.py), which on a CUDA machine run their
@@ -39,11 +41,11 @@ part() {  # part NAME SECONDS CMD...: run CMD under a time limit, its output to 
 }
 show() { tail -n "${2:-25}" "$OUT/$1.log"; }
 
-part bench "${BENCH_LIMIT:-130}" python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} || status=1
+part bench "${BENCH_LIMIT:-240}" python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} || status=1
 show bench 14
 grep -h -m3 "CUDA graph" "$OUT/bench.log"
 PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -rs --timeout 240"
-part pytest_gpu "${TEST_LIMIT:-190}" $PYTEST -m gpu tests/test_gpu_path.py tests/test_gen_server_gpu.py -v &
+part pytest_gpu "${TEST_LIMIT:-240}" $PYTEST -m gpu tests/test_gpu_path.py tests/test_gen_server_gpu.py -v &
 gpu_pid=$!
 part learn "${TEST_LIMIT:-190}" $PYTEST tests/test_grpo_learns.py -k "grpo_learns_tiny or ppo_with_critic" -v -s &
 learn_pid=$!

@@ -136,10 +136,15 @@ def test_max_num_seqs_bounds_the_batch(path, ref_model):
     assert 2 <= m["max_batch_size"] <= 4
 
 
-def test_staggered_mixed_requests_equal_generate(path, ref_model):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-graph-step"])
+def test_staggered_mixed_requests_equal_generate(path, ref_model, graphs):
     """Requests of mixed lengths, n, limits and stop tokens arrive while others run, through a batch of at
     most 6 rows: rows leave (moving other rows into their slots) and join (growing the cache) at many steps,
-    and every request still gets exactly what generate gives it alone."""
+    and every request still gets exactly what generate gives it alone.
+
+    ``padded-graph-step``: the decode step CUDA's engine replays as a graph (``PaddedGraphDecoder``, the batch padded
+    to 1, 2, 4 or 8 rows over the slot storage), here with ``capture=False``: each "replay" re-runs the static step
+    on the buffers a graph would be captured on, which checks the padding and the buffers kept per row count."""
     g = torch.Generator().manual_seed(21)
     specs = []
     for i in range(14):
@@ -154,8 +159,12 @@ def test_staggered_mixed_requests_equal_generate(path, ref_model):
         specs.append((p, n, kw, stop, None if kw.get("greedy") else 1000 + i))
 
     async def main():
-        e = _engine(path, max_num_seqs=6)
+        e = _engine(path, max_num_seqs=6, extra={"share_prefixes": False} if graphs else None)
         await e.start()
+        if graphs:
+            from realhf.impl.model.nn.graph_decode import PaddedGraphDecoder
+
+            e._decoder = PaddedGraphDecoder(e.model, capture=False)  # before any request: the engine thread is idle
         try:
             tasks = []
             for i, (p, n, kw, stop, seed) in enumerate(specs):
@@ -164,12 +173,18 @@ def test_staggered_mixed_requests_equal_generate(path, ref_model):
                 target = e.metrics()["generated_tokens"] + 3
                 await _until(lambda: e.metrics()["generated_tokens"] >= target or all(t.done() for t in tasks),
                              "progress")
-            return await asyncio.gather(*tasks), e.metrics()
+            return await asyncio.gather(*tasks), e.metrics(), e._decoder
         finally:
             await e.close()
 
-    res, m = asyncio.run(main())
+    res, m, dec = asyncio.run(main())
     assert m["max_batch_size"] <= 6 and m["prefills"] > 3
+    if graphs:
+        # every step ran on the padded step; an entry per (storage, padded row count), not per batch size: the
+        # storage grows to 6 rows (padded counts 1, 2, 4, 6) and a few times in positions
+        assert dec.replays + dec.captures == m["steps"], (dec.replays, dec.captures, m["steps"])
+        assert dec.padded_steps > 0 and dec.captures <= 4 * 4, dec.captures
+        assert dec.replays > 5 * dec.captures
     for i, ((p, n, kw, stop, seed), r) in enumerate(zip(specs, res)):
         ref = _gen(ref_model, [p], seeds=None if seed is None else [seed], n=n, stop_token_ids=stop, **kw)
         assert [o.output_ids for o in r.outputs] == ref.tokens, f"request {i} ({kw}) differs from generate()"

@@ -1,8 +1,9 @@
-"""Generation servers on CUDA (every test needs a GPU; none has run yet: no GPU was available to this project).
+"""Generation servers on CUDA (every test needs a GPU).
 
 * the vLLM server on CUDA: greedy tokens equal ``transformers`` greedy; an update over an NCCL weight group
   makes its log-probs the trainer's; its version is the one published;
-* realhf's own server (``gen``) on CUDA in bf16: seeded outputs equal in-process generation on CUDA;
+* realhf's own server (``gen``) on CUDA in bf16: seeded outputs equal in-process generation on CUDA; in fp32 its
+  decode step replayed as CUDA graphs gives its eager step's samples;
 * SGLang's own server (when sglang is installed): generation, log-probs and an update from disk through the
   client's SGLang dialect;
 * ppo-math with ``vllm.d1m1p1+d1m1p1`` on two GPUs, weights published over NCCL.
@@ -87,12 +88,50 @@ def test_gen_server_on_cuda_matches_in_process_generation():
 
     path = ensure_tiny_model("qwen2", tie_word_embeddings=True)
     model = build_from_hf(path, grid=single_process_grid(), dtype=torch.bfloat16, device="cuda")
-    # the server decodes eagerly; in-process generation would replay CUDA graphs (other kernels, other bf16 rounding)
+    # both eager: graphs replay other kernels (padded to other row counts in the server), other bf16 rounding
     ref = generate(model, PROMPTS, GenerationHyperparameters(n=2, max_new_tokens=10, cuda_graph=False), seeds=[1, 2, 3, 4])
-    with LocalFleet("gen", path, 1, dtype="bfloat16", device="cuda", max_model_len=256, gpus_per_server=[[0]]) as f:
+    with LocalFleet("gen", path, 1, dtype="bfloat16", device="cuda", max_model_len=256, gpus_per_server=[[0]],
+                    extra={"cuda_graph": False}) as f:
         res = f.client().generate_many([GenerateRequest(f"s{i}", p, SamplingParams(n=2, max_new_tokens=10, seed=i + 1))
                                         for i, p in enumerate(PROMPTS)])
     assert [o.output_ids for r in res for o in r.outputs] == ref.tokens
+
+
+def test_gen_server_cuda_graph_step_equals_its_eager_step(tmp_path):
+    """fp32: the server's decode step replayed as CUDA graphs (the batch padded to a few row counts) gives the eager
+    server's samples; requests of different lengths leave the batch at different steps, so several padded row
+    counts are captured and replayed. After a weight update from disk the graphs decode with the new weights."""
+    from realhf.api.core.model_api import GenerationHyperparameters
+    from realhf.base.topology import single_process_grid
+    from realhf.gen_server.fleet import LocalFleet
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn.generation import generate
+
+    path = ensure_tiny_model("qwen2", tie_word_embeddings=True)
+    reqs = [GenerateRequest(f"s{i}", p, SamplingParams(n=3, max_new_tokens=6 + 5 * i, seed=i + 1))
+            for i, p in enumerate(PROMPTS)]
+    _, ppath = perturbed_model(path, tmp_path, seed=3)
+    out, metrics = {}, {}
+    for graphs in (False, True):
+        with LocalFleet("gen", path, 1, dtype="float32", device="cuda", max_model_len=256, gpus_per_server=[[0]],
+                        extra={"cuda_graph": graphs}) as f:
+            c = f.client()
+            out[graphs] = c.generate_many(reqs)
+            metrics[graphs] = c.metrics()[0]
+            if graphs:
+                c.update_weights_from_disk(ppath, 1)
+                after = _greedy(c)
+    model = build_from_hf(ppath, grid=single_process_grid(), dtype=torch.float32, device="cuda")
+    want = generate(model, PROMPTS, GenerationHyperparameters(max_new_tokens=12, greedy=True, cuda_graph=False)).tokens
+    assert after == want, (after, want)
+    m = metrics[True]
+    print("graph server metrics:", {k: v for k, v in m.items() if k.startswith("graph") or k == "steps"})
+    assert not m["graph_failed"] and m["graph_captures"] >= 2 and m["graph_replays"] > 10, m
+    assert "graph_replays" not in metrics[False]
+    for a, b in zip(out[False], out[True]):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.output_ids == y.output_ids
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-3
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang")

@@ -122,3 +122,69 @@ def test_cuda_graph_is_a_sampling_option():
     assert SamplingConfig().to_hyperparameters().cuda_graph is True
     assert SamplingConfig(cuda_graph=False).to_hyperparameters(n=2).cuda_graph is False
     assert "cuda_graph" in GCONFIG_KEYS
+
+
+def test_padded_rows():
+    assert [graph_decode.padded_rows(b, 256) for b in (1, 2, 3, 5, 9, 17, 32, 33, 64, 65, 250)] == \
+        [1, 2, 4, 8, 16, 32, 32, 64, 64, 96, 256]
+    assert graph_decode.padded_rows(5, 6) == 6 and graph_decode.padded_rows(40, 48) == 48
+    for bad in ((0, 8), (9, 8)):
+        with pytest.raises(ValueError, match="do not fit"):
+            graph_decode.padded_rows(*bad)
+
+
+def test_padded_decoder_keeps_an_entry_per_row_count_until_the_storage_changes():
+    """The gen server's step over its slot cache: rows leaving and coming back reuse the entry (a graph on CUDA) of
+    their padded row count; the storage growing drops them all. The logits of the padded step are the eager
+    step's."""
+    from realhf.gen_server.engine_batch import SlotCache
+    from realhf.impl.model.nn.kv_cache import KVCache
+    from realhf.impl.model.nn.real_model import PackedInput, make_packed_input
+
+    model = build_from_hf(ensure_tiny_model("qwen2"))
+    cfg = model.config
+    prompts = _prompts(cfg.vocab_size)[:6]
+
+    def prefilled(ps):
+        c = KVCache(model.n_local_layers, len(ps), max(map(len, ps)) + 1, model.n_local_kv_heads, cfg.head_dim,
+                    model.dtype, "cpu")
+        inp = make_packed_input([len(p) for p in ps])
+        inp.cache = c
+        c.begin_prefill(torch.tensor([len(p) for p in ps]))
+        with torch.no_grad():
+            model(torch.tensor([t for p in ps for t in p]), inp)
+        c.end_prefill()
+        return c
+
+    def cache_of(ps, max_rows=8):
+        c = SlotCache(model.n_local_layers, model.n_local_kv_heads, cfg.head_dim, model.dtype, "cpu", max_rows, 64)
+        c.add(prefilled(ps), torch.arange(len(ps)), 40)
+        return c
+
+    def eager(c, ids):
+        inp = PackedInput(cu_seqlens=torch.arange(len(ids) + 1, dtype=torch.int32), max_seqlen=1,
+                          position_ids=c.positions().clone(), cache=c)
+        with torch.no_grad():
+            return model(ids, inp)
+
+    dec = graph_decode.PaddedGraphDecoder(model, capture=False)
+    a, b = cache_of(prompts[:3]), cache_of(prompts[:3])
+    ids = torch.tensor([7, 8, 9])
+    with torch.no_grad():
+        got = dec(ids, a)
+    want = eager(b, ids)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+    assert (dec.captures, dec.padded_steps) == (1, 1)  # 3 rows padded to 4
+    a.advance()
+    a.remove([0, 2])  # 2 rows: a second entry
+    with torch.no_grad():
+        dec(torch.tensor([4, 5]), a)
+    assert dec.captures == 2
+    a.add(prefilled(prompts[3:4]), torch.arange(1), 40)  # 3 rows again, the same storage: the 4-row entry replays
+    with torch.no_grad():
+        dec(torch.tensor([4, 5, 6]), a)
+    assert (dec.captures, dec.replays) == (2, 1)
+    a.add(prefilled(prompts[4:6] * 3), torch.arange(6), 40)  # 9 rows: the storage grows, the entries go
+    with torch.no_grad():
+        out = dec(torch.arange(9) + 3, a)
+    assert out.shape[0] == 9 and dec.captures == 3 and len(dec.graphs._entries) == 1

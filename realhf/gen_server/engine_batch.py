@@ -80,7 +80,10 @@ class _Slots:
     join at the end (``append``) and leave by ``compact``, which moves the last survivors into the holes the others
     leave, so rows joining and leaving copy only their own keys/values. Storage grows (rows and positions,
     geometrically, up to ``max_rows`` and ``max_positions``) only when a new row does not fit. Invariant: every
-    position a row does not use and every free row are zero, so masked positions never hold stale data."""
+    position a row does not use and every free row are zero, so masked positions never hold stale data; except that
+    a CUDA-graph step (``graph_decode.PaddedGraphDecoder``, over ``SlotCache`` only) writes position 0 of the free
+    rows it pads the batch with, which ``append`` overwrites before the slot is used (a new row copies at least one
+    position)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, device, max_rows: int, max_positions: int):
         self._n_layers, self._h, self._d, self._dtype, self._device = n_layers, n_kv_heads, head_dim, dtype, device
@@ -168,6 +171,10 @@ class SlotCache(KVCache):
 
     def _used(self) -> int:
         return int(self.lens.max()) + 1 if self.lens.numel() else 0
+
+    def storage(self):
+        """The per-layer key and value storage, ``[capacity, h_kv, positions, d]`` each, the running rows first."""
+        return self._slots.k, self._slots.v
 
     def add(self, other, rows: torch.Tensor, positions: int):
         """Append rows ``rows`` of the decoding cache ``other`` (freshly prefilled) as new last rows; make

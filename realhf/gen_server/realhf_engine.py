@@ -34,7 +34,9 @@ update succeeds. ``close`` fails whatever is still pending with ``EngineClosed``
 
 Backend options (``EngineConfig.extra``): ``compile_decode`` (bool, default False: run the decode forward
 as one compiled graph, ``realhf.impl.model.nn.compiled_decode``; a one-off compile cost of seconds),
-``max_prefill_tokens`` (int, default 16384: prompt tokens prefilled in one iteration at most; one request
+``cuda_graph`` (bool, default True: on CUDA, each decode step of a batch whose rows have their own caches is
+replayed as a CUDA graph, captured once per padded row count, ``graph_decode.PaddedGraphDecoder``; with it,
+``share_prefixes`` is off unless set true), ``max_prefill_tokens`` (int, default 16384: prompt tokens prefilled in one iteration at most; one request
 is always admitted even if longer), ``share_prefixes`` (bool; unset: where it pays, ``kv_cache.sharing_pays``;
 true: a running batch that starts with a request for several samples decodes them over one shared copy of its
 prompt's keys/values; false: never; off under ``compile_decode``), ``kv_cache_dtype`` ("auto", the model's dtype, or
@@ -67,8 +69,8 @@ from realhf.impl.model.nn.kv_cache import decode_kernel
 logger = logging.getLogger("realhf.gen_server.engine")
 
 # pp_size is accepted only to be refused with the reason (this backend serves pp = tp = 1)
-_EXTRA_KEYS = {"compile_decode": bool, "kv_cache_dtype": str, "max_prefill_tokens": int, "pp_size": int,
-               "share_prefixes": bool}
+_EXTRA_KEYS = {"compile_decode": bool, "cuda_graph": bool, "kv_cache_dtype": str, "max_prefill_tokens": int,
+               "pp_size": int, "share_prefixes": bool}
 
 class EngineClosed(RuntimeError):
     pass
@@ -114,9 +116,15 @@ class RealhfEngine(EngineWeights, EngineSteps, GenerationEngine):
             if k in extra and (not isinstance(extra[k], t) or (t is int and isinstance(extra[k], bool))):
                 raise ValueError(f"gen backend option {k} must be {t.__name__}, got {extra[k]!r}")
         self._compile = bool(extra.get("compile_decode", False))
-        # None: where it pays (kv_cache.sharing_pays). The compiled decode step reads whole-sequence caches: with it,
-        # samples keep their own copies of the prompt
+        # on CUDA (not compiled): the decode step replayed as a CUDA graph over the slot cache
+        self._graphs = (not self._compile and bool(extra.get("cuda_graph", True))
+                        and str(cfg.device).startswith("cuda"))
+        # None: where it pays (kv_cache.sharing_pays). The compiled decode step and the CUDA-graph step read
+        # whole-sequence caches: with them, samples keep their own copies of the prompt (unless share_prefixes is
+        # set true, which decodes shared batches eagerly)
         self._share = False if self._compile else extra.get("share_prefixes")
+        if self._graphs and self._share is None:
+            self._share = False
         self._kv_dtype = extra.get("kv_cache_dtype", "auto")
         check_kv_cache_dtype(self._kv_dtype, "gen backend option kv_cache_dtype")
         self._max_prefill_tokens = int(extra.get("max_prefill_tokens", 16384))
@@ -169,6 +177,10 @@ class RealhfEngine(EngineWeights, EngineSteps, GenerationEngine):
             from realhf.impl.model.nn.compiled_decode import compiled_decoder
 
             self._decoder = compiled_decoder(self.model)
+        elif self._graphs:
+            from realhf.impl.model.nn.graph_decode import padded_decoder_for
+
+            self._decoder = padded_decoder_for(self.model)
 
     def _build(self, dtype):
         from realhf.base.topology import single_process_grid
@@ -308,6 +320,9 @@ class RealhfEngine(EngineWeights, EngineSteps, GenerationEngine):
         m.update(tokens_in_flight=s.pop("tokens_in_flight"), version=self._version,
                  generated_tokens=s.pop("generated_tokens"), paused=self._paused,
                  max_num_seqs=self.cfg.max_num_seqs, weights_incomplete=self._broken is not None, **s)
+        d = self._decoder
+        if d is not None and hasattr(d, "replays"):  # the CUDA-graph step: graphs captured, steps replayed
+            m.update(graph_captures=d.captures, graph_replays=d.replays, graph_failed=d.failed is not None)
         return m
 
     @property
@@ -375,6 +390,8 @@ class RealhfEngine(EngineWeights, EngineSteps, GenerationEngine):
             return
         answer(built.set_result, model)
         try:
+            if model.device.type == "cuda" and model.device.index is not None:  # this thread's graphs and streams
+                torch.cuda.set_device(model.device)
             # packed weight copies live as long as the loop; every weight update drops them first
             with torch.no_grad(), cpu_gemm.packed_weights():
                 while not self._stop_flag:

@@ -270,7 +270,7 @@ def linear_group(x: torch.Tensor, layers) -> tuple:
     the same input (q/k/v, gate/up). Under :func:`packed_weights` inference with the oneDNN kernel, one product with
     the packed concatenation of their weights (fewer, wider GEMMs: 1.2x on SmolLM2's q/k/v at 32 rows); otherwise
     each layer's own forward."""
-    if (torch.is_grad_enabled() or not packing() or not x.is_cpu or x.dim() != 2 or torch.compiler.is_compiling()
+    if (not x.is_cpu or torch.is_grad_enabled() or not packing() or x.dim() != 2 or torch.compiler.is_compiling()
             or any(not isinstance(m.weight, torch.nn.Parameter) or m.weight.dtype != x.dtype for m in layers)
             or len({m.bias is None for m in layers}) != 1):
         return tuple(m(x) for m in layers)
@@ -287,6 +287,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """``torch.nn.functional.linear`` with this process's CPU GEMM kernel (see the module docstring); a decode
     step's few rows (fp32 inference) go to the tile kernel of :mod:`decode_ops` where it serves, unless oneDNN's
     packed weights are in use (:func:`packing`; as fast as the tile kernel where both were measured)."""
+    if not x.is_cpu:  # on CUDA: never the CPU kernels (nor their one-off probe)
+        return F.linear(x, weight, bias)
     if not packing():
         y = decode_ops.linear(x, weight, bias)  # None where it does not serve (decode_ops.for_rows)
         if y is not None:

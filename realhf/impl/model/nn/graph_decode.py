@@ -111,8 +111,9 @@ class GraphDecoder:
             self.replays += 1
             STATS["replays"] += 1
             return out
-        # new buffers: graphs captured on other buffers will not serve again in this generation
-        self._entries = {k: e for k, e in self._entries.items() if k[-5:] == key[-5:]}
+        # new buffers: graphs captured on other buffers will not serve again (graphs of other row counts over the
+        # same buffers, views of their first rows, may: PaddedGraphDecoder's buckets)
+        self._entries = {k: e for k, e in self._entries.items() if _pointers(k) == _pointers(key)}
         args = make_args()
         if not self.capture:
             self._entries[key] = _Entry(None, args, None)
@@ -131,6 +132,10 @@ class GraphDecoder:
         STATS["captures"] += 1
         return out
 
+    def reset(self) -> None:
+        """Forget every captured graph (their buffers are about to be replaced)."""
+        self._entries.clear()
+
     def _capture(self, fn: Callable, args: tuple):
         """Warm up (this step's answer) on a side stream, then capture ``fn(*args)`` into a graph."""
         side = torch.cuda.Stream()
@@ -147,6 +152,11 @@ class GraphDecoder:
         return out, _Entry(graph, args, static_out)
 
 
+def _pointers(key: tuple) -> tuple:
+    """The buffers an entry's key names (``_buffers_key``'s addresses and layer count, not the shape)."""
+    return key[-5], key[-3], key[-2], key[-1]
+
+
 def decoder_for(model, capture: bool = True) -> Optional[GraphDecoder]:
     """A CUDA-graph decoder for ``model`` (one per generation), or None where unsupported (tensor or pipeline
     parallelism; with ``capture``, a model not on CUDA)."""
@@ -157,3 +167,90 @@ def decoder_for(model, capture: bool = True) -> Optional[GraphDecoder]:
         logger.debug(f"CUDA graph decode not used: {why}")
         return None
     return GraphDecoder(model, capture=capture)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The generation server's running batch: rows join and leave every few steps, so a graph per row count would be
+# captured over and over. PaddedGraphDecoder pads the batch to a few row counts over the slot storage instead.
+
+def padded_rows(rows: int, capacity: int) -> int:
+    """The row count a batch of ``rows`` running rows is padded to: the next power of two up to 32, then the next
+    multiple of 32, at most ``capacity`` (the storage's rows, never fewer than ``rows``)."""
+    if rows < 1 or rows > capacity:
+        raise ValueError(f"{rows} running rows do not fit a storage of {capacity} rows")
+    p = 1
+    while p < rows and p < 32:
+        p *= 2
+    if p < rows:
+        p = -(-rows // 32) * 32
+    return min(p, capacity)
+
+
+class _PaddedView:
+    """What ``GraphDecoder`` reads of a cache: the first ``rows`` rows of the slot storage and of the lens buffer."""
+
+    __slots__ = ("k", "v", "lens")
+
+    def __init__(self, k, v, lens):
+        self.k, self.v, self.lens = k, v, lens
+
+
+class PaddedGraphDecoder:
+    """``decoder(ids [B], cache)`` -> logits [B, V] (or None: decode eagerly) for a cache whose rows live in a
+    preallocated storage (``cache.storage()`` -> per-layer key and value buffers ``[capacity, h_kv, positions, d]``,
+    the running rows first; ``cache.lens`` [B]): the gen server's ``SlotCache``.
+
+    The step runs over the storage's first ``padded_rows(B, capacity)`` rows, so a graph is captured once per
+    (storage, padded row count) and replayed as rows join and leave. The padding rows are free slots: they get
+    length 0, so the step writes a key/value at position 0 of each, which the next row to take the slot overwrites
+    with its prompt (a row joining copies at least one position); their logits are dropped. A new storage (the
+    cache grew) or new parameter storage (``model.flat`` rebound) drops the graphs."""
+
+    def __init__(self, model, capture: bool = True):
+        self.model = model
+        self.graphs = GraphDecoder(model, capture=capture)
+        self._key = None
+        self._views: Dict[int, _PaddedView] = {}
+        self._ids: Optional[torch.Tensor] = None
+        self._lens: Optional[torch.Tensor] = None
+        self.padded_steps = 0  # steps that ran with padding rows (tests, stats)
+
+    @property
+    def failed(self) -> Optional[str]:
+        return self.graphs.failed
+
+    @property
+    def captures(self) -> int:
+        return self.graphs.captures
+
+    @property
+    def replays(self) -> int:
+        return self.graphs.replays
+
+    def __call__(self, ids: torch.Tensor, cache) -> Optional[torch.Tensor]:
+        if self.graphs.failed is not None:
+            return None
+        ks, vs = cache.storage()
+        B, cap = ids.shape[0], ks[0].shape[0]
+        key = (ks[0].data_ptr(), tuple(ks[0].shape), vs[0].data_ptr(), len(ks), self.model.flat.data_ptr())
+        if key != self._key:
+            self.graphs.reset()
+            self._key, self._views = key, {}
+            self._ids = torch.zeros(cap, dtype=torch.long, device=ids.device)
+            self._lens = torch.zeros(cap, dtype=torch.long, device=ids.device)
+        P = padded_rows(B, cap)
+        view = self._views.get(P)
+        if view is None:
+            view = self._views[P] = _PaddedView([k[:P] for k in ks], [v[:P] for v in vs], self._lens[:P])
+        self._ids[:B].copy_(ids)
+        self._lens[:B].copy_(cache.lens)
+        if P > B:
+            self._lens[B:P].zero_()  # ids there: any earlier token, a valid id
+            self.padded_steps += 1
+        out = self.graphs(self._ids[:P], view)
+        return None if out is None else out[:B]
+
+
+def padded_decoder_for(model, capture: bool = True) -> Optional[PaddedGraphDecoder]:
+    """A ``PaddedGraphDecoder`` for ``model``, or None where unsupported (as ``decoder_for``)."""
+    return None if decoder_for(model, capture) is None else PaddedGraphDecoder(model, capture=capture)

@@ -267,8 +267,8 @@ def _whole_block_ops(x, cache, attn):
     """The decode_ops module where ``decode_block`` serves a decode step of ``x`` through a block with attention
     ``attn`` over ``cache``: a decoding KV cache whose attention runs in C++, and the tile kernel serving the products
     (``decode_ops.linear_kernel``: fp32 rows on an AVX-512 CPU, outside autograd and torch.compile). Else None."""
-    if (cache is None or not cache.decoding or not hasattr(cache, "block_attention")
-            or kv_cache.decode_kernel() is None or cache.k[0].dtype not in _CPP_KV_DTYPES):
+    if (not x.is_cpu or cache is None or not cache.decoding or not hasattr(cache, "block_attention")
+            or cache.k[0].dtype not in _CPP_KV_DTYPES or kv_cache.decode_kernel() is None):
         return None
     return decode_ops.linear_kernel(x, attn.q_proj.weight, attn.q_proj.bias)
 
