@@ -164,7 +164,9 @@ def read_stats(fileroot: str, experiment: str, trial: str = "trial0") -> List[di
 def start_quickstart(args, env=None, ignored_signals=()):
     """``python -m realhf.apps.quickstart *args`` started in the background in its own session (so a test can
     signal it like a terminal would); output captured as text. ``ignored_signals`` start ignored (as a shell's
-    ``cmd &`` leaves SIGINT, and ``nohup`` SIGHUP). Returns the ``subprocess.Popen``."""
+    ``cmd &`` leaves SIGINT, and ``nohup`` SIGHUP); the others start with their default action, whatever this process
+    inherited (a test suite run under ``nohup`` would otherwise pass SIGHUP ignored on to every launch). Returns the
+    ``subprocess.Popen``."""
     import signal
     import subprocess
     import sys
@@ -174,10 +176,13 @@ def start_quickstart(args, env=None, ignored_signals=()):
     full = env_with_source_path()
     full.update(env or {})
     started = time.time()
+    def set_signals():
+        for s in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN if s in ignored_signals else signal.SIG_DFL)
+
     p = subprocess.Popen([sys.executable, "-m", "realhf.apps.quickstart", *args], cwd=source_root(), env=full,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         preexec_fn=(lambda: [signal.signal(s, signal.SIG_IGN) for s in ignored_signals])
-                         if ignored_signals else None)
+                         preexec_fn=set_signals)
     p.started_at = started
     return p
 
