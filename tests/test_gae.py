@@ -161,3 +161,27 @@ def test_cached_extension_is_reused_by_a_new_process(cpp_ext):
     assert p.returncode == 0, p.stderr
     print(f"\n[test_gae] cached extension import in a new process: {float(p.stdout.split()[-1]):.2f} s")
     assert files() == before, "the new process rebuilt the extension instead of reusing the build cache"
+
+
+def test_another_checkout_of_the_same_code_reuses_the_build(cpp_ext, tmp_path):
+    """The build cache is keyed by the sources' content, not their path: a second checkout of the same code (here a
+    copy of realhf/ and csrc/) imports the extension built from this one instead of compiling it again (before, the
+    ninja file named the sources by absolute path, and each checkout rebuilt every kernel: about a minute)."""
+    import shutil
+
+    for d in ("realhf", "csrc"):
+        shutil.copytree(os.path.join(REPO, d), str(tmp_path / d), ignore=shutil.ignore_patterns("__pycache__"))
+    build = gae.build_directory()
+    before = {f: os.stat(os.path.join(build, f)).st_mtime_ns for f in os.listdir(build)}
+    code = ("from realhf.impl.model.utils import gae\nimport realhf\nassert gae.cpp_available()\n"
+            "print(realhf.__file__, gae.build_directory(), gae.extension_load_seconds())\n")
+    e = dict(os.environ, PYTHONPATH=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=e, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    where, other_build, _ = p.stdout.split()
+    assert where.startswith(str(tmp_path)), where  # the copy's package, with the copy's csrc
+    assert other_build == build
+    after = {f: os.stat(os.path.join(build, f)).st_mtime_ns for f in os.listdir(build)}
+    assert after == before, "the other checkout rebuilt the extension"
+    assert "Compiling" not in p.stderr, p.stderr

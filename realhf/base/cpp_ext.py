@@ -1,8 +1,9 @@
 """realhf's C++ kernels (``csrc/<kernel>/<kernel>.cpp``): built at first use, cached, with a PyTorch fallback.
 
 A kernel is JIT-compiled with ``torch.utils.cpp_extension.load`` the first time a process needs it and cached under
-``$REALHF_CACHE_DIR/torch_extensions/<python and torch version>/<name>`` (default ``~/.cache/realhf``), so later
-processes only import the built library; processes that start together wait on the build's lock instead of building
+``$REALHF_CACHE_DIR/torch_extensions/<python and torch version>/<name>-<hash of the sources and flags>`` (default
+``~/.cache/realhf``), so later processes, from this checkout or another of the same code, only import the built
+library; processes that start together wait on the build's lock instead of building
 twice. A module pre-built by ``REALHF_BUILD_EXT=1 pip install -e . --no-build-isolation`` (setup.py) is used instead
 when it imports. Without a compiler or ninja, or when the build fails, the callers use their PyTorch path (with one
 logged warning each); ``REALHF_NO_CPP_EXT=1`` disables every kernel.
@@ -62,6 +63,37 @@ def _headers_flag(src: str) -> list:
     return [f"-DREALHF_COMMON_HEADERS={h.hexdigest()[:12]}"]
 
 
+def _content_key(src: str, cflags: Sequence[str]) -> str:
+    """A hash of the source file, the sources and headers it includes (``_headers_flag``) and the flags."""
+    import hashlib
+
+    h = hashlib.sha1()
+    with open(src, "rb") as f:
+        h.update(f.read())
+    h.update("\0".join(list(cflags) + _headers_flag(src)).encode())
+    return h.hexdigest()[:16]
+
+
+def _import_built(name: str, build_dir: str) -> Optional[ModuleType]:
+    """The extension ``name`` already built in ``build_dir`` (whose name carries the content key of its sources),
+    imported without asking ninja: PyTorch's ninja file names the sources by absolute path, so a build made from
+    another checkout of the same code would be compiled again. None if there is no usable library."""
+    import importlib.util
+
+    path = os.path.join(build_dir, f"{name}.so")
+    # "lock": PyTorch's build baton; while another process builds here, wait on it through cpp_extension.load
+    if not os.path.isfile(path) or os.path.exists(os.path.join(build_dir, "lock")):
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    except (ImportError, OSError) as e:  # a broken or foreign library: build again
+        logger.debug(f"cannot import the built {name} from {path} ({e}); building it again")
+        return None
+
+
 class CppKernel:
     """One C++ extension: ``name`` (the JIT module's name), its source relative to the repository (shipped as
     ``realhf/<source>`` in wheels), ``prebuilt`` (the module setup.py may build), ``what`` (for messages)."""
@@ -78,10 +110,14 @@ class CppKernel:
                 return c
         return None
 
-    def build_directory(self) -> str:
-        """The cache folder of the compiled extension, one per Python and torch version."""
+    def build_directory(self, src: Optional[str] = None) -> str:
+        """The cache folder of the compiled extension: one per Python and torch version and per content of the
+        sources and flags (``src``: the source file, default :meth:`source_path`), not per checkout. Two checkouts
+        of the same code share one build; two versions of the code each keep theirs (no rebuild when switching)."""
         tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-        return os.path.join(realhf_cache_dir(), "torch_extensions", tag, self.name)
+        src = src or self.source_path()
+        key = _content_key(src, self.cflags) if src is not None else "nosource"
+        return os.path.join(realhf_cache_dir(), "torch_extensions", tag, f"{self.name}-{key}")
 
     @functools.lru_cache(maxsize=None)
     def _load(self) -> Tuple[Optional[ModuleType], Optional[BaseException], float]:
@@ -101,7 +137,11 @@ class CppKernel:
             return None, RuntimeError(problem), 0.0
         from torch.utils import cpp_extension
 
-        build_dir = self.build_directory()
+        build_dir = self.build_directory(src)
+        t0 = time.perf_counter()
+        mod = _import_built(self.name, build_dir)
+        if mod is not None:
+            return mod, None, time.perf_counter() - t0
         os.makedirs(build_dir, exist_ok=True)
         fresh = not any(f.endswith((".so", ".pyd")) for f in os.listdir(build_dir))
         if fresh:
