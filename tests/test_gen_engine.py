@@ -162,9 +162,9 @@ def test_staggered_mixed_requests_equal_generate(path, ref_model, graphs):
         e = _engine(path, max_num_seqs=6, extra={"share_prefixes": False} if graphs else None)
         await e.start()
         if graphs:
-            from realhf.impl.model.nn.graph_decode import PaddedGraphDecoder
+            from realhf.impl.model.nn.graph_decode import GraphDecoder, PaddedGraphDecoder
 
-            e._decoder = PaddedGraphDecoder(e.model, capture=False)  # before any request: the engine thread is idle
+            e._decoder = PaddedGraphDecoder(GraphDecoder(e.model, capture=False))  # before any request: the engine thread is idle
         try:
             tasks = []
             for i, (p, n, kw, stop, seed) in enumerate(specs):

@@ -167,7 +167,7 @@ def test_padded_decoder_keeps_an_entry_per_row_count_until_the_storage_changes()
         with torch.no_grad():
             return model(ids, inp)
 
-    dec = graph_decode.PaddedGraphDecoder(model, capture=False)
+    dec = graph_decode.PaddedGraphDecoder(graph_decode.GraphDecoder(model, capture=False))
     a, b = cache_of(prompts[:3]), cache_of(prompts[:3])
     ids = torch.tensor([7, 8, 9])
     with torch.no_grad():

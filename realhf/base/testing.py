@@ -176,6 +176,7 @@ def start_quickstart(args, env=None, ignored_signals=()):
     full = env_with_source_path()
     full.update(env or {})
     started = time.time()
+
     def set_signals():
         for s in (signal.SIGINT, signal.SIGHUP):
             signal.signal(s, signal.SIG_IGN if s in ignored_signals else signal.SIG_DFL)

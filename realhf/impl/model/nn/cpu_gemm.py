@@ -293,7 +293,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         y = decode_ops.linear(x, weight, bias)  # None where it does not serve (decode_ops.for_rows)
         if y is not None:
             return y
-    if (torch.compiler.is_compiling() or not x.is_cpu or x.dtype not in _ONEDNN_DTYPES or weight.dtype != x.dtype or x.dim() < 2
+    if (torch.compiler.is_compiling() or x.dtype not in _ONEDNN_DTYPES or weight.dtype != x.dtype or x.dim() < 2
             or kernel() != "onednn"):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad

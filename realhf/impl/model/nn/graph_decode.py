@@ -204,11 +204,12 @@ class PaddedGraphDecoder:
     (storage, padded row count) and replayed as rows join and leave. The padding rows are free slots: they get
     length 0, so the step writes a key/value at position 0 of each, which the next row to take the slot overwrites
     with its prompt (a row joining copies at least one position); their logits are dropped. A new storage (the
-    cache grew) or new parameter storage (``model.flat`` rebound) drops the graphs."""
+    cache grew) or new parameter storage (``model.flat`` rebound) drops the graphs. ``graphs``: the
+    ``GraphDecoder`` that captures and replays (``capture=False`` re-runs the step: the CPU tests)."""
 
-    def __init__(self, model, capture: bool = True):
-        self.model = model
-        self.graphs = GraphDecoder(model, capture=capture)
+    def __init__(self, graphs: GraphDecoder):
+        self.model = graphs.model
+        self.graphs = graphs
         self._key = None
         self._views: Dict[int, _PaddedView] = {}
         self._ids: Optional[torch.Tensor] = None
@@ -253,4 +254,5 @@ class PaddedGraphDecoder:
 
 def padded_decoder_for(model, capture: bool = True) -> Optional[PaddedGraphDecoder]:
     """A ``PaddedGraphDecoder`` for ``model``, or None where unsupported (as ``decoder_for``)."""
-    return None if decoder_for(model, capture) is None else PaddedGraphDecoder(model, capture=capture)
+    graphs = decoder_for(model, capture)
+    return None if graphs is None else PaddedGraphDecoder(graphs)
