@@ -6,8 +6,9 @@
 #   2. pytest -m gpu (tests/test_gpu_path.py, tests/test_gen_server_gpu.py); tests needing 2 GPUs, vLLM,
 #      SGLang or flash-attn skip themselves where those are missing
 #   3. the tiny-model GRPO and PPO learning tests (tests/test_grpo_learns.py), which on a CUDA machine run their
-#      workers on cuda:0 in bf16 with NCCL, as a user's run would
-# (2) and (3) run side by side after (1). Logs go to $OUT (default outputs/gpu_check); the last lines of each
+#      workers on cuda:0 in bf16 with NCCL, as a user's run would; and those with a generation server (synchronous
+#      and asynchronous GRPO), which on a one-GPU machine share the GPU with the trainer (gpus_per_node=1)
+# (2) and (3) run side by side after (1) (SKIP_BENCH=1 skips it; LEARN_K / LEARN_SERVED_K pick the learning tests). Logs go to $OUT (default outputs/gpu_check); the last lines of each
 # are printed. Python packages missing on the machine may be given as wheels in .whl/ (installed to
 # /tmp/site); for a machine with PyTorch but none of realhf's other requirements (Python 3.12):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -41,17 +42,25 @@ part() {  # part NAME SECONDS CMD...: run CMD under a time limit, its output to 
 }
 show() { tail -n "${2:-25}" "$OUT/$1.log"; }
 
-part bench "${BENCH_LIMIT:-240}" python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} || status=1
-show bench 14
-grep -h -m3 "CUDA graph" "$OUT/bench.log"
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  part bench "${BENCH_LIMIT:-240}" python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} || status=1
+  show bench 14
+  grep -h -m3 "CUDA graph" "$OUT/bench.log"
+fi
 PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -rs --timeout 240"
 part pytest_gpu "${TEST_LIMIT:-240}" $PYTEST -m gpu tests/test_gpu_path.py tests/test_gen_server_gpu.py -v &
 gpu_pid=$!
-part learn "${TEST_LIMIT:-190}" $PYTEST tests/test_grpo_learns.py -k "grpo_learns_tiny or ppo_with_critic" -v -s &
+part learn "${TEST_LIMIT:-190}" $PYTEST tests/test_grpo_learns.py -k "${LEARN_K:-grpo_learns_tiny or ppo_with_critic}" -v -s &
 learn_pid=$!
+# the runs with a generation server: on a one-GPU machine it shares the GPU with the trainer (gpus_per_node=1; weights
+# go to it through a gloo group, or through disk in the asynchronous run)
+part learn_served "${TEST_LIMIT:-190}" $PYTEST tests/test_grpo_learns.py \
+  -k "${LEARN_SERVED_K:-through_generation_servers or async_grpo_learns}" -v -s &
+served_pid=$!
 wait $gpu_pid || status=1
 wait $learn_pid || status=1
+wait $served_pid || status=1
 show pytest_gpu 30
-grep -E "held-out greedy accuracy|passed|failed|Error" "$OUT/learn.log" | tail -n 12
-grep -h -m3 "CUDA graph" "$OUT/learn.log" "$OUT/pytest_gpu.log"
+grep -E "held-out greedy accuracy|passed|failed|Error" "$OUT/learn.log" "$OUT/learn_served.log" | tail -n 20
+grep -h -m3 "CUDA graph" "$OUT/learn.log" "$OUT/learn_served.log" "$OUT/pytest_gpu.log"
 exit $status

@@ -188,7 +188,7 @@ def learn(algo: str, out: str, start: dict, overrides: Sequence[str] = (), eval_
           exp: Optional[str] = None, experiment: str = "ppo-math") -> dict:
     """Steps 5-6 for ``algo`` ("grpo" or "ppo") from :func:`prepare`'s ``start`` (``exp``: the run's experiment
     name, default ``<algo>-tiny-arith``; ``experiment``: ppo-math or async-ppo-math). Returns
-    ``{steps, heldout_acc_after, batch_acc_first_quarter, batch_acc_last_quarter, checkpoint, stats,
+    ``{steps, heldout_acc_after, batch_acc_first_quarter, batch_acc_last_quarter, checkpoint, stats, run_dir,
     seconds: {run, eval}}``."""
     t = time.time()
     rl_dir = run_rl(algo, out, start["sft_ckpt"], start["data"], overrides, exp, experiment)
@@ -204,7 +204,7 @@ def learn(algo: str, out: str, start: dict, overrides: Sequence[str] = (), eval_
         f"{after.accuracy:.1%} ({after.n_correct}/{after.n})")
     return {"steps": len(st), "heldout_acc_after": after.accuracy,
             "batch_acc_first_quarter": round(sum(acc[:k]) / k, 3), "batch_acc_last_quarter": round(sum(acc[-k:]) / k, 3),
-            "checkpoint": ckpt, "stats": st, "seconds": {"run": run_secs, "eval": eval_secs}}
+            "checkpoint": ckpt, "stats": st, "run_dir": rl_dir, "seconds": {"run": run_secs, "eval": eval_secs}}
 
 
 def run_recipe(out: str, algos: Sequence[str] = ("grpo",), sft_overrides: Sequence[str] = (),

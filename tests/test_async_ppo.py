@@ -117,6 +117,33 @@ def test_bad_async_options_fail_before_anything_starts(tiny_math_run, tmp_path):
                                                                  "async_rl.weight_update=inflight"])
 
 
+def test_shared_gpus_hold_a_server_beside_the_trainer_and_nothing_else(tiny_math_run, tmp_path):
+    """gpus_per_node: a generation server may share its node's GPU with the trainer's model worker; two model workers,
+    a server's tensor-parallel ranks, a share above the node's slots or a launcher that reserves GPUs per job are
+    refused before anything starts, each naming the option."""
+    from realhf.api.quickstart.entry import ConfigError, load_config
+    from realhf.experiments import build_spec, config_class
+
+    model, d = tiny_math_run
+    base = _args(model, d, "async-gpus")[1:] + [f"fileroot={tmp_path}"]
+
+    def spec(*extra):
+        return build_spec("async-ppo-math", load_config(config_class("async-ppo-math"), [], base + list(extra)))
+
+    shared = spec("gpus_per_node=1")
+    assert shared.device_slots() == 2  # the server (slot 1) beside the trainer (slot 0) on GPU 0
+    # in-memory weight updates then go through gloo (NCCL cannot hold two ranks of one GPU)
+    assert shared.served().gen_servers.shares_gpus and not spec().served().gen_servers.shares_gpus
+    with pytest.raises(ValueError, match=r"gpus_per_node=1 would put 2 model workers .* at least 2"):
+        spec("gpus_per_node=1", "n_devices_per_node=3", "allocation_mode=gen.d1m1p1+d2m1p1")
+    with pytest.raises(ValueError, match="gpus_per_node=1 cannot hold a generation server of tp=2"):
+        spec("gpus_per_node=1", "n_devices_per_node=3", "allocation_mode=vllm.d1m2p1+d1m1p1")
+    with pytest.raises(ConfigError, match="gpus_per_node=3 is above n_devices_per_node=2"):
+        spec("gpus_per_node=3")
+    with pytest.raises(ConfigError, match="gpus_per_node=1 applies to mode=local.*ray_gpus_per_worker"):
+        spec("gpus_per_node=1", "mode=ray")
+
+
 def test_killed_manager_is_named_and_the_resumed_run_keeps_the_bound(tiny_math_run):
     """kill -9 of the rollout manager: the launcher names it at once; recover_mode=auto relaunches the run, which
     resumes from the last recover checkpoint; the manager restores its accounting from its log and issues nothing

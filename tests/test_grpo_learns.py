@@ -13,10 +13,17 @@ Measured here (2 CPU cores, shared): held-out greedy accuracy 27.5% after SFT, 8
 85.5% after 40 PPO steps; about 1.5 min for SFT + GRPO, under 1 min more for PPO.
 """
 
+import os
+
 import pytest
+import torch
 
 from realhf.base.testing import tiny_arith_recipe
 
+
+
+# the runs with a generation server beside the trainer (two device slots): on a machine with one GPU the two share it
+SHARE_ONE_GPU = ["gpus_per_node=1"] if torch.cuda.is_available() and torch.cuda.device_count() == 1 else []
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +53,21 @@ def _check_learned(algo, res, start):
     assert res["batch_acc_last_quarter"] >= res["batch_acc_first_quarter"] + 0.10, res
 
 
+def _check_server_placement(res, weight_group=None):
+    """On a CUDA machine: the generation server ran on a GPU in bf16 (on a one-GPU machine the trainer's, through
+    gpus_per_node=1), and the trainer joined the in-memory weight group through ``weight_group`` (gloo where the two
+    share a GPU, as NCCL cannot hold two ranks of one GPU). Nothing to check on CPU."""
+    if not torch.cuda.is_available():
+        return
+    logs = os.path.join(res["run_dir"], "logs")
+    with open(os.path.join(logs, "gen_server_0.log")) as f:
+        server = f.read()
+    assert "engine loaded" in server and " on cuda in bfloat16 " in server, server[-2000:]
+    if weight_group:
+        with open(os.path.join(logs, "model_worker_0.log")) as f:
+            assert f"({weight_group}) as rank 0" in f.read()
+
+
 def test_grpo_learns_tiny_arithmetic(recipe, start):
     res = recipe.learn("grpo", start["out"], start, eval_threads=None)
     st = res["stats"]
@@ -68,7 +90,8 @@ def test_ppo_with_critic_learns_tiny_arithmetic(recipe, start):
 def served(recipe, start):
     """The GRPO run with actor_gen served by realhf's generation server on its own device (weights published to it
     after every step through a weight group)."""
-    return recipe.learn("grpo", start["out"], start, ["allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2"],
+    return recipe.learn("grpo", start["out"], start, ["allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2",
+                                                     *SHARE_ONE_GPU],
                         eval_threads=None, exp="grpo-gen-server")
 
 
@@ -78,9 +101,10 @@ def test_grpo_learns_through_generation_servers(served, start):
     assert served["steps"] == 40 and all(s["n_seqs"] == 16 * 8 for s in st)
     assert all(s["actor_gen/weight_sync_time"] > 0 for s in st[1:])
     _check_learned("grpo (gen server)", served, start)
+    _check_server_placement(served, weight_group="gloo" if SHARE_ONE_GPU else "nccl")
 
 
-ASYNC = ["allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2", "param_realloc=disk"]
+ASYNC = ["allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2", "param_realloc=disk", *SHARE_ONE_GPU]
 
 
 def test_async_with_offpolicyness_zero_is_the_synchronous_run(recipe, start, served):
@@ -114,6 +138,7 @@ def test_async_grpo_learns(recipe, start):
     assert sum(s["version_lag_max"] == 1 for s in st) >= 10, [s["version_lag_max"] for s in st]
     assert all("behave_imp_weight" in s for s in st)
     _check_learned("grpo (async, off-policyness 1)", res, start)
+    _check_server_placement(res)  # weights through disk (param_realloc=disk)
 
 
 def test_async_multi_turn_grpo_learns(recipe, start):

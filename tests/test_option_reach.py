@@ -135,6 +135,7 @@ COMMON: Dict[str, Any] = {
     "recover_retries": Launcher("3", "realhf/apps/main.py"),
     "ray_address": Launcher("auto", "realhf/scheduler/ray_launcher.py"),  # the Ray cluster joined
     "ray_gpus_per_worker": Launcher("1.0", "realhf/scheduler/ray_launcher.py"),  # Ray resources of each worker
+    "gpus_per_node": Launcher("1", "realhf/apps/remote.py"),  # which GPU a model worker of a shared node takes
     # mode=slurm: the sbatch/srun flags and task wrappers (tests/test_slurm_dry_run.py checks the printed commands)
     **{f"slurm.{k}": Launcher(v, "realhf/scheduler/slurm.py") for k, v in (
         ("partition", "gpu"), ("account", "rl"), ("time", "1:00:00"), ("gpus_per_slot", "0"), ("mem_per_slot", "1G"),

@@ -24,8 +24,10 @@ from realhf.base.runtime_env import (
     CPU_BACKEND,
     GPU_BACKEND,
     RuntimeEnv,
+    check_slot_gpus,
     cpu_env,
     detect,
+    gpu_of_slot,
     local_rank,
     select,
 )
@@ -79,6 +81,20 @@ def test_local_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ValueError, match="LOCAL_RANK='x'"):
         local_rank(0, 1)
+
+
+def test_slots_sharing_gpus(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # one GPU per slot: a node's slots in order; gpus_per_node=2 of 4 slots: slot s on GPU s % 2 (node 1 likewise)
+    assert [gpu_of_slot(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [gpu_of_slot(s, 4, 2) for s in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert local_rank(3, 4, gpus_per_node=2) == 1 and local_rank(3, 4, own_devices=True, gpus_per_node=2) == 0
+    check_slot_gpus(2, 2, 1, device_count=1)  # two slots on the one GPU
+    check_slot_gpus(2, 2, 0, device_count=0)  # no CUDA device: nothing to place
+    with pytest.raises(ValueError, match=r"use 2 GPU\(s\) on this node, but 1 CUDA device\(s\) .* gpus_per_node=1"):
+        check_slot_gpus(2, 2, 0, device_count=1)
+    with pytest.raises(ValueError, match=r"gpus_per_node=2\) use 2 GPU\(s\).*but 1 CUDA.*lower gpus_per_node to 1"):
+        check_slot_gpus(4, 4, 2, device_count=1)
 
 
 def test_cpu_memory_stats_see_an_allocation():

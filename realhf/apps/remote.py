@@ -56,8 +56,8 @@ def main(argv=None) -> int:
         # under Ray each worker's actor sees only the GPUs it reserved
         from realhf.scheduler import get_launcher
 
-        env = detect(local_rank(a.rank, config.n_devices_per_node, own_devices=get_launcher(config.mode).own_devices),
-                     name_resolve="file")
+        env = detect(local_rank(a.rank, config.n_devices_per_node, own_devices=get_launcher(config.mode).own_devices,
+                                gpus_per_node=config.gpus_per_node), name_resolve="file")
         nr = name_resolve.make_repository(env.name_resolve, root=name_resolve_root(config))
         w = ModelWorker(spec, a.rank, secret, nr, resume=bool(a.resume), env=env)
         try:

@@ -13,13 +13,35 @@ def experiment_spec(cfg, **fields) -> ExperimentSpec:
     ``exp_ctrl`` option into the spec field of the same name, then ``fields`` (models, MFCs, datasets, ...;
     they win over ``exp_ctrl``)."""
     ctrl = {f.name: getattr(cfg.exp_ctrl, f.name) for f in dataclasses.fields(cfg.exp_ctrl)}
-    return ExperimentSpec(**{
+    spec = ExperimentSpec(**{
         **dict(experiment_name=cfg.experiment_name, trial_name=cfg.trial_name, seed=cfg.seed, log_dir=cfg.log_dir(),
                save_dir=cfg.ckpt_dir(), recover_dir=cfg.recover_dir(), threads_per_worker=cfg.cpus_per_worker,
                threads_per_worker_max=cfg.cpus_per_worker_max,
                worker_timeout_secs=cfg.worker_timeout_secs, wandb=cfg.wandb_init_kwargs(),
                tensorboard_dir=cfg.tensorboard_dir()),
         **ctrl, **fields})
+    check_shared_gpus(cfg, spec)
+    return spec
+
+
+def check_shared_gpus(cfg, spec: ExperimentSpec) -> None:
+    """With ``gpus_per_node`` (device slots sharing a node's GPUs, slot s on GPU s % gpus_per_node): ValueError when
+    two model workers, or two ranks of one generation server, would share a GPU (one process group cannot hold two
+    ranks of one GPU). Shared GPUs are for generation servers beside the model workers."""
+    g, per_node = cfg.gpus_per_node, cfg.n_devices_per_node
+    if not g:
+        return
+    workers_on_a_node = min(spec.n_workers, per_node)
+    if workers_on_a_node > g:
+        raise ValueError(f"gpus_per_node={g} would put {workers_on_a_node} model workers of one node on {g} GPU(s) "
+                         f"(n_devices_per_node={per_node}, slot s on GPU s % {g}): each model worker needs its own "
+                         "GPU; shared GPUs are for generation servers beside them (e.g. allocation_mode="
+                         f"gen.d1m1p1+d1m1p1). Raise gpus_per_node to at least {workers_on_a_node} or give the model "
+                         "workers fewer devices")
+    m = spec.served()
+    if m is not None and m.gen_servers.tp > g:
+        raise ValueError(f"gpus_per_node={g} cannot hold a generation server of tp={m.gen_servers.tp}: its ranks need a "
+                         f"GPU each; raise gpus_per_node to at least {m.gen_servers.tp} or lower the server's 'm'")
 
 
 def single_layout(config, mfc_name: str) -> ParallelDims:
@@ -125,7 +147,8 @@ def gen_servers_spec(cfg, max_len: int, model_dtype: str = "auto"):
     gs = cfg.gen_server
     return GenServersSpec(backend=mode.gen_backend, n_servers=dims.dp, tp=dims.tp, first_slot=mode.rest_n_devices(),
                           dtype=model_dtype, max_model_len=max_len, max_num_seqs=gs.max_num_seqs,
-                          weight_sync=getattr(cfg, "param_realloc", "disk"), routing=gs.routing,
+                          weight_sync=getattr(cfg, "param_realloc", "disk"), shares_gpus=bool(cfg.gpus_per_node),
+                          routing=gs.routing,
                           startup_timeout_secs=gs.startup_timeout_secs, request_timeout_secs=gs.request_timeout_secs,
                           threads=cfg.cpus_per_worker, extra=gs.extra_dict())
 

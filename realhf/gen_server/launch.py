@@ -36,8 +36,9 @@ def server_cmd(backend: str, model_path: str, index, dtype: str = "auto", device
             "--index", str(index), *where]
 
 
-def device_env(fleet, i: int, n_devices_per_node: int) -> Dict[str, str]:
-    """The GPUs of server ``i`` on its node (local launcher on a CUDA machine): its ``tp`` device slots."""
+def device_env(fleet, i: int, n_devices_per_node: int, gpus_per_node: int = 0) -> Dict[str, str]:
+    """The GPUs of server ``i`` on its node (local launcher on a CUDA machine): those of its ``tp`` device slots
+    (:func:`realhf.base.runtime_env.gpu_of_slot`)."""
     try:
         import torch
 
@@ -45,8 +46,10 @@ def device_env(fleet, i: int, n_devices_per_node: int) -> Dict[str, str]:
             return {}
     except ImportError:
         return {}
+    from realhf.base.runtime_env import gpu_of_slot
+
     slots = [fleet.first_slot + i * fleet.tp + k for k in range(fleet.tp)]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(s % n_devices_per_node) for s in slots)}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu_of_slot(s, n_devices_per_node, gpus_per_node)) for s in slots)}
 
 
 def start_servers(sched, spec, config, env: Dict[str, str], nr, nr_root: str, own_devices: bool,
@@ -65,7 +68,8 @@ def start_servers(sched, spec, config, env: Dict[str, str], nr, nr_root: str, ow
                              fleet.max_num_seqs, fleet.threads, fleet.extra, "--exp", exp, "--trial", trial,
                              "--name-resolve-root", nr_root),
         env, worker=True, slots=fleet.tp, first_slot=fleet.first_slot,
-        env_for=None if own_devices else lambda i: device_env(fleet, i, config.n_devices_per_node))
+        env_for=None if own_devices else lambda i: device_env(fleet, i, config.n_devices_per_node,
+                                                                        config.gpus_per_node))
     if not wait:
         return []
     t0 = time.monotonic()

@@ -226,7 +226,7 @@ class WeightPublisher:
             addr = [None, None]
         if writers_group is not None:
             dist.broadcast_object_list(addr, src=grid.global_rank_of(0, 0, 0), group=writers_group)
-        backend = "nccl" if self.env.device.type == "cuda" else "gloo"
+        backend = "nccl" if self.env.device.type == "cuda" and not f.shares_gpus else "gloo"
         world = pp + f.n_servers * f.tp
         name = f"{self.dst}-{uuid.uuid4().hex[:8]}" if stage == 0 else None
         if writers_group is not None:

@@ -219,8 +219,8 @@ async def serve(a) -> int:
     engine = make_engine(cfg)
     t0 = time.perf_counter()
     await engine.start()
-    logger.info("generation server %d: %s engine loaded %s in %.1f s", a.index, a.backend, a.model,
-                time.perf_counter() - t0)
+    logger.info("generation server %d: %s engine loaded %s on %s in %s in %.1f s", a.index, a.backend, a.model,
+                device, dtype, time.perf_counter() - t0)
     server = GenServer(engine, secret, a.index)
     port = await server.start(host, a.port)
     addr = f"{host}:{port}"

@@ -191,7 +191,18 @@ def _register():
     from realhf.scheduler import Launcher, register_launcher
 
     register_launcher(Launcher("local", make=lambda log_dir, config, n_workers: LocalScheduler(log_dir),
+                               check=_check_devices,
                                dry_run=lambda log_dir, config, n, out: PrintScheduler(log_dir, out, "local")))
+
+
+def _check_devices(config, n_slots: int) -> None:
+    """On a CUDA machine, every device slot of the run must land on a visible GPU (see ``gpus_per_node``)."""
+    import torch
+
+    from realhf.base.runtime_env import check_slot_gpus
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_slot_gpus(n_slots, config.n_devices_per_node, config.gpus_per_node, count)
 
 
 _register()

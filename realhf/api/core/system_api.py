@@ -28,6 +28,9 @@ class GenServersSpec:
     max_model_len: int = 2048
     max_num_seqs: int = 64
     weight_sync: str = "disk"  # disk | memory: how trained weights reach the servers
+    # the servers share GPUs with model workers (``gpus_per_node``): an in-memory weight update then goes through gloo,
+    # as NCCL cannot hold two ranks of one GPU
+    shares_gpus: bool = False
     routing: str = "least_requests"
     startup_timeout_secs: float = 600.0
     request_timeout_secs: float = 3600.0

@@ -244,6 +244,12 @@ class BaseExperimentConfig:
                                 factory=SlurmConfig)
     n_nodes: int = option(1, "number of nodes")
     n_devices_per_node: int = option(1, "devices per node: GPUs, or model worker processes on CPU")
+    gpus_per_node: int = option(0, "mode=local on a GPU machine with fewer GPUs than n_devices_per_node: the node's "
+                                   "device slots share its GPUs, slot s on GPU s % gpus_per_node (e.g. a small "
+                                   "model's generation server beside its trainer on one GPU: allocation_mode="
+                                   "gen.d1m1p1+d1m1p1, n_devices_per_node=2, gpus_per_node=1); model workers still "
+                                   "need a GPU each; a vLLM or SGLang server must then be told to leave memory for the "
+                                   "trainer (gen_server.extra); 0: one GPU per slot")
     cpus_per_worker: int = option(1, "CPU threads of each worker process")
     cpus_per_worker_max: int = option(0, "CPU runs: a model worker takes up to this many threads while other "
                                          "processes leave the host's cores idle, and falls back to cpus_per_worker "
@@ -273,6 +279,14 @@ class BaseExperimentConfig:
         check_int("recover_retries", self.recover_retries, 0)
         check_int("n_nodes", self.n_nodes, 1)
         check_int("n_devices_per_node", self.n_devices_per_node, 1)
+        check_int("gpus_per_node", self.gpus_per_node, 0)
+        if self.gpus_per_node > self.n_devices_per_node:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node} is above n_devices_per_node={self.n_devices_per_node}"
+                             ": each device slot uses one GPU, so at most n_devices_per_node GPUs are used; set it to "
+                             "0 (one GPU per slot) or lower it")
+        if self.gpus_per_node and self.mode != "local":
+            raise ValueError(f"gpus_per_node={self.gpus_per_node} applies to mode=local; with mode={self.mode} each job "
+                             "gets the GPUs it reserves (under Ray a fraction of a GPU: ray_gpus_per_worker=0.5)")
         check_int("cpus_per_worker", self.cpus_per_worker, 1)
         check_int("cpus_per_worker_max", self.cpus_per_worker_max, 0)
         if 0 < self.cpus_per_worker_max < self.cpus_per_worker:
@@ -284,7 +298,7 @@ class BaseExperimentConfig:
     # --------------------------------------------------------------- derived values
     # Options that do not change what a run computes (where it runs, how it is watched, logged, saved and
     # relaunched): a recover checkpoint written under other values of these still belongs to the run.
-    RESUME_NEUTRAL_KEYS = ("mode", "ray_address", "ray_gpus_per_worker", "slurm", "fileroot", "recover_mode",
+    RESUME_NEUTRAL_KEYS = ("mode", "ray_address", "ray_gpus_per_worker", "gpus_per_node", "slurm", "fileroot", "recover_mode",
                            "recover_retries", "cpus_per_worker", "cpus_per_worker_max", "worker_timeout_secs", "wandb", "tensorboard",
                            "auto_eval", "exp_ctrl.save_freq_epochs", "exp_ctrl.save_freq_steps",
                            "exp_ctrl.save_freq_secs", "exp_ctrl.ckpt_freq_epochs", "exp_ctrl.ckpt_freq_steps",
