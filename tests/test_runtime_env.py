@@ -299,3 +299,18 @@ def test_worker_joins_its_world_with_the_environments_backend(tmp_path, monkeypa
     sock = model_worker._init_distributed(spec, 0, nr, "some-backend")
     sock.close()
     assert seen["backend"] == "some-backend" and seen["world_size"] == 1
+
+
+def test_the_launcher_checks_devices_without_torch():
+    """The launcher makes the run secret and checks the device slots before any worker starts, without importing
+    torch (1.1-1.5 s a launch on the 2-core machines); a CPU machine's check needs no torch at all."""
+    import subprocess
+
+    code = ("import sys; import realhf.apps.main, realhf.scheduler.local as l; "
+            "from types import SimpleNamespace as C; "
+            "l._check_devices(C(n_devices_per_node=2, gpus_per_node=0), 2); "
+            "from realhf.base.run_secret import new_run_secret; assert len(new_run_secret()) == 32; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    on_gpu_machine = any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/dxg"))
+    assert out.stdout.strip() == str(on_gpu_machine)

@@ -32,7 +32,7 @@ from realhf.base.process import env_with_source_path
 from realhf.experiments import build_spec
 from realhf.scheduler import get_launcher
 from realhf.scheduler.local import JobFailure, python_cmd
-from realhf.system.request_reply_stream import new_run_secret
+from realhf.base.run_secret import new_run_secret
 
 logger = logging.getLogger(__name__)
 

@@ -33,6 +33,8 @@ from typing import Dict, Optional, Union
 
 import torch
 
+from realhf.base.device_slots import check_slot_gpus, gpu_of_slot  # noqa: F401  (the slot helpers, re-exported)
+
 ATTENTION_KERNELS = ("sdpa", "flash")
 CPU_BACKEND = "gloo"
 # NCCL for CUDA tensors, gloo for the CPU-side control values NCCL cannot carry
@@ -160,16 +162,6 @@ def detect(local_rank: int = 0, **overrides) -> RuntimeEnv:
                   flash_attn_available=cuda and flash_attn_importable(), **overrides)
 
 
-def gpu_of_slot(slot: int, devices_per_node: int, gpus_per_node: int = 0) -> int:
-    """The node-local GPU of device slot ``slot``: its slot on the node, ``slot % devices_per_node``, or where the
-    node's slots share fewer GPUs (``gpus_per_node`` > 0, the option of that name) that slot modulo
-    ``gpus_per_node``."""
-    if devices_per_node < 1:
-        raise ValueError(f"devices_per_node must be >= 1, got {devices_per_node}")
-    local = slot % devices_per_node
-    return local % gpus_per_node if gpus_per_node > 0 else local
-
-
 def local_rank(rank: int, devices_per_node: int, own_devices: bool = False, gpus_per_node: int = 0) -> int:
     """Which of its node's devices the process of global slot ``rank`` uses: ``LOCAL_RANK`` where a launcher
     sets it; 0 when the launcher shows each process only its own devices (``own_devices``, e.g. Ray actors
@@ -182,23 +174,6 @@ def local_rank(rank: int, devices_per_node: int, own_devices: bool = False, gpus
     if own_devices:
         return 0
     return gpu_of_slot(rank, devices_per_node, gpus_per_node)
-
-
-def check_slot_gpus(n_slots: int, devices_per_node: int, gpus_per_node: int, device_count: int) -> None:
-    """Before a local launch on a machine with ``device_count`` visible CUDA devices: ValueError when a device slot
-    of the run would land on a GPU this machine does not have (a generation server would otherwise be shown no GPU
-    and fall back to the CPU without a word). Nothing to check without CUDA devices."""
-    if device_count <= 0:
-        return
-    need = 1 + max(gpu_of_slot(s, devices_per_node, gpus_per_node) for s in range(min(n_slots, devices_per_node)))
-    if need > device_count:
-        share = (f"set gpus_per_node={device_count} so that the slots share them (slot s on GPU s % {device_count}; "
-                 "model workers still need one each), or " if not gpus_per_node else
-                 f"lower gpus_per_node to {device_count}, or ")
-        raise ValueError(f"the run's {n_slots} device slot(s) (n_devices_per_node={devices_per_node}"
-                         f"{f', gpus_per_node={gpus_per_node}' if gpus_per_node else ''}) use {need} GPU(s) on this "
-                         f"node, but {device_count} CUDA device(s) are visible: {share}lower n_devices_per_node or the "
-                         "allocation's device count")
 
 
 def cpu_env(device: DeviceLike = "cpu") -> RuntimeEnv:

@@ -116,8 +116,7 @@ def math_accuracy(model_path: str, rows: List[dict], max_new_tokens: int = 64, p
     """Accuracy of the model at ``model_path`` on ``rows`` (greedy, ``max_new_tokens``, unless ``gconfig``; with
     ``gconfig.n > 1`` every sample is an answer), graded by :func:`grade_answers` (``require_eos``: an answer cut
     by the token limit is wrong), with the EOS rate, answer lengths and accuracy per row ``"kind"``."""
-    import transformers
-
+    from realhf.base.hf_tokenizer import load_tokenizer
     from realhf.base.topology import single_process_grid
     from realhf.impl.model.conversion.hf_io import build_from_hf
     from realhf.impl.model.nn.generation import generate
@@ -125,7 +124,7 @@ def math_accuracy(model_path: str, rows: List[dict], max_new_tokens: int = 64, p
     if threads:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    tok = transformers.AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     model = build_from_hf(model_path, grid=single_process_grid())
     g = gconfig or GenerationHyperparameters(max_new_tokens=max_new_tokens, greedy=True)
     prompts = format_prompts(tok, rows, prompt_template, use_chat_template)

@@ -197,12 +197,9 @@ def _register():
 
 def _check_devices(config, n_slots: int) -> None:
     """On a CUDA machine, every device slot of the run must land on a visible GPU (see ``gpus_per_node``)."""
-    import torch
+    from realhf.base.device_slots import check_slot_gpus, visible_cuda_devices
 
-    from realhf.base.runtime_env import check_slot_gpus
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    check_slot_gpus(n_slots, config.n_devices_per_node, config.gpus_per_node, count)
+    check_slot_gpus(n_slots, config.n_devices_per_node, config.gpus_per_node, visible_cuda_devices())
 
 
 _register()

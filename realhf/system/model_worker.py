@@ -188,17 +188,16 @@ class ModelWorker:
         from realhf.impl.model.conversion.hf_io import build_from_hf
 
         if m.gen_servers is not None:  # served by generation servers: a client and the tokenizer
-            import transformers
-
+            from realhf.base.hf_tokenizer import load_tokenizer
             from realhf.gen_server.served import ServedEngine, make_client
 
-            tok = transformers.AutoTokenizer.from_pretrained(m.tokenizer_path or m.path)
+            tok = load_tokenizer(m.tokenizer_path or m.path)
             engine = ServedEngine(lambda: make_client(self.spec, m.gen_servers, self.secret, self.nr))
             return Model(name=m.name, engine=engine, tokenizer=tok, grid=self.grids[m.name], path=m.path)
         if not m.path:  # a model without weights (e.g. a rule-based reward): only the tokenizer
-            import transformers
+            from realhf.base.hf_tokenizer import load_tokenizer
 
-            tok = transformers.AutoTokenizer.from_pretrained(m.tokenizer_path)
+            tok = load_tokenizer(m.tokenizer_path)
             return Model(name=m.name, engine=None, tokenizer=tok, grid=self.grids[m.name], path="")
         path = m.path
         if self.resume_info is not None and m.optimizer is not None:
@@ -211,11 +210,11 @@ class ModelWorker:
             if why is not None:
                 logger.info(f"model {m.name}: compile ignored: {why}")
         engine = TrainEngine(module, m.optimizer, m.total_train_steps) if m.optimizer is not None else InferenceEngine(module)
-        import transformers
+        from realhf.base.hf_tokenizer import load_tokenizer
 
         src = m.tokenizer_path or m.path
         try:
-            tok = transformers.AutoTokenizer.from_pretrained(src)
+            tok = load_tokenizer(src)
         except (OSError, ValueError) as e:  # checked at build time already; a folder changed since then
             raise RuntimeError(f"model {m.name}: cannot load the tokenizer of {src}: {e}") from e
         return Model(name=m.name, engine=engine, tokenizer=tok, grid=self.grids[m.name], path=m.path)

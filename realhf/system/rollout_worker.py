@@ -77,17 +77,16 @@ class RolloutWorker:
         self.counts = {"accepted": 0, "rejected": 0, "failed": 0}
 
     def setup(self):
-        import transformers
-
         import realhf.impl.workflow  # noqa: F401  (registers the built-in workflows)
         from realhf.api.core.workflow_api import make_workflow, workflow_class
         from realhf.impl.workflow.rewards import load_reward_fn
+        from realhf.base.hf_tokenizer import load_tokenizer
         from realhf.base.name_resolve import names
         from realhf.impl.dataset import make_dataset
         from realhf.system.trajectory_stream import TrajectoryPusher
 
         spec, rs = self.spec, self.rs
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(rs.tokenizer_path)
+        self.tokenizer = load_tokenizer(rs.tokenizer_path)
         self.dataset = make_dataset(rs.dataset.kind, tokenizer=self.tokenizer, **rs.dataset.args)
         reward = load_reward_fn(rs.reward_fn, **rs.reward_args)
         args = dict(rs.workflow_args)

@@ -21,7 +21,6 @@ import hmac
 import json
 import math
 import os
-import secrets
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
@@ -33,13 +32,14 @@ from realhf.api.core.data_api import _DTYPE_NAMES as DTYPE_NAMES
 from realhf.api.core.data_api import _DTYPES as DTYPES
 from realhf.base import logging
 from realhf.base.plain_json import check_plain_json
+# the run secret lives in a module without torch (the launcher makes it before any worker starts); re-exported here
+from realhf.base.run_secret import (MIN_SECRET_BYTES, RUN_SECRET_ENV, _check_secret, new_run_secret,  # noqa: F401
+                                    run_secret_from_env)
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"RHF1"
 SIGNATURE_BYTES = 32
-RUN_SECRET_ENV = "REALHF_RUN_SECRET"
-MIN_SECRET_BYTES = 16
 
 # one dtype allow-list for everything that travels: the SequenceSample wire format's
 _DTYPES, _DTYPE_NAMES = DTYPES, DTYPE_NAMES
@@ -49,37 +49,6 @@ _MAX_DIMS = 64
 MAX_FRAME_BYTES = 64 << 20
 MAX_HEARTBEAT_BYTES = 64 << 10
 REPLAY_WINDOW_SECS = 300.0
-
-
-# ----------------------------------------------------------------------------------------- secrets
-def new_run_secret() -> bytes:
-    """A fresh random 32-byte secret for one run (the launcher hex-encodes it into the env)."""
-    return secrets.token_bytes(32)
-
-
-def run_secret_from_env(env: Optional[Dict[str, str]] = None) -> bytes:
-    """The run secret from ``$REALHF_RUN_SECRET`` (hex); a clear error when missing or malformed."""
-    env = os.environ if env is None else env
-    value = env.get(RUN_SECRET_ENV)
-    if not value:
-        raise RuntimeError(
-            f"${RUN_SECRET_ENV} is not set: the launcher must pass the run secret (hex) to every worker; "
-            f"generate one with realhf.system.request_reply_stream.new_run_secret().hex()"
-        )
-    try:
-        secret = bytes.fromhex(value.strip())
-    except ValueError:
-        raise RuntimeError(f"${RUN_SECRET_ENV} must be a hex string, got {len(value)} non-hex characters") from None
-    _check_secret(secret)
-    return secret
-
-
-def _check_secret(secret: bytes) -> bytes:
-    if not isinstance(secret, (bytes, bytearray)):
-        raise TypeError(f"run secret must be bytes, got {type(secret).__name__}")
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"run secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
-    return bytes(secret)
 
 
 # -------------------------------------------------------------------------------------- signing

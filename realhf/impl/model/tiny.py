@@ -246,10 +246,10 @@ def tiny_tokenizer(kind: str = "bpe", cache_dir: str | None = None):
     in ``cache_dir`` (default ``realhf_cache_dir()/tiny_tokenizer_v1``) and always returned as
     loaded back from that folder, so every call gives the identical tokenizer.
     """
-    from transformers import AutoTokenizer
+    from realhf.base.hf_tokenizer import load_tokenizer
 
     if kind == "qwen2.5":
-        return AutoTokenizer.from_pretrained(_QWEN25_DIR)
+        return load_tokenizer(_QWEN25_DIR)
     if kind != "bpe":
         raise ValueError(f"unknown tiny tokenizer kind {kind!r}; expected one of {TOKENIZER_KINDS}")
     d = os.path.abspath(cache_dir or os.path.join(realhf_cache_dir(), _BPE_CACHE_NAME))
@@ -259,7 +259,7 @@ def tiny_tokenizer(kind: str = "bpe", cache_dir: str | None = None):
         with atomic_dir(d, _bpe_complete) as tmp:
             wrapped.save_pretrained(tmp)
         logger.info("Trained tiny BPE tokenizer (%d tokens) in %.2fs -> %s", len(wrapped), time.perf_counter() - t0, d)
-    return AutoTokenizer.from_pretrained(d)
+    return load_tokenizer(d)
 
 
 def _special_ids(tok) -> dict[str, int | None]:

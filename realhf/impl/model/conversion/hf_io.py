@@ -132,11 +132,11 @@ def check_weight_files(path: str) -> None:
 
 def check_tokenizer(path: str) -> None:
     """Load the tokenizer of the folder ``path`` as the workers do and check that it encodes text."""
-    import transformers
+    from realhf.base.hf_tokenizer import load_tokenizer
 
     present = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(path)
+        tok = load_tokenizer(path)
     except Exception as e:  # transformers and tokenizers raise many types (OSError, ValueError, plain Exception)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(f"the tokenizer in {path!r} does not load ({type(e).__name__}: {first}); tokenizer "

@@ -1,0 +1,97 @@
+"""Loading a model folder's tokenizer as ``transformers.AutoTokenizer`` does, without paying for AutoTokenizer in
+every process.
+
+``AutoTokenizer.from_pretrained`` decides a folder's tokenizer class from its ``config.json`` and
+``tokenizer_config.json`` with tables that live in ``transformers.models.auto``. Importing that package imports every
+model's configuration and the modeling and generation code: about 2.6 s on the 2-core machines here, in each process
+that loads a tokenizer (the launcher's checks, every model worker, rollout worker and evaluator), where the class it
+picks then loads in about 10 ms.
+
+:func:`load_tokenizer` asks AutoTokenizer once per folder content and transformers version, keeps the answer (the
+class's module and name) in realhf's cache, and from then on imports that class alone and calls its
+``from_pretrained`` as AutoTokenizer would. A folder with remote code (``auto_map``) always goes through
+AutoTokenizer, as does any folder whose kept class no longer imports.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+from typing import Optional, Tuple
+
+from realhf.base.cache_dir import realhf_cache_dir
+
+# files whose content decides AutoTokenizer's choice (with the folder's file names and the transformers version)
+_DECIDING_FILES = ("config.json", "tokenizer_config.json")
+
+
+def _cache_key(path: str) -> Optional[str]:
+    """The key of the folder's class choice, or None where it is not kept (not a folder, remote code, unreadable)."""
+    import transformers
+
+    if not os.path.isdir(path):
+        return None
+    h = hashlib.sha256(f"transformers {transformers.__version__}\n".encode())
+    try:
+        names = sorted(os.listdir(path))
+        h.update(json.dumps(names).encode())
+        for name in _DECIDING_FILES:
+            p = os.path.join(path, name)
+            if not os.path.isfile(p):
+                continue
+            with open(p, "rb") as f:
+                data = f.read()
+            if b'"auto_map"' in data:
+                return None
+            h.update(name.encode() + b"\0" + data + b"\0")
+    except OSError:
+        return None
+    return h.hexdigest()[:24]
+
+
+def _cache_file(key: str) -> str:
+    return os.path.join(realhf_cache_dir(), "tokenizer_class", key + ".json")
+
+
+def _kept_class(key: str):
+    try:
+        with open(_cache_file(key)) as f:
+            d = json.load(f)
+        return getattr(importlib.import_module(d["module"]), d["name"])
+    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError):
+        return None
+
+
+def _keep_class(key: str, cls) -> None:
+    p = _cache_file(key)
+    try:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        tmp = f"{p}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"module": cls.__module__, "name": cls.__name__}, f)
+        os.replace(tmp, p)
+    except OSError:
+        pass  # a read-only cache only costs the next process AutoTokenizer's import again
+
+
+def load_tokenizer(path: str):
+    """``transformers.AutoTokenizer.from_pretrained(path)`` for the local folder ``path`` (see the module docstring);
+    raises what AutoTokenizer raises."""
+    tok, _ = load_tokenizer_with_route(path)
+    return tok
+
+
+def load_tokenizer_with_route(path: str) -> Tuple[object, str]:
+    """(:func:`load_tokenizer`'s tokenizer, how it was found: ``"kept"`` (the class kept for this folder) or
+    ``"auto"`` (AutoTokenizer))."""
+    key = _cache_key(path)
+    cls = _kept_class(key) if key is not None else None
+    if cls is not None:
+        return cls.from_pretrained(path, _from_auto=True), "kept"
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    if key is not None:
+        _keep_class(key, type(tok))
+    return tok, "auto"
