@@ -42,9 +42,11 @@ def main(argv=None) -> int:
     from realhf.apps.main import name_resolve_root
     from realhf.base import name_resolve
     from realhf.experiments import build_spec
+    from realhf.experiments.common import tokenizers_checked_by_the_launcher
     from realhf.system.request_reply_stream import run_secret_from_env
 
     config = load_config(a.exp, a.config)
+    tokenizers_checked_by_the_launcher()
     spec = build_spec(a.exp, config)
     secret = run_secret_from_env()
     nr = name_resolve.make_repository("file", root=name_resolve_root(config))
