@@ -349,6 +349,8 @@ def main():
     ap.add_argument("--gen-impls", default="hf,realhf,realhf_aten,gemm_floor",
                     help="generation variants to run (hf, realhf, realhf_kv16 (an fp16 KV cache), realhf_aten, "
                          "realhf_unshared, realhf_torch_attention, realhf_torch_ops, gemm_floor)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="generation: run the variants this many times in alternating order; ratios of the medians")
     ap.add_argument("--train-bs", type=int, default=8)
     ap.add_argument("--train-seqlen", type=int, default=256)
     ap.add_argument("--train-steps", type=int, default=3)
@@ -393,14 +395,20 @@ def main():
         impls = [x for x in a.gen_impls.split(",") if x]
         if a.group > 1 and "realhf" in impls and "realhf_unshared" not in impls:
             impls.append("realhf_unshared")
-        res = {impl: _in_process(gen_worker, impl, path, a.dtype, a.n_prompts, a.new_tokens, a.group, a.prompt_source)
-               for impl in impls}
-        for r in res.values():
-            _emit(bench="generate", model=a.model, dtype=a.dtype, rows=a.n_prompts, group=a.group,
-                  prompt_source=a.prompt_source, new_tokens=a.new_tokens, **r)
+        rounds = []
+        for rnd in range(a.rounds):  # alternating order, so that a slow spell of the machine hits both sides
+            order = impls if rnd % 2 == 0 else impls[::-1]
+            res = {impl: _in_process(gen_worker, impl, path, a.dtype, a.n_prompts, a.new_tokens, a.group,
+                                     a.prompt_source) for impl in order}
+            for r in res.values():
+                _emit(bench="generate", model=a.model, dtype=a.dtype, rows=a.n_prompts, group=a.group,
+                      prompt_source=a.prompt_source, new_tokens=a.new_tokens, round=rnd + 1, **r)
+            rounds.append(res)
         # gemm_floor: the GEMMs alone; no implementation at equal work beats it, so floor/hf bounds any
-        # speed-up over transformers on this machine.
-        tps = {k: r["tok_per_s"] for k, r in res.items()}
+        # speed-up over transformers on this machine. With --rounds > 1 the ratios are of the medians.
+        tps = {k: statistics.median(rd[k]["tok_per_s"] for rd in rounds) for k in impls}
+        if a.rounds > 1:
+            _emit(bench="generate_median", rounds=a.rounds, tok_per_s=tps)
         ratios = {f"{x}_over_{y}": round(tps[x] / tps[y], 2) for x, y in
                   [("realhf", "hf"), ("realhf", "realhf_aten"), ("realhf", "realhf_unshared"),
                    ("realhf", "realhf_torch_attention"), ("gemm_floor", "hf")]
@@ -408,6 +416,9 @@ def main():
         for x in ("realhf", "realhf_kv16"):
             if x in tps and "gemm_floor" in tps:
                 ratios[f"{x}_fraction_of_floor"] = round(tps[x] / tps["gemm_floor"], 2)
+                if a.rounds > 1:
+                    ratios[f"{x}_fraction_of_floor_each_round"] = [
+                        round(rd[x]["tok_per_s"] / rd["gemm_floor"]["tok_per_s"], 2) for rd in rounds]
         _emit(bench="generate_ratio", **ratios)
     if "train" not in skip:
         res = {impl: _in_process(train_worker, impl, path, a.dtype, a.train_bs, a.train_seqlen, a.train_steps)
