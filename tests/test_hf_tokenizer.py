@@ -86,3 +86,18 @@ def test_a_changed_folder_or_remote_code_asks_autotokenizer_again(fresh_cache, t
     kept = set(os.listdir(os.path.join(os.environ["REALHF_CACHE_DIR"], "tokenizer_class")))
     assert [load_tokenizer_with_route(d)[1] for _ in range(2)] == ["auto", "auto"]
     assert set(os.listdir(os.path.join(os.environ["REALHF_CACHE_DIR"], "tokenizer_class"))) == kept
+
+
+def test_a_kept_class_that_fails_gives_way_to_autotokenizer(fresh_cache):
+    """A kept choice that no longer loads the folder (here: a class of another kind written into the cache) does not
+    break the load: AutoTokenizer decides again and its choice is kept."""
+    import glob
+
+    path = fresh_cache[0]
+    load_tokenizer_with_route(path)
+    (kept,) = glob.glob(os.path.join(os.environ["REALHF_CACHE_DIR"], "tokenizer_class", "*.json"))
+    with open(kept, "w") as f:
+        json.dump({"module": "json", "name": "JSONDecoder"}, f)
+    tok, route = load_tokenizer_with_route(path)
+    assert route == "auto" and tok("Hello world")["input_ids"]
+    assert load_tokenizer_with_route(path)[1] == "kept"

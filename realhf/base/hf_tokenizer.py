@@ -88,7 +88,10 @@ def load_tokenizer_with_route(path: str) -> Tuple[object, str]:
     key = _cache_key(path)
     cls = _kept_class(key) if key is not None else None
     if cls is not None:
-        return cls.from_pretrained(path, _from_auto=True), "kept"
+        try:
+            return cls.from_pretrained(path, _from_auto=True), "kept"
+        except Exception:  # noqa: BLE001  (whatever it is, AutoTokenizer below decides again and raises its own)
+            pass
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
