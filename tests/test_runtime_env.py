@@ -20,11 +20,11 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from realhf.base.device_slots import check_slot_gpus
 from realhf.base.runtime_env import (
     CPU_BACKEND,
     GPU_BACKEND,
     RuntimeEnv,
-    check_slot_gpus,
     cpu_env,
     detect,
     gpu_of_slot,

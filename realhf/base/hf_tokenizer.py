@@ -10,7 +10,7 @@ picks then loads in about 10 ms.
 :func:`load_tokenizer` asks AutoTokenizer once per folder content and transformers version, keeps the answer (the
 class's module and name) in realhf's cache, and from then on imports that class alone and calls its
 ``from_pretrained`` as AutoTokenizer would. A folder with remote code (``auto_map``) always goes through
-AutoTokenizer, as does any folder whose kept class no longer imports.
+AutoTokenizer, as does any folder whose kept class no longer imports or loads it (AutoTokenizer's new choice is kept).
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from typing import Dict, Optional, Union
 
 import torch
 
-from realhf.base.device_slots import check_slot_gpus, gpu_of_slot  # noqa: F401  (the slot helpers, re-exported)
+from realhf.base.device_slots import gpu_of_slot
 
 ATTENTION_KERNELS = ("sdpa", "flash")
 CPU_BACKEND = "gloo"

@@ -38,12 +38,11 @@ def server_cmd(backend: str, model_path: str, index, dtype: str = "auto", device
 
 def device_env(fleet, i: int, n_devices_per_node: int, gpus_per_node: int = 0) -> Dict[str, str]:
     """The GPUs of server ``i`` on its node (local launcher on a CUDA machine): those of its ``tp`` device slots
-    (:func:`realhf.base.runtime_env.gpu_of_slot`)."""
+    (:func:`realhf.base.device_slots.gpu_of_slot`)."""
     from realhf.base.device_slots import gpu_of_slot, visible_cuda_devices
 
     if not visible_cuda_devices():
         return {}
-
     slots = [fleet.first_slot + i * fleet.tp + k for k in range(fleet.tp)]
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu_of_slot(s, n_devices_per_node, gpus_per_node)) for s in slots)}
 
