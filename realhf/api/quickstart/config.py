@@ -14,15 +14,15 @@ defaults; the experiment config that needs them says so when they are empty.
 Every option is read by the code it is for: an experiment has only the options it uses (``gen`` has no
 checkpoint or evaluation options), and ``tests/test_option_reach.py`` sets each option of each experiment
 to a non-default value and checks that the value arrives where it is used. The sampling and PPO sections
-live in :mod:`realhf.api.quickstart.ppo_config` (re-exported here).
+live in :mod:`realhf.api.quickstart.ppo_config`, the others in :mod:`realhf.api.quickstart.sections` (both re-exported
+here).
 """
 import dataclasses
 import os
 import re
 from typing import List, Optional, Tuple
 
-from realhf.api.core.config import OptimizerConfig, check_finite
-from realhf.api.core.dfg import MicroBatchSpec
+from realhf.api.core.config import check_finite
 from realhf.api.quickstart.allocation import (
     AllocationError,
     AllocationMode,
@@ -32,6 +32,20 @@ from realhf.api.quickstart.allocation import (
 )
 from realhf.api.quickstart.eval_config import EvaluatorConfig
 from realhf.api.quickstart.options import check_choice, check_int, check_number, option
+from realhf.api.quickstart.sections import (  # noqa: F401 (the sections, re-exported)
+    RunControl,
+    ExperimentSaveControl,
+    ExperimentSaveEvalControl,
+    WandBConfig,
+    TensorBoardConfig,
+    MicroBatchConfig,
+    MFCPlacement,
+    MFCConfig,
+    ModelConfig,
+    ModelTrainEvalConfig,
+    PromptAnswerDatasetConfig,
+    PromptOnlyDatasetConfig,
+)
 from realhf.api.quickstart.slurm_config import SlurmConfig
 from realhf.api.quickstart.ppo_config import GenConfig, PPOHyperparameters, SamplingConfig  # noqa: F401 (re-exported)
 from realhf.base import logging
@@ -41,8 +55,6 @@ logger = logging.getLogger(__name__)
 
 MODES = ("local", "ray", "slurm")
 RECOVER_MODES = ("disabled", "auto", "resume")
-WANDB_MODES = ("disabled", "offline", "online")
-DTYPES = ("auto", "float32", "bfloat16")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
@@ -66,153 +78,6 @@ def _require_file(key: str, path: Optional[str], what: str, optional: bool = Fal
         raise ValueError(f"{key} is required: set {key}=<path to {what}>")
     if not os.path.isfile(os.path.expanduser(path)):
         raise ValueError(f"{key}={path!r}: no such file; expected {what}")
-
-
-# ----------------------------------------------------------------------------- sections
-@dataclasses.dataclass
-class RunControl:
-    """When to stop early. Every ``exp_ctrl`` option is the :class:`~realhf.api.core.system_api.ExperimentSpec`
-    field of the same name. ``null`` frequencies mean never; several frequencies of one kind trigger on
-    whichever comes first."""
-
-    benchmark_steps: Optional[int] = option(None, "stop after N steps, e.g. for benchmarking (null = run all epochs)")
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            if f.name == "total_train_epochs":
-                check_int(f.name, self.total_train_epochs, 1)
-            else:
-                check_int(f.name, getattr(self, f.name), 1, optional=True)
-
-
-@dataclasses.dataclass
-class ExperimentSaveControl(RunControl):
-    """When a training run stops, saves and checkpoints for recovery."""
-
-    total_train_epochs: int = option(1, "number of passes over the training data")
-    save_freq_epochs: Optional[int] = option(None, "save a HF checkpoint every N epochs (null = never)")
-    save_freq_steps: Optional[int] = option(None, "save a HF checkpoint every N steps (null = never)")
-    save_freq_secs: Optional[int] = option(None, "save a HF checkpoint every N seconds (null = never)")
-    ckpt_freq_epochs: Optional[int] = option(None, "write a recover checkpoint every N epochs (null = never)")
-    ckpt_freq_steps: Optional[int] = option(None, "write a recover checkpoint every N steps (null = never)")
-    ckpt_freq_secs: Optional[int] = option(None, "write a recover checkpoint every N seconds (null = never)")
-
-
-@dataclasses.dataclass
-class ExperimentSaveEvalControl(ExperimentSaveControl):
-    """When a training run with a validation set stops, saves, checkpoints for recovery and evaluates."""
-
-    eval_freq_epochs: Optional[int] = option(None, "evaluate on the validation set every N epochs (null = every "
-                                                   "epoch when there is a validation set)")
-    eval_freq_steps: Optional[int] = option(None, "evaluate on the validation set every N steps (null = never)")
-
-
-@dataclasses.dataclass
-class WandBConfig:
-    """Weights & Biases logging."""
-
-    mode: str = option("disabled", "disabled | offline | online")
-    entity: Optional[str] = option(None, "wandb entity (team or user)")
-    project: Optional[str] = option(None, "wandb project (default: the experiment name)")
-    name: Optional[str] = option(None, "run name (default: the trial name)")
-    group: Optional[str] = option(None, "run group")
-    job_type: Optional[str] = option(None, "job type")
-    notes: Optional[str] = option(None, "free-text notes")
-    tags: Optional[List[str]] = option(None, "list of run tags")
-
-    def __post_init__(self):
-        check_choice("mode", self.mode, WANDB_MODES)
-
-
-@dataclasses.dataclass
-class TensorBoardConfig:
-    """TensorBoard logging."""
-
-    path: Optional[str] = option(None, "folder for TensorBoard event files (null = <run dir>/logs/tensorboard)")
-
-
-@dataclasses.dataclass
-class MicroBatchConfig:
-    """How one MFC cuts its per-rank batch into micro-batches (see ``MicroBatchSpec``)."""
-
-    n_mbs: int = option(1, "minimum number of micro-batches per rank")
-    max_tokens_per_mb: int = option(2**31 - 1, "maximum tokens in one micro-batch (a longer single sample goes alone)")
-
-    def __post_init__(self):
-        check_int("n_mbs", self.n_mbs, 1)
-        check_int("max_tokens_per_mb", self.max_tokens_per_mb, 1)
-
-    def to_spec(self) -> MicroBatchSpec:
-        return MicroBatchSpec(n_mbs=self.n_mbs, max_tokens_per_mb=self.max_tokens_per_mb)
-
-
-@dataclasses.dataclass
-class MFCPlacement:
-    """Where one MFC runs under ``allocation_mode=manual``."""
-
-    device_mesh: str = option("", "allocation_mode=manual: this MFC's devices, e.g. 'localhost:0,1', 'node01:0-3' "
-                                  "or 'node01;node02' (ids are worker slots on CPU)")
-    parallel: str = option("", "allocation_mode=manual: this MFC's layout on its mesh, e.g. d2m1p1")
-
-
-@dataclasses.dataclass
-class MFCConfig(MFCPlacement):
-    """Where one MFC of a model runs and how it cuts its batch into micro-batches."""
-
-    mb_spec: MicroBatchConfig = option(help="micro-batching of this MFC", factory=MicroBatchConfig)
-
-
-@dataclasses.dataclass
-class ModelConfig:
-    """A model loaded from a Hugging Face folder."""
-
-    path: str = option("", "Hugging Face model folder (config.json + safetensors + tokenizer)")
-    dtype: str = option("auto", "parameter dtype: auto (the runtime's default: bfloat16 on GPU, float32 on CPU) "
-                                "| float32 | bfloat16")
-    offload: bool = option(False, "keep this model's inference-only replicas (the reference model, the actor's "
-                                  "generation layout) in host memory between their calls, freeing GPU memory")
-    compile: bool = option(False, "run the transformer blocks' parts around attention (norms, projections, "
-                                  "rotary, MLP) as torch.compile graphs in forward and backward passes (tp = 1; "
-                                  "faster for small models, at a compile cost of seconds once per worker)")
-
-    def __post_init__(self):
-        check_choice("dtype", self.dtype, DTYPES)
-
-
-@dataclasses.dataclass
-class ModelTrainEvalConfig(ModelConfig):
-    """A model that is trained (and evaluated)."""
-
-    optimizer: OptimizerConfig = option(help="optimizer and learning-rate schedule", factory=OptimizerConfig)
-
-
-@dataclasses.dataclass
-class PromptAnswerDatasetConfig:
-    """JSONL rows ``{"prompt": str, "answer": str}`` for supervised fine-tuning."""
-
-    train_path: str = option("", "training JSONL file")
-    valid_path: Optional[str] = option(None, "validation JSONL file (null = no validation)")
-    max_seqlen: int = option(1024, "prompt + answer tokens are truncated to this length")
-    train_bs_n_seqs: int = option(16, "sequences per training step (global, over all data-parallel ranks)")
-    valid_bs_n_seqs: int = option(16, "sequences per validation batch (global)")
-
-    def __post_init__(self):
-        check_int("max_seqlen", self.max_seqlen, 2)
-        check_int("train_bs_n_seqs", self.train_bs_n_seqs, 1)
-        check_int("valid_bs_n_seqs", self.valid_bs_n_seqs, 1)
-
-
-@dataclasses.dataclass
-class PromptOnlyDatasetConfig:
-    """JSONL rows with a ``prompt`` (and for math, ``query_id`` + ``solutions``)."""
-
-    path: str = option("", "prompt JSONL file")
-    max_prompt_len: int = option(256, "prompts longer than this many tokens are skipped (with a warning)")
-    train_bs_n_seqs: int = option(16, "prompts per step (global, over all data-parallel ranks)")
-
-    def __post_init__(self):
-        check_int("max_prompt_len", self.max_prompt_len, 1)
-        check_int("train_bs_n_seqs", self.train_bs_n_seqs, 1)
 
 
 # ----------------------------------------------------------------------------- experiments
