@@ -98,6 +98,34 @@ def matmul_peak_gflops(dtype=torch.float32, n: int = 2048, reps: int = 7) -> dic
     return out
 
 
+def _sweeps(groups: list, rows: int, own_kernel: bool):
+    """Yields one sweep over every weight of ``linear_weights`` with ``rows`` activation rows, as a callable, for each
+    kernel of :func:`gemm_kernels` (``own_kernel=False``: PyTorch's only) and each arrangement (each weight alone;
+    each group as one wide GEMM), one at a time (a packed copy of the weights lives only while its sweep is used)."""
+    plain = [w for g in groups for w in g]
+    wide = [torch.cat(g, 0) if len(g) > 1 else g[0] for g in groups]
+    for prep, mul in gemm_kernels(rows if own_kernel else None).values():
+        for ws in (plain, wide):
+            ws = [prep(w) for w in ws]
+            xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in ws}
+
+            def sweep(ws=ws, xs=xs, mul=mul):
+                for w in ws:
+                    mul(xs[w.shape[1]], w)
+
+            yield sweep
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    """Median time of ``repeats`` calls of ``fn`` after a warm-up call."""
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3, own_kernel: bool = True) -> float:
     """Median time of multiplying ``rows`` activation rows by every weight of ``linear_weights``: the GEMM
     work of one forward pass over ``rows`` tokens and nothing else (no attention, norms or sampling). Run
@@ -109,25 +137,17 @@ def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3, own_kernel: bo
     from realhf.base import host_memory
 
     host_memory.retain_freed_memory()
+    return min(_median_seconds(sweep, repeats) for sweep in _sweeps(groups, rows, own_kernel))
 
-    def sweep(ws, prep, mul):
-        ws = [prep(w) for w in ws]
-        xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in ws}
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            for w in ws:
-                mul(xs[w.shape[1]], w)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
 
-    plain = [w for g in groups for w in g]
-    wide = [torch.cat(g, 0) if len(g) > 1 else g[0] for g in groups]
-    best = float("inf")
-    for prep, mul in gemm_kernels(rows if own_kernel else None).values():
-        for ws in (plain, wide):
-            best = min(best, sweep(ws, prep, mul))
-    return best
+def fastest_sweep(groups: list, rows: int, repeats: int = 5):
+    """The sweep of :func:`gemm_sweep_seconds` (every kernel and arrangement) that ran fastest here, as a callable
+    that runs it once: the floor of a forward pass over ``rows`` tokens, to time right beside that forward pass
+    (``bench_model.py``'s ``realhf_paired``)."""
+    from realhf.base import host_memory
+
+    host_memory.retain_freed_memory()
+    return min(_sweeps(groups, rows, True), key=lambda sweep: _median_seconds(sweep, repeats))
 
 
 def realhf_train_step(model, ids: list):

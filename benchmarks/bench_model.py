@@ -10,7 +10,9 @@ Prints JSON lines:
     ``n-prompts / G`` prompts (a GRPO group's work), where realhf also runs with every sample decoding over its
     own copy of its prompt's keys/values (``realhf_unshared``); ``realhf_torch_attention``: attention over the
     cache by PyTorch ops instead of the C++ kernel (csrc/decode_attention); ``--prompt-source`` picks short questions, GSM8K
-    questions or GSM8K questions after four worked examples
+    questions or GSM8K questions after four worked examples. ``realhf_paired``: realhf with the GEMM floor of each
+    forward pass run right after it in the same process (prefill, then every decode step), so the machine's slow
+    spells hit both alike; its ``fraction_of_floor`` needs no separate ``gemm_floor`` process
   * training: tokens/s and achieved FLOP/s (6 * params * tokens + attention) of one fwd+bwd+AdamW
     step, as a fraction of the measured matmul peak, for both implementations
   * peak memory (max RSS) of each measurement, each run in its own fresh process
@@ -163,6 +165,7 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, group, source, q):
         model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
 
         kv = "float16" if impl == "realhf_kv16" else "auto"  # an fp16 KV cache (kv_cache_dtype)
+        paired = _pair_with_floor(path, dt) if impl == "realhf_paired" else None
 
         def run(k):
             g = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, greedy=True, n=group, kv_cache_dtype=kv)
@@ -170,12 +173,63 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, group, source, q):
             return sum(len(t) for t in out.tokens)
 
     run(4)  # warm-up
+    if impl == "realhf_paired":
+        paired.update(fwd=[], floor=[], rows=[], pause=[0.0])
     t = time.perf_counter()
     n = run(new_tokens)
     dt_s = time.perf_counter() - t
     extra = {} if impl == "hf" else settings
+    if impl == "realhf_paired":  # realhf's time without the floor's sweeps run beside its forward passes
+        floor_s = sum(paired["floor"])
+        dt_s -= paired["pause"][0]
+        decode = [(f, g) for f, g, r in zip(paired["fwd"], paired["floor"], paired["rows"]) if r == paired["rows"][-1]]
+        extra.update(floor_seconds=round(floor_s, 3), floor_tok_per_s=round(n / floor_s, 1),
+                     fraction_of_floor=round(floor_s / dt_s, 3),
+                     prefill_seconds=round(paired["fwd"][0], 3), prefill_floor_seconds=round(paired["floor"][0], 3),
+                     decode_forward_ms=round(statistics.median(f for f, _ in decode) * 1e3, 2),
+                     decode_floor_ms=round(statistics.median(g for _, g in decode) * 1e3, 2),
+                     decode_forward_over_floor_per_step=round(statistics.median(f / g for f, g in decode), 3))
     q.put(dict(impl=impl, tokens=n, seconds=round(dt_s, 3), tok_per_s=round(n / dt_s, 1), peak_rss_mb=round(_peak_mb()),
                **extra))
+
+
+def _pair_with_floor(path, dt) -> dict:
+    """``realhf_paired``: after every forward pass of a ReaLModel in this process, the GEMM floor of that pass (the
+    fastest sweep of ``_timing.fastest_sweep`` over the same number of rows, chosen at the first pass of that size)
+    runs and both are timed, so a slow spell of the machine hits the work and its floor alike. Returns the lists the
+    times go to (``fwd``, ``floor``, ``rows``: one entry per pass; ``pause``: the seconds spent on floors, and on
+    choosing them, which the caller takes off realhf's time)."""
+    import torch
+    import transformers
+
+    from _timing import fastest_sweep, linear_weights
+    from realhf.impl.model.nn import real_model
+
+    groups = linear_weights(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt))
+    sweeps, out = {}, dict(fwd=[], floor=[], rows=[])
+    forward = real_model.ReaLModel.__call__
+
+    def paired_call(self, x, inp):
+        t0 = time.perf_counter()
+        y = forward(self, x, inp)
+        t1 = time.perf_counter()
+        rows = x.shape[0]
+        if rows not in sweeps:  # chosen outside the timed pair
+            with torch.no_grad():
+                sweeps[rows] = fastest_sweep(groups, rows)
+        t2 = time.perf_counter()
+        with torch.no_grad():
+            sweeps[rows]()
+        t3 = time.perf_counter()
+        out["fwd"].append(t1 - t0)
+        out["floor"].append(t3 - t2)
+        out["rows"].append(rows)
+        out["pause"][0] += t3 - t1  # the pass's floor (and choosing it) is not realhf's time
+        return y
+
+    out["pause"] = [0.0]
+    real_model.ReaLModel.__call__ = paired_call
+    return out
 
 
 def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
@@ -348,7 +402,7 @@ def main():
                     "questions after four worked examples (long prompts)")
     ap.add_argument("--gen-impls", default="hf,realhf,realhf_aten,gemm_floor",
                     help="generation variants to run (hf, realhf, realhf_kv16 (an fp16 KV cache), realhf_aten, "
-                         "realhf_unshared, realhf_torch_attention, realhf_torch_ops, gemm_floor)")
+                         "realhf_unshared, realhf_torch_attention, realhf_torch_ops, gemm_floor, realhf_paired)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="generation: run the variants this many times in alternating order; ratios of the medians")
     ap.add_argument("--train-bs", type=int, default=8)
@@ -419,6 +473,12 @@ def main():
                 if a.rounds > 1:
                     ratios[f"{x}_fraction_of_floor_each_round"] = [
                         round(rd[x]["tok_per_s"] / rd["gemm_floor"]["tok_per_s"], 2) for rd in rounds]
+        if "realhf_paired" in impls:  # each round's floor ran beside realhf's passes, in the same process
+            fr = [rd["realhf_paired"]["fraction_of_floor"] for rd in rounds]
+            ratios["realhf_paired_fraction_of_floor"] = round(statistics.median(fr), 3)
+            ratios["realhf_paired_fraction_of_floor_each_round"] = fr
+            ratios["realhf_paired_decode_forward_over_floor"] = round(statistics.median(
+                rd["realhf_paired"]["decode_forward_over_floor_per_step"] for rd in rounds), 3)
         _emit(bench="generate_ratio", **ratios)
     if "train" not in skip:
         res = {impl: _in_process(train_worker, impl, path, a.dtype, a.train_bs, a.train_seqlen, a.train_steps)
