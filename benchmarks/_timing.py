@@ -19,12 +19,7 @@ def inprocess_copy_seconds(numel: int, repeats: int) -> float:
     plain-copy reference that transfer figures are compared with."""
     src = torch.empty(numel)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return _median_seconds(lambda: dst.copy_(src), repeats)
 
 
 def linear_weights(hf_model) -> list:

@@ -130,6 +130,7 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, group, source, q):
                    decode_step_gemm_ms_pytorch_kernels=round(decode_lib * 1e3, 2),
                    peak_rss_mb=round(_peak_mb())))
         return
+    paired = None  # realhf_paired: the floors timed beside realhf's passes (_PairedFloor)
     if impl == "hf":
         import transformers
 
@@ -165,7 +166,7 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, group, source, q):
         model = build_from_hf(path, grid=single_process_grid(), dtype=dt)
 
         kv = "float16" if impl == "realhf_kv16" else "auto"  # an fp16 KV cache (kv_cache_dtype)
-        paired = _pair_with_floor(path, dt) if impl == "realhf_paired" else None
+        paired = _PairedFloor(path, dt) if impl == "realhf_paired" else None
 
         def run(k):
             g = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, greedy=True, n=group, kv_cache_dtype=kv)
@@ -173,63 +174,74 @@ def gen_worker(impl, path, dtype_name, n_prompts, new_tokens, group, source, q):
             return sum(len(t) for t in out.tokens)
 
     run(4)  # warm-up
-    if impl == "realhf_paired":
-        paired.update(fwd=[], floor=[], rows=[], pause=[0.0])
+    if paired is not None:
+        paired.reset()
     t = time.perf_counter()
     n = run(new_tokens)
     dt_s = time.perf_counter() - t
-    extra = {} if impl == "hf" else settings
-    if impl == "realhf_paired":  # realhf's time without the floor's sweeps run beside its forward passes
-        floor_s = sum(paired["floor"])
-        dt_s -= paired["pause"][0]
-        decode = [(f, g) for f, g, r in zip(paired["fwd"], paired["floor"], paired["rows"]) if r == paired["rows"][-1]]
-        extra.update(floor_seconds=round(floor_s, 3), floor_tok_per_s=round(n / floor_s, 1),
-                     fraction_of_floor=round(floor_s / dt_s, 3),
-                     prefill_seconds=round(paired["fwd"][0], 3), prefill_floor_seconds=round(paired["floor"][0], 3),
-                     decode_forward_ms=round(statistics.median(f for f, _ in decode) * 1e3, 2),
-                     decode_floor_ms=round(statistics.median(g for _, g in decode) * 1e3, 2),
-                     decode_forward_over_floor_per_step=round(statistics.median(f / g for f, g in decode), 3))
-    q.put(dict(impl=impl, tokens=n, seconds=round(dt_s, 3), tok_per_s=round(n / dt_s, 1), peak_rss_mb=round(_peak_mb()),
-               **extra))
+    r = dict(impl=impl, tokens=n, seconds=round(dt_s, 3), tok_per_s=round(n / dt_s, 1), peak_rss_mb=round(_peak_mb()))
+    if impl != "hf":
+        r.update(settings)
+    if paired is not None:  # realhf's time without the floors run beside its forward passes
+        r.update(paired.figures(n, dt_s))
+    q.put(r)
 
 
-def _pair_with_floor(path, dt) -> dict:
+class _PairedFloor:
     """``realhf_paired``: after every forward pass of a ReaLModel in this process, the GEMM floor of that pass (the
-    fastest sweep of ``_timing.fastest_sweep`` over the same number of rows, chosen at the first pass of that size)
-    runs and both are timed, so a slow spell of the machine hits the work and its floor alike. Returns the lists the
-    times go to (``fwd``, ``floor``, ``rows``: one entry per pass; ``pause``: the seconds spent on floors, and on
-    choosing them, which the caller takes off realhf's time)."""
-    import torch
-    import transformers
+    fastest sweep of ``_timing.fastest_sweep`` over the same number of rows, chosen at the first pass of that size,
+    outside the timed pair) runs and both are timed, so a slow spell of the machine hits the work and its floor
+    alike."""
 
-    from _timing import fastest_sweep, linear_weights
-    from realhf.impl.model.nn import real_model
+    def __init__(self, path, dt):
+        import transformers
 
-    groups = linear_weights(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt))
-    sweeps, out = {}, dict(fwd=[], floor=[], rows=[])
-    forward = real_model.ReaLModel.__call__
+        from _timing import linear_weights
+        from realhf.impl.model.nn import real_model
 
-    def paired_call(self, x, inp):
+        self.groups = linear_weights(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt))
+        self.sweeps = {}
+        self.reset()
+        forward = real_model.ReaLModel.__call__
+        real_model.ReaLModel.__call__ = lambda model, x, inp: self._pair(forward, model, x, inp)
+
+    def reset(self):
+        """Forget the passes so far (the warm-up's)."""
+        self.fwd, self.floor, self.rows = [], [], []
+        self.pause = 0.0  # seconds spent on floors and on choosing them: not realhf's time
+
+    def _pair(self, forward, model, x, inp):
+        import torch
+
+        from _timing import fastest_sweep
+
         t0 = time.perf_counter()
-        y = forward(self, x, inp)
+        y = forward(model, x, inp)
         t1 = time.perf_counter()
         rows = x.shape[0]
-        if rows not in sweeps:  # chosen outside the timed pair
-            with torch.no_grad():
-                sweeps[rows] = fastest_sweep(groups, rows)
-        t2 = time.perf_counter()
         with torch.no_grad():
-            sweeps[rows]()
+            if rows not in self.sweeps:
+                self.sweeps[rows] = fastest_sweep(self.groups, rows)
+            t2 = time.perf_counter()
+            self.sweeps[rows]()
         t3 = time.perf_counter()
-        out["fwd"].append(t1 - t0)
-        out["floor"].append(t3 - t2)
-        out["rows"].append(rows)
-        out["pause"][0] += t3 - t1  # the pass's floor (and choosing it) is not realhf's time
+        self.fwd.append(t1 - t0)
+        self.floor.append(t3 - t2)
+        self.rows.append(rows)
+        self.pause += t3 - t1
         return y
 
-    out["pause"] = [0.0]
-    real_model.ReaLModel.__call__ = paired_call
-    return out
+    def figures(self, n_tokens: int, wall_s: float) -> dict:
+        """The figures of the passes since :meth:`reset`, for ``n_tokens`` generated in ``wall_s`` seconds (floors
+        included); ``seconds``: realhf's time alone. The decode steps are the passes of the last pass's size."""
+        floor_s, own_s = sum(self.floor), wall_s - self.pause
+        decode = [(f, g) for f, g, r in zip(self.fwd, self.floor, self.rows) if r == self.rows[-1]]
+        return dict(seconds=round(own_s, 3), tok_per_s=round(n_tokens / own_s, 1), floor_seconds=round(floor_s, 3),
+                    floor_tok_per_s=round(n_tokens / floor_s, 1), fraction_of_floor=round(floor_s / own_s, 3),
+                    prefill_seconds=round(self.fwd[0], 3), prefill_floor_seconds=round(self.floor[0], 3),
+                    decode_forward_ms=round(statistics.median(f for f, _ in decode) * 1e3, 2),
+                    decode_floor_ms=round(statistics.median(g for _, g in decode) * 1e3, 2),
+                    decode_forward_over_floor_per_step=round(statistics.median(f / g for f, g in decode), 3))
 
 
 def train_worker(impl, path, dtype_name, bs, seqlen, steps, q):
