@@ -56,16 +56,18 @@ __attribute__((target("avx512f"))) inline void prefetch_rows(const T* X, int64_t
 }
 
 // The scores of 16 consecutive positions for one query, d a multiple of 16: one accumulator per position over the d
-// chunks, then the 16 accumulators reduced into one vector (lane t = position t) by realhf::reduce16.
+// chunks, then the 16 accumulators reduced into one vector (lane t = position t) by realhf::reduce16_inline. Always
+// inlined, and its reduction too, so the accumulators stay in registers (GCC had kept them in a stack array it zeroed
+// with ``rep stos`` at each call).
 template <typename T>
-__attribute__((target("avx512f"))) inline __m512 scores16_avx512(const float* q, const T* K, int64_t st, int d) {
+__attribute__((target("avx512f"), always_inline)) inline __m512 scores16_avx512(const float* q, const T* K, int64_t st, int d) {
   __m512 a[16];
   for (int p = 0; p < 16; ++p) a[p] = _mm512_setzero_ps();
   for (int i = 0; i < d; i += 16) {
     const __m512 qv = _mm512_loadu_ps(q + i);
     for (int p = 0; p < 16; ++p) a[p] = _mm512_fmadd_ps(qv, load16(K + p * st + i), a[p]);
   }
-  return realhf::reduce16(a);
+  return realhf::reduce16_inline(a);
 }
 
 // the scores (times scale) of the whole blocks of 16 positions, for each of g queries (query j's scores at s + j * ld),
