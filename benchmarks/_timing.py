@@ -96,7 +96,11 @@ def matmul_peak_gflops(dtype=torch.float32, n: int = 2048, reps: int = 7) -> dic
 def _sweeps(groups: list, rows: int, own_kernel: bool):
     """Yields one sweep over every weight of ``linear_weights`` with ``rows`` activation rows, as a callable, for each
     kernel of :func:`gemm_kernels` (``own_kernel=False``: PyTorch's only) and each arrangement (each weight alone;
-    each group as one wide GEMM), one at a time (a packed copy of the weights lives only while its sweep is used)."""
+    each group as one wide GEMM), one at a time (a packed copy of the weights lives only while its sweep is used). The
+    process keeps freed host memory from the first sweep on, as realhf's workers do (``realhf.base.host_memory``)."""
+    from realhf.base import host_memory
+
+    host_memory.retain_freed_memory()
     plain = [w for g in groups for w in g]
     wide = [torch.cat(g, 0) if len(g) > 1 else g[0] for g in groups]
     for prep, mul in gemm_kernels(rows if own_kernel else None).values():
@@ -129,9 +133,6 @@ def gemm_sweep_seconds(groups: list, rows: int, repeats: int = 3, own_kernel: bo
     (``own_kernel=False``: PyTorch's kernels only, without realhf's tile kernel). The process keeps freed host memory
     as realhf's workers do (``realhf.base.host_memory``): with glibc's default, each large output is a fresh mapping
     whose pages fault in again, which made the prefill's floor about 7% slower than the products it bounds."""
-    from realhf.base import host_memory
-
-    host_memory.retain_freed_memory()
     return min(_median_seconds(sweep, repeats) for sweep in _sweeps(groups, rows, own_kernel))
 
 
@@ -139,9 +140,6 @@ def fastest_sweep(groups: list, rows: int, repeats: int = 5):
     """The sweep of :func:`gemm_sweep_seconds` (every kernel and arrangement) that ran fastest here, as a callable
     that runs it once: the floor of a forward pass over ``rows`` tokens, to time right beside that forward pass
     (``bench_model.py``'s ``realhf_paired``)."""
-    from realhf.base import host_memory
-
-    host_memory.retain_freed_memory()
     return min(_sweeps(groups, rows, True), key=lambda sweep: _median_seconds(sweep, repeats))
 
 

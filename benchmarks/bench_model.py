@@ -194,11 +194,13 @@ class _PairedFloor:
     alike."""
 
     def __init__(self, path, dt):
+        import torch
         import transformers
 
-        from _timing import linear_weights
+        from _timing import fastest_sweep, linear_weights
         from realhf.impl.model.nn import real_model
 
+        self.no_grad, self.fastest_sweep = torch.no_grad, fastest_sweep  # (looked up once, not in every pass)
         self.groups = linear_weights(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt))
         self.sweeps = {}
         self.reset()
@@ -211,17 +213,13 @@ class _PairedFloor:
         self.pause = 0.0  # seconds spent on floors and on choosing them: not realhf's time
 
     def _pair(self, forward, model, x, inp):
-        import torch
-
-        from _timing import fastest_sweep
-
         t0 = time.perf_counter()
         y = forward(model, x, inp)
         t1 = time.perf_counter()
         rows = x.shape[0]
-        with torch.no_grad():
+        with self.no_grad():
             if rows not in self.sweeps:
-                self.sweeps[rows] = fastest_sweep(self.groups, rows)
+                self.sweeps[rows] = self.fastest_sweep(self.groups, rows)
             t2 = time.perf_counter()
             self.sweeps[rows]()
         t3 = time.perf_counter()
