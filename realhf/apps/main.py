@@ -198,9 +198,11 @@ def check_process_env() -> None:
     """The environment variables the workers read for their CPU settings (``REALHF_CPU_GEMM``,
     ``REALHF_CPU_MALLOC``), checked here so that a bad value fails before any process starts."""
     from realhf.base import host_memory
-    from realhf.impl.model.nn import cpu_gemm
 
-    cpu_gemm.requested()
+    if os.environ.get("REALHF_CPU_GEMM", "").strip():  # unset means auto: nothing to check, and no torch to import
+        from realhf.impl.model.nn import cpu_gemm
+
+        cpu_gemm.requested()
     host_memory.mode()
 
 

@@ -71,8 +71,8 @@ def check_model_fits(path: str, layout: ParallelDims, key: str, seqlen: Optional
     a layout that does not divide the model's heads/layers/vocab, or sequences longer than the model's
     positions (``seqlen``: the config keys whose values add up to the longest sequence, e.g.
     ``{"dataset.max_prompt_len": 256, "gen.max_new_tokens": 256}``). Errors name ``key``."""
-    from realhf.impl.model.conversion.hf_io import (check_tokenizer, check_weight_files, config_from_hf_path,
-                                                    max_positions)
+    from realhf.impl.model.conversion.hf_files import (check_tokenizer, check_weight_files, config_from_hf_path,
+                                                       max_positions)
 
     try:
         cfg = config_from_hf_path(path)

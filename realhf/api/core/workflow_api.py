@@ -30,16 +30,15 @@ import abc
 import dataclasses
 import importlib
 import math
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Type
 
-import torch
-
-from realhf.api.core.data_api import SequenceSample
+if TYPE_CHECKING:  # torch only where a trajectory becomes tensors: the launcher checks a workflow without it
+    from realhf.api.core.data_api import SequenceSample
 
 TRAJECTORY_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "packed_versions", "seq_no_eos_mask",
                    "rewards")
-_DTYPES = {"packed_input_ids": torch.long, "packed_logprobs": torch.float32, "prompt_mask": torch.bool,
-           "packed_versions": torch.int32, "seq_no_eos_mask": torch.bool, "rewards": torch.float32}
+_DTYPE_NAMES = {"packed_input_ids": "long", "packed_logprobs": "float32", "prompt_mask": "bool",
+                "packed_versions": "int32", "seq_no_eos_mask": "bool", "rewards": "float32"}
 
 
 @dataclasses.dataclass
@@ -145,20 +144,26 @@ class Trajectory:
     def to_sample(self, sample_id) -> SequenceSample:
         """One :class:`SequenceSample` (id ``sample_id``) holding the group's ``n`` sequences under the keys of
         the module docstring, and the metadata ``query_id``."""
+        import torch
+
+        from realhf.api.core.data_api import SequenceSample
+
         lens = [len(s.input_ids) for s in self.samples]
         seqlens = {k: [list(lens)] for k in ("packed_input_ids", "packed_logprobs", "prompt_mask", "packed_versions")}
         seqlens["seq_no_eos_mask"] = [[1] * self.n]
         seqlens["rewards"] = [[1] * self.n]
-        data = {
-            "packed_input_ids": torch.tensor([t for s in self.samples for t in s.input_ids], dtype=torch.long),
-            "packed_logprobs": torch.tensor([x for s in self.samples for x in s.logprobs], dtype=torch.float32),
-            "prompt_mask": torch.tensor([x for s in self.samples for x in s.prompt_mask], dtype=torch.bool),
-            "packed_versions": torch.tensor([v for s in self.samples for v in s.versions], dtype=torch.int32),
-            "seq_no_eos_mask": torch.tensor([s.no_eos for s in self.samples], dtype=torch.bool),
-            "rewards": torch.tensor([s.reward for s in self.samples], dtype=torch.float32),
+        dtypes = {k: getattr(torch, v) for k, v in _DTYPE_NAMES.items()}
+        values = {
+            "packed_input_ids": [t for s in self.samples for t in s.input_ids],
+            "packed_logprobs": [x for s in self.samples for x in s.logprobs],
+            "prompt_mask": [x for s in self.samples for x in s.prompt_mask],
+            "packed_versions": [v for s in self.samples for v in s.versions],
+            "seq_no_eos_mask": [s.no_eos for s in self.samples],
+            "rewards": [s.reward for s in self.samples],
         }
+        data = {k: torch.tensor(v, dtype=dtypes[k]) for k, v in values.items()}
         return SequenceSample(keys=set(TRAJECTORY_KEYS), ids=[sample_id], seqlens=seqlens,
-                              trailing_shapes={k: () for k in TRAJECTORY_KEYS}, dtypes=dict(_DTYPES), data=data,
+                              trailing_shapes={k: () for k in TRAJECTORY_KEYS}, dtypes=dtypes, data=data,
                               metadata={"query_id": [self.query_id]})
 
 

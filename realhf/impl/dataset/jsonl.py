@@ -15,13 +15,14 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import torch
 
-from realhf.api.core.data_api import SequenceSample
 from realhf.base import logging
+
+if TYPE_CHECKING:  # torch (2-3 s to import) only where samples are built: the launcher checks rows without it
+    from realhf.api.core.data_api import SequenceSample
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,10 @@ class PromptAnswerDataset:
     def collate(items: Sequence[dict]) -> SequenceSample:
         if not items:
             raise ValueError("cannot collate an empty list of items")
+        import torch
+
+        from realhf.api.core.data_api import SequenceSample
+
         ids = [x for it in items for x in it["input_ids"]]
         mask = [x for it in items for x in it["prompt_mask"]]
         return SequenceSample.from_default(
@@ -298,6 +303,10 @@ class PromptDataset:
     def collate(self, items: Sequence[dict]) -> SequenceSample:
         if not items:
             raise ValueError("cannot collate an empty list of items")
+        import torch
+
+        from realhf.api.core.data_api import SequenceSample
+
         ids = [x for it in items for x in it["prompt_ids"]]
         return SequenceSample.from_default(
             ids=[it["id"] for it in items],

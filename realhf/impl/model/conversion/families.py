@@ -6,11 +6,12 @@ tensors; only the tensors of the layers a rank holds are ever passed in.
 from __future__ import annotations
 
 import re
-from typing import Dict, List
-
-import torch
+from typing import TYPE_CHECKING, Dict, List
 
 from realhf.api.core.model_api import HFFamily, ReaLModelConfig, register_hf_family
+
+if TYPE_CHECKING:  # torch is imported where tensors are converted: the launcher reads configs without it
+    import torch
 
 # ---------------------------------------------------------------------------------------------------
 # Llama-like families (Llama, Mistral, Qwen2, Qwen3): same tensor names, different options.
@@ -299,6 +300,8 @@ def _gpt2_real_to_hf(sd, cfg):
             out[_GPT2_TOP_INV[k]] = v
     for key, parts in pending.items():
         i, kind = key.split(".")
+        import torch
+
         cat = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
         out[f"transformer.h.{i}.attn.c_attn.{kind}"] = cat.t().contiguous() if kind == "weight" else cat
     return out
