@@ -3,7 +3,10 @@
 - The training workers' AdamW (``realhf.impl.model.backend.optim.AdamW``) updates exactly as ``torch.optim.AdamW``
   does, without importing ``torch._dynamo`` (torch's optimizer guards import it on first use: 1.7-2.5 s of CPU).
 - The launcher checks a run's config, model folder, tokenizer and data rows without importing torch (2-3 s before
-  any worker could start).
+  any worker could start), and checks a tokenizer once per content of its files and library versions (transformers
+  alone takes 1-2 s to import).
+- A finished process leaves through ``exit_done``: the exit code, atexit handlers and flushed output as with
+  ``sys.exit``, without the final garbage collections over torch's objects.
 
 Each check runs in a fresh interpreter, so that nothing imported by this test process hides an import.
 """
@@ -16,8 +19,8 @@ import pytest
 
 from realhf.base.process import env_with_source_path, source_root
 
-def _python(code: str) -> str:
-    p = subprocess.run([sys.executable, "-c", code], cwd=source_root(), env=env_with_source_path(),
+def _python(code: str, env=None) -> str:
+    p = subprocess.run([sys.executable, "-c", code], cwd=source_root(), env=env_with_source_path(env),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout.strip().splitlines()[-1]
@@ -84,7 +87,7 @@ print(json.dumps(dict(kind=kind, dynamo=dynamo, same=same, same_state=same_state
     assert not got["dynamo"], "building and stepping the optimizer imported torch._dynamo"
 
 
-def _launcher_imports(args) -> dict:
+def _launcher_imports(args, cache) -> dict:
     code = f"""
 import json, runpy, sys
 sys.argv = ["realhf.apps.quickstart", *{args!r}, "--dry-run"]
@@ -96,23 +99,40 @@ else:
     code = 0
 print(json.dumps(dict(code=code, torch="torch" in sys.modules, transformers="transformers" in sys.modules)))
 """
-    return json.loads(_python(code))
+    return json.loads(_python(code, env={**os.environ, "REALHF_CACHE_DIR": str(cache)}))
 
 
 def test_launcher_checks_a_run_without_importing_torch(tiny_sft, tiny_math_run, tmp_path):
+    import shutil
+
     from realhf.base.testing import sft_cmd
 
     model, d = tiny_sft
+    cache = tmp_path / "cache"  # a cache of its own: no tokenizer check kept from elsewhere
     sft = sft_cmd(model, str(d), str(tmp_path), "s", "allocation_mode=d2m1p1", "n_devices_per_node=2")
-    got = _launcher_imports(sft)
+    got = _launcher_imports(sft, cache)  # a fresh cache: AutoTokenizer decides the class (and may import torch)
+    assert got["code"] in (0, None) and got["transformers"], f"the launcher must load the tokenizer to check it: {got}"
+    got = _launcher_imports(sft, cache)
     assert got["code"] in (0, None), got
-    assert got["transformers"], "the launcher must load the tokenizer to check it"
+    assert not got["transformers"] and not got["torch"], f"the passed tokenizer check was repeated: {got}"
+    shutil.rmtree(cache / "tokenizer_checked")  # the class is kept, the check is not: loaded again, without torch
+    got = _launcher_imports(sft, cache)
+    assert got["code"] in (0, None) and got["transformers"], got
     assert not got["torch"], "the sft launcher imported torch"
+    # a copy of the model with its tokenizer broken: its files differ, so the check runs again and names it
+    broken = tmp_path / "broken-model"
+    shutil.copytree(model, broken)
+    (broken / "tokenizer.json").write_text("{not json")
+    p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *sft, f"model.path={broken}"],
+                       cwd=source_root(), env=env_with_source_path({**os.environ, "REALHF_CACHE_DIR": str(cache)}),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and f"the tokenizer in {str(broken)!r} does not load" in p.stdout + p.stderr, \
+        (p.stdout + p.stderr)[-2000:]
     model, d = tiny_math_run
     ppo = ["ppo-math", f"actor.path={model}", f"dataset.path={d}/math.jsonl", "dataset.train_bs_n_seqs=4",
            "group_size=4", "use_chat_template=false", "prompt_template={prompt}", f"fileroot={tmp_path}",
            "experiment_name=p", "allocation_mode=d2m1p1", "n_devices_per_node=2"]
-    got = _launcher_imports(ppo)
+    got = _launcher_imports(ppo, cache)
     assert got["code"] in (0, None) and not got["torch"], f"the ppo-math launcher imported torch: {got}"
     # a bad data row is still named by the launcher, before any process starts (the check needs no torch)
     bad = tmp_path / "bad.jsonl"
@@ -120,3 +140,22 @@ def test_launcher_checks_a_run_without_importing_torch(tiny_sft, tiny_math_run, 
     p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *ppo[:2], f"dataset.path={bad}", *ppo[3:]],
                        cwd=source_root(), env=env_with_source_path(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and f"{bad}:2" in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]
+
+
+def test_exit_done_keeps_the_exit_code_atexit_handlers_and_output(tmp_path):
+    log = tmp_path / "run.log"
+    code = f"""
+import atexit, logging, sys
+from realhf.base.process import exit_done
+handler = logging.FileHandler({str(log)!r})
+logging.getLogger("t").addHandler(handler)
+logging.getLogger("t").warning("logged before the exit")
+atexit.register(lambda: print("atexit ran", flush=False))
+sys.stdout.write("buffered ")
+exit_done(3)
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=source_root(), env=env_with_source_path(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, p.stderr
+    assert p.stdout == "buffered atexit ran\n", p.stdout
+    assert log.read_text() == "logged before the exit\n"

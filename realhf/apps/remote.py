@@ -8,7 +8,6 @@ so killing the launcher, even with SIGKILL, never leaves a run training unsuperv
 from __future__ import annotations
 
 import argparse
-import sys
 import traceback
 
 from realhf.base import logging
@@ -121,10 +120,13 @@ def run_master(spec, secret, nr, resume: bool, identity: dict) -> int:
 
 
 if __name__ == "__main__":
+    from realhf.base.process import exit_done
+
     try:
-        sys.exit(main())
+        code = main()
     except SystemExit:
         raise
     except BaseException:  # make sure the launcher sees a non-zero code and the traceback in the log
         traceback.print_exc()
-        sys.exit(1)
+        code = 1
+    exit_done(code)

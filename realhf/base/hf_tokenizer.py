@@ -63,16 +63,64 @@ def _kept_class(key: str):
         return None
 
 
-def _keep_class(key: str, cls) -> None:
-    p = _cache_file(key)
+def _write_kept(p: str, obj) -> None:
     try:
         os.makedirs(os.path.dirname(p), exist_ok=True)
         tmp = f"{p}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"module": cls.__module__, "name": cls.__name__}, f)
+            json.dump(obj, f)
         os.replace(tmp, p)
     except OSError:
-        pass  # a read-only cache only costs the next process AutoTokenizer's import again
+        pass  # a read-only cache only costs the next process the work again
+
+
+def _keep_class(key: str, cls) -> None:
+    _write_kept(_cache_file(key), {"module": cls.__module__, "name": cls.__name__})
+
+
+def _check_key(path: str, files) -> Optional[str]:
+    """The key of a passed load check of the folder ``path``: the transformers and tokenizers versions installed,
+    the folder's file names and the whole content of each of ``files`` (the files a tokenizer reads) found there.
+    None where no check is kept: not a folder, remote code, unreadable, versions unknown. Reads no module of
+    transformers (installed versions come from the package metadata)."""
+    from importlib import metadata
+
+    if not os.path.isdir(path):
+        return None
+    try:
+        h = hashlib.sha256(f"transformers {metadata.version('transformers')} "
+                           f"tokenizers {metadata.version('tokenizers')}\n".encode())
+        h.update(json.dumps(sorted(os.listdir(path))).encode())
+        for name in ("config.json", *files):
+            p = os.path.join(path, name)
+            if not os.path.isfile(p):
+                continue
+            with open(p, "rb") as f:
+                data = f.read()
+            if b'"auto_map"' in data:
+                return None
+            h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    except (OSError, metadata.PackageNotFoundError):
+        return None
+    return h.hexdigest()[:32]
+
+
+def _check_file(key: str) -> str:
+    return os.path.join(realhf_cache_dir(), "tokenizer_checked", key + ".json")
+
+
+def checked_before(path: str, files) -> bool:
+    """Whether a check of the folder's tokenizer passed before (:func:`note_checked`) on these very files and
+    library versions."""
+    key = _check_key(path, files)
+    return key is not None and os.path.isfile(_check_file(key))
+
+
+def note_checked(path: str, files) -> None:
+    """Keep that the folder's tokenizer passed its check, for :func:`checked_before`."""
+    key = _check_key(path, files)
+    if key is not None:
+        _write_kept(_check_file(key), {"path": os.path.abspath(path)})
 
 
 def load_tokenizer(path: str):

@@ -316,4 +316,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from realhf.base.process import exit_done
+
+    exit_done(main())
