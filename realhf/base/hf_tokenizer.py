@@ -26,17 +26,15 @@ from realhf.base.cache_dir import realhf_cache_dir
 _DECIDING_FILES = ("config.json", "tokenizer_config.json")
 
 
-def _cache_key(path: str) -> Optional[str]:
-    """The key of the folder's class choice, or None where it is not kept (not a folder, remote code, unreadable)."""
-    import transformers
-
+def _folder_key(path: str, versions: str, files, n_hex: int) -> Optional[str]:
+    """A key of ``versions`` (text), the folder's file names and the whole content of each of ``files`` found in it;
+    None where none is kept: not a folder, remote code (``auto_map``), unreadable."""
     if not os.path.isdir(path):
         return None
-    h = hashlib.sha256(f"transformers {transformers.__version__}\n".encode())
+    h = hashlib.sha256(versions.encode())
     try:
-        names = sorted(os.listdir(path))
-        h.update(json.dumps(names).encode())
-        for name in _DECIDING_FILES:
+        h.update(json.dumps(sorted(os.listdir(path))).encode())
+        for name in files:
             p = os.path.join(path, name)
             if not os.path.isfile(p):
                 continue
@@ -47,7 +45,14 @@ def _cache_key(path: str) -> Optional[str]:
             h.update(name.encode() + b"\0" + data + b"\0")
     except OSError:
         return None
-    return h.hexdigest()[:24]
+    return h.hexdigest()[:n_hex]
+
+
+def _cache_key(path: str) -> Optional[str]:
+    """The key of the folder's class choice, or None where it is not kept (not a folder, remote code, unreadable)."""
+    import transformers
+
+    return _folder_key(path, f"transformers {transformers.__version__}\n", _DECIDING_FILES, 24)
 
 
 def _cache_file(key: str) -> str:
@@ -80,29 +85,16 @@ def _keep_class(key: str, cls) -> None:
 
 def _check_key(path: str, files) -> Optional[str]:
     """The key of a passed load check of the folder ``path``: the transformers and tokenizers versions installed,
-    the folder's file names and the whole content of each of ``files`` (the files a tokenizer reads) found there.
-    None where no check is kept: not a folder, remote code, unreadable, versions unknown. Reads no module of
-    transformers (installed versions come from the package metadata)."""
+    the folder's file names and the whole content of config.json and each of ``files`` (the files a tokenizer reads)
+    found there. None where no check is kept (see :func:`_folder_key`, or versions unknown). Imports no module of
+    transformers: the installed versions come from the package metadata."""
     from importlib import metadata
 
-    if not os.path.isdir(path):
-        return None
     try:
-        h = hashlib.sha256(f"transformers {metadata.version('transformers')} "
-                           f"tokenizers {metadata.version('tokenizers')}\n".encode())
-        h.update(json.dumps(sorted(os.listdir(path))).encode())
-        for name in ("config.json", *files):
-            p = os.path.join(path, name)
-            if not os.path.isfile(p):
-                continue
-            with open(p, "rb") as f:
-                data = f.read()
-            if b'"auto_map"' in data:
-                return None
-            h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
-    except (OSError, metadata.PackageNotFoundError):
+        versions = f"transformers {metadata.version('transformers')} tokenizers {metadata.version('tokenizers')}\n"
+    except metadata.PackageNotFoundError:
         return None
-    return h.hexdigest()[:32]
+    return _folder_key(path, versions, ("config.json", *files), 32)
 
 
 def _check_file(key: str) -> str:
