@@ -159,3 +159,24 @@ exit_done(3)
     assert p.returncode == 3, p.stderr
     assert p.stdout == "buffered atexit ran\n", p.stdout
     assert log.read_text() == "logged before the exit\n"
+
+
+def _rank_view(name):
+    import torch.distributed as dist
+
+    return dict(rank=dist.get_rank(), value=os.environ.get(name), cwd=os.getcwd(), pid=os.getpid(),
+                ppid=os.getppid())
+
+
+def test_run_distributed_ranks_see_the_callers_environment_and_folder(monkeypatch, tmp_path):
+    """The ranks of ``run_distributed`` start from a forkserver (torch imported once), yet each sees the caller's
+    environment variables and working folder as they are at the call, as spawned processes would."""
+    from realhf.base.testing import run_distributed
+
+    for value in ("first", "second"):  # the forkserver outlives the first call: the second value must still reach
+        monkeypatch.setenv("REALHF_TEST_PROBE", value)
+        monkeypatch.chdir(tmp_path)
+        got = run_distributed(_rank_view, 2, "REALHF_TEST_PROBE", timeout=120)
+        assert [g["rank"] for g in got] == [0, 1]
+        assert all(g["value"] == value and g["cwd"] == str(tmp_path) for g in got), got
+        assert all(g["pid"] != os.getpid() for g in got)
