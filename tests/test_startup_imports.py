@@ -19,6 +19,7 @@ import pytest
 
 from realhf.base.process import env_with_source_path, source_root
 
+
 def _python(code: str, env=None) -> str:
     p = subprocess.run([sys.executable, "-c", code], cwd=source_root(), env=env_with_source_path(env),
                        capture_output=True, text=True, timeout=300)

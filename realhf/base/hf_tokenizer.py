@@ -83,7 +83,7 @@ def _keep_class(key: str, cls) -> None:
     _write_kept(_cache_file(key), {"module": cls.__module__, "name": cls.__name__})
 
 
-def _check_key(path: str, files) -> Optional[str]:
+def check_key(path: str, files) -> Optional[str]:
     """The key of a passed load check of the folder ``path``: the transformers and tokenizers versions installed,
     the folder's file names and the whole content of config.json and each of ``files`` (the files a tokenizer reads)
     found there. None where no check is kept (see :func:`_folder_key`, or versions unknown). Imports no module of
@@ -101,16 +101,14 @@ def _check_file(key: str) -> str:
     return os.path.join(realhf_cache_dir(), "tokenizer_checked", key + ".json")
 
 
-def checked_before(path: str, files) -> bool:
-    """Whether a check of the folder's tokenizer passed before (:func:`note_checked`) on these very files and
-    library versions."""
-    key = _check_key(path, files)
+def checked_before(key: Optional[str]) -> bool:
+    """Whether a check of a folder's tokenizer passed before (:func:`note_checked`) under ``key`` (:func:`check_key`
+    of that folder: the same files and library versions)."""
     return key is not None and os.path.isfile(_check_file(key))
 
 
-def note_checked(path: str, files) -> None:
-    """Keep that the folder's tokenizer passed its check, for :func:`checked_before`."""
-    key = _check_key(path, files)
+def note_checked(key: Optional[str], path: str) -> None:
+    """Keep that the tokenizer of the folder ``path`` passed its check, under its :func:`check_key` ``key``."""
     if key is not None:
         _write_kept(_check_file(key), {"path": os.path.abspath(path)})
 

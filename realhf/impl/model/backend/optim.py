@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import sys
@@ -33,49 +34,37 @@ def no_decay(name: str) -> bool:
     return parts[-1] == "bias" or (len(parts) >= 2 and "norm" in parts[-2])
 
 
-def _raw(fn):
-    """``fn`` without the wrappers torch puts around it (``functools.wraps`` chains)."""
-    return inspect.unwrap(fn)
-
-
 @contextlib.contextmanager
-def _without_dynamo_guard(fns):
-    """Within the block, torch's ``_disable_dynamo`` wrappers of ``fns`` (raw functions) call them straight instead of
+def _without_dynamo_guard(fn):
+    """Within the block, torch's ``_disable_dynamo`` wrapper of ``fn`` (a raw function) calls it straight instead of
     importing ``torch._dynamo`` to build the guard: the wrapper looks for a ``__dynamo_disable`` attribute on the
     function and uses it where set. Outside a ``torch.compile`` trace the guard does nothing but call the function;
     nothing of an optimizer step is compiled here. Where ``torch._dynamo`` is loaded already, torch's guard is kept."""
-    if "torch._dynamo" in sys.modules:
+    if "torch._dynamo" in sys.modules or "__dynamo_disable" in fn.__dict__:
         yield
         return
-    mine = [f for f in fns if "__dynamo_disable" not in f.__dict__]
-    for f in mine:
-        setattr(f, "__dynamo_disable", f)
+    setattr(fn, "__dynamo_disable", fn)
     try:
         yield
     finally:
-        for f in mine:
-            if f.__dict__.get("__dynamo_disable") is f:
-                delattr(f, "__dynamo_disable")
+        if fn.__dict__.get("__dynamo_disable") is fn:
+            delattr(fn, "__dynamo_disable")
 
 
-_RAW = []  # [(raw add_param_group, state_dict, load_state_dict, zero_grad, Adam.step, functional adam)] or [()]
-
-
+@functools.lru_cache(maxsize=None)
 def _raw_fns() -> tuple:
-    """torch's optimizer functions without their guards, or () where this torch lacks one of them."""
-    if not _RAW:
-        try:
-            import torch.optim.adam as adam_mod
+    """torch's (add_param_group, state_dict, load_state_dict, zero_grad, Adam.step, functional adam) without their
+    guards (``inspect.unwrap``), or () where this torch lacks one of them."""
+    try:
+        import torch.optim.adam as adam_mod
 
-            O = torch.optim.Optimizer
-            fns = (_raw(O.add_param_group), _raw(O.state_dict), _raw(O.load_state_dict), _raw(O.zero_grad),
-                   _raw(torch.optim.Adam.step), _raw(adam_mod.adam))
-            names = ("add_param_group", "state_dict", "load_state_dict", "zero_grad", "step", "adam")
-            ok = all(inspect.isfunction(f) and f.__name__ == n for f, n in zip(fns, names))
-        except (AttributeError, ImportError):
-            ok = False
-        _RAW.append(fns if ok else ())
-    return _RAW[0]
+        O = torch.optim.Optimizer
+        fns = tuple(inspect.unwrap(f) for f in (O.add_param_group, O.state_dict, O.load_state_dict, O.zero_grad,
+                                                 torch.optim.Adam.step, adam_mod.adam))
+    except (AttributeError, ImportError):
+        return ()
+    names = ("add_param_group", "state_dict", "load_state_dict", "zero_grad", "step", "adam")
+    return fns if all(inspect.isfunction(f) and f.__name__ == n for f, n in zip(fns, names)) else ()
 
 
 class AdamW(torch.optim.AdamW):
@@ -106,7 +95,7 @@ class AdamW(torch.optim.AdamW):
 
     def step(self, closure=None):
         fns = _raw_fns()
-        with torch.set_grad_enabled(self.defaults["differentiable"]), _without_dynamo_guard((fns[5],)):
+        with torch.set_grad_enabled(self.defaults["differentiable"]), _without_dynamo_guard(fns[5]):
             return fns[4](self, closure)
 
 

@@ -284,6 +284,8 @@ def _gpt2_hf_to_real(sd, cfg):
 
 
 def _gpt2_real_to_hf(sd, cfg):
+    import torch
+
     out = {}
     pending: Dict[str, Dict[str, torch.Tensor]] = {}
     for k, v in sd.items():
@@ -300,8 +302,6 @@ def _gpt2_real_to_hf(sd, cfg):
             out[_GPT2_TOP_INV[k]] = v
     for key, parts in pending.items():
         i, kind = key.split(".")
-        import torch
-
         cat = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
         out[f"transformer.h.{i}.attn.c_attn.{kind}"] = cat.t().contiguous() if kind == "weight" else cat
     return out

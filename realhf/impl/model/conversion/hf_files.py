@@ -117,9 +117,10 @@ def check_tokenizer(path: str) -> None:
     """Load the tokenizer of the folder ``path`` as the workers do and check that it encodes text. A check that
     passed before on the same files under the same transformers and tokenizers versions is not repeated
     (:func:`realhf.base.hf_tokenizer.checked_before`): the launcher then imports no transformers (1-2 s)."""
-    from realhf.base.hf_tokenizer import checked_before, load_tokenizer, note_checked
+    from realhf.base.hf_tokenizer import check_key, checked_before, load_tokenizer, note_checked
 
-    if checked_before(path, _TOKENIZER_FILES):
+    key = check_key(path, _TOKENIZER_FILES)  # the files as they are before the check (hashed once)
+    if checked_before(key):
         return
     present = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
     try:
@@ -131,4 +132,4 @@ def check_tokenizer(path: str) -> None:
     if not tok("Hello world, 1+1=2.", add_special_tokens=False)["input_ids"]:
         raise ValueError(f"the tokenizer in {path!r} encodes text to no tokens: the folder lacks the tokenizer "
                          f"files (tokenizer.json, or vocab.json + merges.txt, or tokenizer.model); it has {present}")
-    note_checked(path, _TOKENIZER_FILES)
+    note_checked(key, path)
