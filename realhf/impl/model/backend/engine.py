@@ -36,11 +36,12 @@ logger = logging.getLogger(__name__)
 INPUT_KEY = "packed_input_ids"
 
 
-def _mb_inputs(mb: SequenceSample, device, head_rows_fn=None) -> Tuple[torch.Tensor, PackedInput]:
+def _mb_inputs(mb: SequenceSample, device, head_rows_fn=None, defer_head: bool = False) -> Tuple[torch.Tensor, PackedInput]:
     lens = mb.flat_seqlens(INPUT_KEY)
     inp = make_packed_input(lens, device=device)
     if head_rows_fn is not None:
         inp.head_rows = head_rows_fn(mb).to(device)
+    inp.defer_head = defer_head
     return mb.data[INPUT_KEY].to(device), inp
 
 
@@ -85,13 +86,16 @@ class InferenceEngine:
         post_fn: Optional[Callable[[torch.Tensor, SequenceSample], Any]] = None,
         head_rows_fn: Optional[Callable[[SequenceSample], torch.Tensor]] = None,
         n_mbs: int = 1,
+        defer_head: bool = False,
     ) -> Optional[List[Any]]:
         """Per micro-batch ``post_fn(output, mb)`` (or the raw output) on the last stage, in batch order; None
         elsewhere. At least ``n_mbs`` micro-batches (and one per pipeline stage), each within ``max_tokens_per_mb``
         tokens. ``head_rows_fn(mb)``: the packed positions the output head runs on (the output then has one row per
-        entry), e.g. only those whose next token is an answer token; default every position."""
+        entry), e.g. only those whose next token is an answer token; default every position. ``defer_head``: a
+        language model's last stage hands ``post_fn`` a ``HeadOutput`` instead of logits (log-probs then come chunk
+        by chunk: ``utils.functional``)."""
         mbs = sample.split_mbs(max_tokens_per_mb, min_n_mbs=max(n_mbs, self.model.pp)) if sample.bs > 1 else [sample]
-        inputs = [_mb_inputs(mb, self.device, head_rows_fn) for mb in mbs]
+        inputs = [_mb_inputs(mb, self.device, head_rows_fn, defer_head) for mb in mbs]
         model = self.model
         if model.pp == 1:
             outs = [model(ids, inp) for ids, inp in inputs]
@@ -203,6 +207,7 @@ class TrainEngine(InferenceEngine):
         max_tokens_per_mb: int = 2**31 - 1,
         n_mbs: int = 1,
         head_rows_fn: Optional[Callable[[SequenceSample], torch.Tensor]] = None,
+        defer_head: bool = False,
     ) -> TrainStats:
         model, grid = self.model, self.grid
         model.train()
@@ -215,7 +220,7 @@ class TrainEngine(InferenceEngine):
         if total <= 0:
             raise ValueError("total loss weight of the batch is 0: nothing to train on")
         model.flat_grad.zero_()
-        inputs = [_mb_inputs(mb, self.device, head_rows_fn) for mb in mbs]
+        inputs = [_mb_inputs(mb, self.device, head_rows_fn, defer_head) for mb in mbs]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         stats_sum: Dict[str, float] = {}
 

@@ -28,7 +28,7 @@ from realhf.base import logging
 from realhf.impl.model.interface.gen_interface import GenerationInterface
 from realhf.impl.model.utils import ppo_functional as F
 from realhf.impl.model.utils.functional import answer_loss_mask as answer_mask
-from realhf.impl.model.utils.functional import logprobs_at, packed_entropy, packed_logprobs
+from realhf.impl.model.utils.functional import logprobs_at, packed_logprobs
 from realhf.impl.model.utils.gae import gae_packed
 
 logger = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ class PPOActorInterface(GenerationInterface):
                 return lp
 
         res = model.engine.forward(data, max_tokens_per_mb=mb_spec.max_tokens_per_mb, post_fn=post,
-                                   head_rows_fn=rows_fn, n_mbs=mb_spec.n_mbs)
+                                   head_rows_fn=rows_fn, n_mbs=mb_spec.n_mbs, defer_head=True)
         if res is None:
             return None
         lp = torch.cat(res).float()
@@ -290,7 +290,10 @@ class PPOActorInterface(GenerationInterface):
 
         def loss_fn(out, mb):
             rows = rows_fn(mb)
-            lp = logprobs_at(out, mb.data["packed_input_ids"], rows, tp, temp)
+            want_ent = cfg.entropy_coef > 0
+            lp = logprobs_at(out, mb.data["packed_input_ids"], rows, tp, temp, entropy=want_ent)
+            if want_ent:
+                lp, ent = lp
             m = torch.ones_like(lp, dtype=torch.bool)
             at = {k: mb.data[k][rows].float().to(lp.device)
                   for k in ("packed_logprobs", "advantages", "packed_ref_logprobs", "proximal_logprobs") if k in mb.data}
@@ -303,8 +306,7 @@ class PPOActorInterface(GenerationInterface):
                 prox = F.loglinear_proximal_logprobs(at["packed_logprobs"], lp, lag.to(lp.device), progress[0])
             loss, st = F.actor_loss(lp, at["packed_logprobs"], at["advantages"], cfg.eps_clip, m, cfg.c_clip,
                                     proximal_logprobs=prox, behav_imp_weight_cap=cfg.behav_imp_weight_cap)
-            if cfg.entropy_coef > 0:
-                ent = packed_entropy(out if temp == 1.0 else out.float() / temp, tp)
+            if want_ent:
                 loss = loss - cfg.entropy_coef * F.entropy_bonus(ent, m)
             if use_ref:
                 kl = F.kl_k3(lp, at["packed_ref_logprobs"])
@@ -324,7 +326,7 @@ class PPOActorInterface(GenerationInterface):
             progress[0] = i / len(parts)
             st = model.engine.train_batch(part, loss_fn, lambda mb: float(mb.data["loss_mask"].sum()),
                                           max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs,
-                                          head_rows_fn=rows_fn)
+                                          head_rows_fn=rows_fn, defer_head=True)
             grad_norms.append(st.grad_norm)
             for k, v in st.extra.items():
                 sums[k] = sums.get(k, 0.0) + v

@@ -15,7 +15,7 @@ def answer_token_mask(sample: SequenceSample) -> torch.Tensor:
     return answer_loss_mask(sample.data["prompt_mask"], sample.cu_seqlens("packed_input_ids"))
 
 
-def _loss(out: torch.Tensor, mb: SequenceSample, tp_group):
+def _loss(out, mb: SequenceSample, tp_group):
     ids = mb.data["packed_input_ids"]
     lp, _ = packed_logprobs(out, ids, mb.cu_seqlens("packed_input_ids"), tp_group)
     mask = answer_token_mask(mb)
@@ -30,7 +30,7 @@ class SFTInterface(ModelInterface):
         tp = model.module.tp_group
         st = eng.train_batch(
             data, lambda out, mb: _loss(out, mb, tp), lambda mb: float(answer_token_mask(mb).sum()),
-            max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs,
+            max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs, defer_head=True,
         )
         return {"loss": st.loss, "grad_norm": st.grad_norm, "lr": st.lr, "n_mbs": st.n_mbs,
                 "n_answer_tokens": st.extra.get("n_answer_tokens", 0.0) * model.grid.dp_size,
@@ -42,7 +42,7 @@ class SFTInterface(ModelInterface):
         tp = model.module.tp_group
         tot = torch.zeros(2, dtype=torch.float64, device=model.module.device)
         for b in batches:
-            res = model.engine.forward(b, post_fn=lambda out, mb: _loss(out, mb, tp))
+            res = model.engine.forward(b, post_fn=lambda out, mb: _loss(out, mb, tp), defer_head=True)
             if res is not None:
                 for loss, st in res:
                     tot[0] += float(loss) * st["n_answer_tokens"]

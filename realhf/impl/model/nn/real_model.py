@@ -31,6 +31,7 @@ from realhf.impl.model.nn.attention import (
     varlen_causal_attention,
 )
 from realhf.impl.model.nn import cpu_gemm, decode_ops, kv_cache
+from realhf.impl.model.nn.chunked_head import HeadOutput
 from realhf.impl.model.nn.compile_util import CompiledOrFallback
 from realhf.impl.model.nn.kv_cache import KVCache
 from realhf.impl.model.parallelism.tensor_parallel import (
@@ -110,6 +111,9 @@ class PackedInput:
     cache: Optional[KVCache] = None
     # Last stage: apply the output head only to these token rows (e.g. the last token of each prompt).
     head_rows: Optional[torch.Tensor] = None
+    # Last stage of a language model: return a ``chunked_head.HeadOutput`` (the final norm's output and the output
+    # projection) instead of logits, for log-probs computed chunk by chunk (``chunked_head.head_logprobs``).
+    defer_head: bool = False
 
 
 def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -367,11 +371,11 @@ class Head(nn.Module):
             self.lm_head = ColumnParallelLinear(cfg.hidden_dim, cfg.vocab_size, False, tp_group, dtype, device,
                                                 local_out=cfg.vocab_size // tp)
 
-    def forward(self, x):
+    def forward(self, x, defer: bool = False):
         x = self.norm(x)
         if self.is_critic:
             return self.value(x).squeeze(-1).float()
-        return self.lm_head(x)
+        return HeadOutput(x, self.lm_head) if defer else self.lm_head(x)
 
 
 class ReaLModel(nn.Module):
@@ -379,7 +383,8 @@ class ReaLModel(nn.Module):
 
     ``forward(x, inp)``: on the first stage ``x`` is token ids [T]; elsewhere hidden states [T, H].
     Returns hidden states [T, H] on non-last stages, and on the last stage logits over this rank's
-    vocabulary slice [T, V/tp] (or values [T] for a critic).
+    vocabulary slice [T, V/tp] (or values [T] for a critic), or with ``inp.defer_head`` a ``HeadOutput`` from which
+    ``chunked_head.head_logprobs`` computes log-probs without holding the whole logits.
 
     ``env`` (``realhf.base.runtime_env.RuntimeEnv``) says where the parameters live, their default dtype and
     the attention kernel; without one, the environment of ``device`` (``for_device``), or the CPU
@@ -523,7 +528,7 @@ class ReaLModel(nn.Module):
                 if ticking:
                     cpu_share.tick_in_backward(x)
         if self.is_last:
-            x = self.head(x if inp.head_rows is None else x[inp.head_rows])
+            x = self.head(x if inp.head_rows is None else x[inp.head_rows], inp.defer_head)
         return x
 
     def compile_blocks(self) -> Optional[str]:
