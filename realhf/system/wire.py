@@ -226,9 +226,11 @@ def decode_payload(secret: bytes, frames: List[Any]) -> Payload:
 
 
 class ReplayGuard:
-    """Freshness of authentic requests: rejects one sent more than ``window_s`` seconds from now (either way) and
-    one whose request id was seen before. Ids are remembered for twice the window, after which their timestamps
-    alone reject them."""
+    """Freshness of authentic requests: rejects one whose send time is not a finite number or lies more than
+    ``window_s`` seconds from now (either way), and one whose request id was seen before. Ids are remembered for
+    twice the window, after which their timestamps alone reject them. ``check`` does both; a receiver that can
+    judge the time before it can authenticate (a signed HTTP request, from its headers) calls ``check_time`` first
+    and ``check_new`` once the request is authentic, so that unauthenticated ids are never remembered."""
 
     def __init__(self, window_s: float = REPLAY_WINDOW_SECS):
         self.window_s = window_s
@@ -236,17 +238,28 @@ class ReplayGuard:
         self._expiry: collections.deque = collections.deque()  # (monotonic expiry, request id)
 
     def check(self, payload: Payload) -> None:
-        age = time.time() - payload.sent_at
+        self.check_time(payload.sent_at, payload.request_id)
+        self.check_new(payload.request_id)
+
+    def check_time(self, sent_at: Any, request_id: Any) -> None:
+        """Raise RejectedMessage unless ``sent_at`` (seconds since the epoch) is a finite number within the window."""
+        if isinstance(sent_at, bool) or not isinstance(sent_at, (int, float)) or not math.isfinite(sent_at):
+            raise RejectedMessage(f"message {request_id!r} carries no finite send time (got {sent_at!r}; a forged "
+                                  "or corrupted message)")
+        age = time.time() - sent_at
         if abs(age) > self.window_s:
-            raise RejectedMessage(f"stale message {payload.request_id!r}: sent {age:.0f} s ago, outside the "
+            raise RejectedMessage(f"stale message {request_id!r}: sent {age:.0f} s ago, outside the "
                                   f"{self.window_s:.0f} s window (a replay, or a clock that is off)")
+
+    def check_new(self, request_id: Any) -> None:
+        """Raise RejectedMessage if ``request_id`` was seen within twice the window; remember it otherwise."""
         now = time.monotonic()
         while self._expiry and self._expiry[0][0] < now:
             self._seen.discard(self._expiry.popleft()[1])
-        if payload.request_id in self._seen:
-            raise RejectedMessage(f"replayed request id {payload.request_id!r}")
-        self._seen.add(payload.request_id)
-        self._expiry.append((now + 2 * self.window_s, payload.request_id))
+        if request_id in self._seen:
+            raise RejectedMessage(f"replayed request id {request_id!r}")
+        self._seen.add(request_id)
+        self._expiry.append((now + 2 * self.window_s, request_id))
 
 
 class RejectionLog:
