@@ -26,6 +26,8 @@ import abc
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
+from realhf.api.core.sampling_checks import SamplingValueError, check_sampling
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -57,22 +59,15 @@ class SamplingParams:
     seed: Optional[int] = None  # per request; None: the engine's own random stream
 
     def validate(self) -> "SamplingParams":
-        if not isinstance(self.n, int) or self.n < 1:
-            raise RequestError(f"sampling.n must be a positive integer, got {self.n!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise RequestError(f"sampling.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise RequestError(f"sampling.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                               f"got {self.min_new_tokens!r}")
-        if not self.greedy and not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-            raise RequestError(f"sampling.temperature must be > 0 (or greedy=true), got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise RequestError(f"sampling.top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"sampling.top_k must be an integer >= 0, got {self.top_k!r}")
-        self.stop_token_ids = _int_list(self.stop_token_ids, "sampling.stop_token_ids")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise RequestError(f"sampling.seed must be an integer or null, got {self.seed!r}")
+        """Refuse what cannot be sampled, by the rule in-process generation options follow too
+        (``realhf.api.core.sampling_checks``); a ``RequestError`` names the field, the value and what is allowed.
+        A server also refuses, at admission, a stop list that covers its whole vocabulary while
+        ``min_new_tokens`` > 0 (``check_stop_coverage``)."""
+        try:
+            check_sampling(self, prefix="sampling.")
+        except SamplingValueError as e:
+            raise RequestError(str(e)) from None
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         return self
 
     @classmethod

@@ -1,6 +1,6 @@
 """The running batch of realhf's generation engine (``realhf_engine.py``): requests and their sample rows as the
-engine thread sees them, the grouping of rows by sampling parameters and their sampling, and the slot KV cache that
-rows join and leave."""
+engine thread sees them, the grouping of rows by sampling parameters and their sampling (a request whose sampling
+raises fails alone: ``sample_groups``), and the slot KV cache that rows join and leave."""
 from __future__ import annotations
 
 import asyncio
@@ -272,17 +272,56 @@ class SharedSlotCache(SharedPrefixCache):
 
 
 def sample_groups(logits: torch.Tensor, groups: List[Group], generator: Optional[torch.Generator]):
-    """logits [B, V] (fp32) of the rows in ``groups`` -> (tokens [B], log-probs [B]); rows without a seed draw from
-    ``generator``."""
-    if len(groups) == 1 and groups[0].all:
-        return _sample_group(logits, groups[0], generator)
+    """logits [B, V] (fp32) of the rows in ``groups`` -> (tokens [B], log-probs [B], failures); rows without a seed
+    draw from ``generator``. One sampling call per group; a group whose call raises is sampled again request by
+    request, so one request that cannot be sampled fails alone: ``failures`` lists ``(request, exception)`` for
+    those, whose rows' tokens are undefined (empty on the normal path, which pays nothing for this)."""
+    whole = len(groups) == 1 and groups[0].all
+    if whole:
+        try:
+            return (*_sample_group(logits, groups[0], generator), [])
+        except Exception:  # noqa: BLE001 - isolated below, request by request
+            pass
     tok = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     lp = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    if whole:
+        return tok, lp, _sample_apart(logits, groups[0], generator, tok, lp)
+    failures: List[tuple] = []
     for g in groups:
+        try:
+            _sample_into(logits, g, generator, tok, lp)
+        except Exception:  # noqa: BLE001 - isolated below, request by request
+            failures += _sample_apart(logits, g, generator, tok, lp)
+    return tok, lp, failures
+
+
+def _sample_into(logits, g: Group, generator, tok, lp):
+    if g.all:
+        t, l = _sample_group(logits, g, generator)
+        tok.copy_(t)
+        lp.copy_(l.float())
+    else:
         t, l = _sample_group(logits.index_select(0, g.idx), g, generator)
         tok[g.idx] = t
         lp[g.idx] = l.float()
-    return tok, lp
+
+
+def _sample_apart(logits, g: Group, generator, tok, lp) -> List[tuple]:
+    """Sample the rows of group ``g`` (whose call raised) one request at a time; return ``(request, exception)`` of
+    the requests whose sampling still raises."""
+    pos = range(len(g.rows)) if g.all else g.idx.tolist()
+    by_req: dict = {}  # id of a request -> (request, its rows, their positions in the batch)
+    for row, i in zip(g.rows, pos):
+        _, rows, idx = by_req.setdefault(id(row.req), (row.req, [], []))
+        rows.append(row)
+        idx.append(i)
+    failures = []
+    for req, rows, idx in by_req.values():
+        try:
+            _sample_into(logits, Group(g.key, rows, idx, logits.shape[0], logits.device), generator, tok, lp)
+        except Exception as e:  # noqa: BLE001 - this request's own failure: reported to it alone
+            failures.append((req, e))
+    return failures
 
 
 def _sample_group(logits, g: Group, generator):

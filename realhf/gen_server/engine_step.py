@@ -35,7 +35,11 @@ class EngineSteps:
         """Append one sampled token per row; finish the rows that are done; return the positions of the rest."""
         v = self._version
         keep = []
+        n_rec = 0
         for i, row in enumerate(rows):
+            if row.done:  # its request failed in this step's sampling
+                continue
+            n_rec += 1
             t = tl[i]
             ids = row.ids
             ids.append(t)
@@ -49,7 +53,7 @@ class EngineSteps:
             else:
                 keep.append(i)
                 row.refill_stream()
-        self._stats["generated_tokens"] += len(rows)
+        self._stats["generated_tokens"] += n_rec
         return keep
 
     def _regroup(self):
@@ -77,7 +81,20 @@ class EngineSteps:
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, logits: torch.Tensor, groups: List[Group]):
-        return sample_groups(logits, groups, self._gen)
+        """One token per row; a request whose sampling raises fails alone (its rows are done, ``_record`` skips them)
+        while the other rows of the batch go on."""
+        tok, lp, failures = sample_groups(logits, groups, self._gen)
+        for r, e in failures:
+            logger.warning("generation engine: sampling request %s failed, the rest of the batch goes on: %s: %s",
+                           r.rid, type(e).__name__, e)
+            sp = r.sp
+            err = RuntimeError(
+                f"sampling the next token of request {r.rid!r} failed ({type(e).__name__}: {e}) with its sampling "
+                f"parameters greedy={sp.greedy}, temperature={sp.temperature}, top_k={sp.top_k}, top_p={sp.top_p}, "
+                f"min_new_tokens={sp.min_new_tokens} and {len(sp.stop_token_ids)} stop tokens")
+            err.__cause__ = e
+            self._fail(r, err)
+        return tok, lp
 
     # ------------------------------------------------------------------ admission (prefill)
     def _admit(self):

@@ -1,17 +1,18 @@
 """Weight updates of realhf's generation engine (``realhf_engine.py``), run on its engine thread between decode
 steps: from a Hugging Face folder on disk, or received tensor by tensor over a weight group. Everything is checked
-before the first parameter changes (the architecture, every tensor's name and shape); an update that fails after
-that leaves a mix of weights, and the engine then fails every request and refuses new ones until a complete update
-(``_mark_broken``)."""
+before the first parameter changes (the version, which never goes backwards; the architecture; every tensor's name
+and shape; from disk also that every value is finite); an update that fails after that leaves a mix of weights, and
+the engine then fails every request and refuses new ones until a complete update (``_mark_broken``)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+import re
+from typing import List, Tuple
 
 import torch
 
 from realhf.base import logging
-from realhf.gen_server.api import TensorMeta
+from realhf.gen_server.api import RequestError, TensorMeta
 from realhf.impl.model.nn import cpu_gemm
 
 logger = logging.getLogger("realhf.gen_server.engine")
@@ -21,19 +22,34 @@ logger = logging.getLogger("realhf.gen_server.engine")
 _TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-class _CopyWatch:
-    """``model`` for ``load_hf_into``, noting whether it began copying into the parameters (it reads and checks
-    every tensor first), so that a failed load can tell intact weights from partly replaced ones."""
+class _Staged:
+    """``model`` for ``load_hf_into`` whose parameter copies are held back: ``load_hf_into`` reads and checks every
+    tensor and then copies each into ``local_param(name)``; here that copy only notes ``(name, values)``, so the
+    values can be checked (finite) before the first parameter changes, and applied after (``apply``)."""
 
     def __init__(self, model):
-        self._model, self.copied = model, False
+        self._model = model
+        self.staged: List[Tuple[str, torch.Tensor]] = []
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def local_param(self, name: str) -> torch.Tensor:
-        self.copied = True
-        return self._model.local_param(name)
+    def local_param(self, name: str) -> "_Sink":
+        return _Sink(self.staged, name)
+
+    def apply(self):
+        for name, t in self.staged:
+            self._model.local_param(name).copy_(t)
+
+
+class _Sink:
+    __slots__ = ("staged", "name")
+
+    def __init__(self, staged: list, name: str):
+        self.staged, self.name = staged, name
+
+    def copy_(self, src: torch.Tensor):
+        self.staged.append((self.name, src))
 
 
 class EngineWeights:
@@ -41,18 +57,64 @@ class EngineWeights:
     ``_fail``)."""
 
     def _load_from_disk(self, path: str, version: int):
+        """Load the HF folder ``path`` as ``version``. Refused (``RequestError``), with the served weights unchanged:
+        an older version than the served one, a folder without config.json or weights, another architecture, a
+        tensor the served model does not have, a missing tensor or shape, a non-finite value."""
         from realhf.impl.model.conversion.hf_io import config_from_hf_path, load_hf_into
 
-        self._check_config(config_from_hf_path(path), path)
-        cpu_gemm.drop_packed()
-        watch = _CopyWatch(self.model)
+        self._check_version(version)
         try:
-            load_hf_into(watch, path)
+            self._check_config(config_from_hf_path(path), path)
+            self._check_names(path)
+            staged = _Staged(self.model)
+            load_hf_into(staged, path)  # reads and checks every tensor; copies nothing yet
+        except FileNotFoundError as e:
+            raise RequestError(f"cannot load weights from {path!r}: {e}") from None
+        self._check_finite(staged.staged, path)
+        cpu_gemm.drop_packed()
+        try:
+            staged.apply()
         except Exception as e:
-            if watch.copied:
-                self._mark_broken(e)
+            self._mark_broken(e)
             raise
         self._updated(version)
+
+    def _check_version(self, version: int):
+        if int(version) < self._version:
+            raise RequestError(f"version={version} is older than the served version {self._version}; weight "
+                               "versions never go backwards (every token carries the version that made it)")
+
+    def _check_names(self, path: str):
+        """Refuse a folder holding tensors the served model does not have (reads the files' headers only)."""
+        from realhf.api.core.model_api import get_hf_family
+        from realhf.impl.model.conversion.hf_files import _weight_files
+        from realhf.impl.model.nn.real_model import tied_source_name
+
+        cfg = self.model.config
+        fam = get_hf_family(cfg.family)
+        real = list(dict.fromkeys(tied_source_name(cfg, n) for n in self.model.param_spec))
+        if cfg.tied_embedding and not cfg.is_critic:
+            real.append("head.lm_head.weight")  # a tied checkpoint may hold its head too; the embedding is served
+        known = set(fam.hf_names_for_real(real, cfg))
+        extra = [n for n in _weight_files(path)
+                 if n not in known and not any(re.search(p, n) for p in fam.ignored_hf_keys)]
+        if extra:
+            raise RequestError(f"the checkpoint at {path!r} holds {len(extra)} tensors the served {cfg.family} model "
+                               f"does not have: {extra[:5]}{' ...' if len(extra) > 5 else ''}; nothing was loaded")
+
+    def _check_finite(self, staged: List[Tuple[str, torch.Tensor]], path: str):
+        from realhf.api.core.model_api import get_hf_family
+        from realhf.impl.model.conversion.hf_io import n_nonfinite
+        from realhf.impl.model.nn.real_model import tied_source_name
+
+        cfg = self.model.config
+        counts = [(n, n_nonfinite([t])) for n, t in staged]  # one summing pass per tensor when all are finite
+        bad = [(n, k) for n, k in counts if k]
+        if bad:
+            hf = get_hf_family(cfg.family).hf_names_for_real
+            names = [f"{'/'.join(hf([tied_source_name(cfg, n)], cfg))} ({k} values)" for n, k in bad[:5]]
+            raise RequestError(f"the checkpoint at {path!r} holds NaN or infinite values in {len(bad)} tensors: "
+                               + ", ".join(names) + ("..." if len(bad) > 5 else "") + "; nothing was loaded")
 
     def _updated(self, version: int):
         cpu_gemm.drop_packed()
@@ -129,11 +191,12 @@ class EngineWeights:
                     else:
                         plan.append((real, n))
             plans.append(plan)
+        stale = int(version) < self._version  # refused after the receive (raised by _check_version)
         copied = False
         cpu_gemm.drop_packed()
         try:
             for (name, t), m, plan in zip(receive(self._weight_group, metas), metas, plans):
-                if errors or not plan:
+                if errors or stale or not plan:
                     continue  # received only to stay in step with the other ranks
                 conv = fam.hf_to_real({name: t}, cfg)
                 for real, n in plan:
@@ -143,6 +206,7 @@ class EngineWeights:
             if copied:
                 self._mark_broken(e)
             raise
+        self._check_version(version)
         if errors:
             raise ValueError(f"weight update over the group: {len(errors)} unusable tensors, nothing loaded: "
                              + "; ".join(errors[:5]) + (" ..." if len(errors) > 5 else ""))

@@ -26,11 +26,15 @@ inverse CDF from its own stream seeded by ``sample_seed(seed, j)`` in chunks of 
 numbers, so it gets the samples ``generate(..., seeds=[seed])`` gives, whatever else shares the batch.
 Requests without a seed draw from the engine's generator (seeded by ``EngineConfig.seed``).
 
-Errors: a failed prefill fails the requests it admitted, a failed decode step the running ones; the engine
-keeps serving. A weight update that fails before touching a parameter (bad folder, unknown tensor, wrong
-shape: all checked first) changes nothing; one that fails after replacing some parameters (the trainer dies
-mid-broadcast) leaves a mix of weights, so every request fails and new ones are refused until a complete
-update succeeds. ``close`` fails whatever is still pending with ``EngineClosed``.
+Errors: sampling parameters that cannot be sampled are refused when a request arrives (``RequestError``, by
+``realhf.api.core.sampling_checks``, the rule in-process generation follows too). A request whose sampling still
+raises in a step fails alone (``sample_groups`` samples its group again request by request, only after the shared
+call raised); its neighbours in the batch go on. A failed prefill forward fails the requests it admitted, a failed
+decode forward the running ones; the engine keeps serving. A weight update that fails before touching a parameter
+(bad folder, older version, unknown tensor, wrong shape, non-finite value: all checked first) changes nothing; one
+that fails after replacing some parameters (the trainer dies mid-broadcast) leaves a mix of weights, so every
+request fails and new ones are refused until a complete update succeeds. ``close`` fails whatever is still
+pending with ``EngineClosed``.
 
 Backend options (``EngineConfig.extra``): ``compile_decode`` (bool, default False: run the decode forward
 as one compiled graph, ``realhf.impl.model.nn.compiled_decode``; a one-off compile cost of seconds),
@@ -64,6 +68,7 @@ from realhf.gen_server.engine_step import EngineSteps
 from realhf.gen_server.engine_weights import EngineWeights
 from realhf.gen_server.engine_batch import Group, Req, Row
 from realhf.api.core.model_api import check_kv_cache_dtype
+from realhf.api.core.sampling_checks import SamplingValueError, check_stop_coverage
 from realhf.impl.model.nn.kv_cache import decode_kernel
 
 logger = logging.getLogger("realhf.gen_server.engine")
@@ -234,6 +239,10 @@ class RealhfEngine(EngineWeights, EngineSteps, GenerationEngine):
             raise RequestError("input_ids must not be empty")
         self._check_ids(ids, "input_ids")
         self._check_ids(sp.stop_token_ids, "sampling.stop_token_ids")
+        try:
+            check_stop_coverage(sp.stop_token_ids, sp.min_new_tokens, self.vocab_size, prefix="sampling.")
+        except SamplingValueError as e:
+            raise RequestError(str(e)) from None
         name, limit = self._len_limit
         if len(ids) + sp.max_new_tokens > limit:
             raise RequestError(f"prompt of {len(ids)} tokens + max_new_tokens {sp.max_new_tokens} = "

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from realhf.api.core.sampling_checks import check_sampling
+
 
 @dataclasses.dataclass
 class ReaLModelConfig:
@@ -69,9 +71,31 @@ class ReaLModelConfig:
             raise ValueError(f"layout m{tp}p{pp} does not fit this model: " + "; ".join(problems))
 
 
+def even_range(total: int, parts: int, i: int) -> Tuple[int, int]:
+    """[start, end) of part ``i`` when ``range(total)`` is cut into ``parts`` contiguous parts as even as
+    possible, earlier parts taking the remainder (layers over stages, kv heads over tensor ranks, rows
+    over generation groups)."""
+    base, rem = divmod(total, parts)
+    start = i * base + min(i, rem)
+    return start, start + base + (1 if i < rem else 0)
+
+
+def kv_head_partition(n_kv_heads: int, tp: int) -> List[Tuple[int, int]]:
+    """(first kv head, number of kv heads) of every tensor rank: as even as possible, earlier ranks take
+    the remainder. Query heads follow their kv head (GQA groups are never split), so 9 query / 3 kv heads
+    over tp=2 become 6+3 query heads."""
+    return [(s, e - s) for s, e in (even_range(n_kv_heads, tp, r) for r in range(tp))]
+
+
+def stage_layer_range(n_layers: int, pp: int, stage: int) -> Tuple[int, int]:
+    """[start, end) of the blocks held by pipeline stage ``stage`` (earlier stages take the remainder)."""
+    return even_range(n_layers, pp, stage)
+
+
 @dataclasses.dataclass
 class GenerationHyperparameters:
-    """Options of one generation call."""
+    """Options of one generation call; the sampling ones are checked by ``sampling_checks.check_sampling``, the rule
+    the generation servers apply to each request."""
 
     max_new_tokens: int = 256
     min_new_tokens: int = 0
@@ -94,20 +118,7 @@ class GenerationHyperparameters:
 
     def __post_init__(self):
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
-            )
-        if not self.greedy and self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature} (use greedy=True)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        check_sampling(self)  # the same rule as a generation server's requests
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
 
     def cache_dtype(self, model_dtype):

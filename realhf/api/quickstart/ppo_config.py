@@ -20,7 +20,8 @@ class SamplingConfig:
     max_new_tokens: int = option(256, "maximum generated tokens per answer")
     min_new_tokens: int = option(0, "minimum generated tokens before EOS may be sampled")
     greedy: bool = option(False, "greedy decoding instead of sampling")
-    temperature: float = option(1.0, "sampling temperature (> 0 unless greedy)")
+    temperature: float = option(1.0, "sampling temperature, >= 1e-30 unless greedy (smaller ones overflow the scaled "
+                                "logits in fp32; far below 1e-4 sampling is greedy in all but name)")
     top_p: float = option(1.0, "nucleus sampling probability mass, in (0, 1]")
     top_k: int = option(0, "sample among the k most likely tokens (0 = no limit)")
     stop_token_ids: List[int] = option(help="extra token ids that end an answer (EOS always does)", factory=list)
@@ -36,7 +37,7 @@ class SamplingConfig:
         "attention over the cache; log-probs then differ from an fp32 forward by fp16 rounding, about 1e-3)")
 
     def __post_init__(self):
-        self.to_hyperparameters()  # its checks name the fields
+        self.to_hyperparameters()  # its checks (realhf.api.core.sampling_checks) name the fields
 
     def to_hyperparameters(self, n: int = 1) -> GenerationHyperparameters:
         """The engine's options for ``n`` answers per prompt."""

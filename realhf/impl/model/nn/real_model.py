@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from realhf.api.core.model_api import ReaLModelConfig
+from realhf.api.core.model_api import ReaLModelConfig, even_range, kv_head_partition, stage_layer_range  # noqa: F401 (re-exported)
 from realhf.base import cpu_share, runtime_env
 from realhf.impl.model.nn.attention import (
     Rotary,
@@ -55,22 +55,6 @@ def tp_shard_dim(name: str) -> Optional[int]:
     return None
 
 
-def even_range(total: int, parts: int, i: int) -> Tuple[int, int]:
-    """[start, end) of part ``i`` when ``range(total)`` is cut into ``parts`` contiguous parts as even as
-    possible, earlier parts taking the remainder (layers over stages, kv heads over tensor ranks, rows
-    over generation groups)."""
-    base, rem = divmod(total, parts)
-    start = i * base + min(i, rem)
-    return start, start + base + (1 if i < rem else 0)
-
-
-def kv_head_partition(n_kv_heads: int, tp: int) -> List[Tuple[int, int]]:
-    """(first kv head, number of kv heads) of every tensor rank: as even as possible, earlier ranks take
-    the remainder. Query heads follow their kv head (GQA groups are never split), so 9 query / 3 kv heads
-    over tp=2 become 6+3 query heads."""
-    return [(s, e - s) for s, e in (even_range(n_kv_heads, tp, r) for r in range(tp))]
-
-
 def shard_bounds(cfg: ReaLModelConfig, name: str, tp: int, rank: int) -> Optional[Tuple[int, int]]:
     """[start, end) of tensor rank ``rank``'s slice of parameter ``name`` along ``tp_shard_dim(name)``."""
     d = tp_shard_dim(name)
@@ -94,11 +78,6 @@ def tied_source_name(cfg: ReaLModelConfig, name: str) -> str:
     if name == "head.lm_head.weight" and cfg.tied_embedding and not cfg.is_critic:
         return "embed.wte.weight"
     return name
-
-
-def stage_layer_range(n_layers: int, pp: int, stage: int) -> Tuple[int, int]:
-    """[start, end) of the blocks held by pipeline stage ``stage`` (earlier stages take the remainder)."""
-    return even_range(n_layers, pp, stage)
 
 
 @dataclasses.dataclass
