@@ -7,18 +7,24 @@ Ground truth, the standard way per dataset (the same rules as ``tests/test_rewar
 * ``aime24``, ``aime25``, ``amc23`` — the ``answer`` field (``27.0`` is written ``27``).
 
 Other folders under ``data_dir`` are accepted with the same rules guessed from their fields
-(``solution`` with a box, ``answer`` with ``####``, else ``answer``).
+(``solution`` with a box, ``answer`` with ``####``, else ``answer``, else ``solutions``).
+
+Every row is checked before anything else happens, with the reader of the training datasets
+(:func:`realhf.impl.dataset.jsonl.read_jsonl`): a problem is a :class:`DatasetError` whose message
+starts with ``file:line`` and says what is allowed.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import random
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from realhf.base import logging
+from realhf.impl.dataset.jsonl import DatasetError, TypeSpec, read_jsonl
 from realhf.reward import gsm8k_answer, last_boxed
 
 logger = logging.getLogger(__name__)
@@ -26,9 +32,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 KNOWN_DATASETS = ("math_500", "aime24", "aime25", "amc23", "gsm8k")
 
+QUESTION_FIELDS = ("problem", "question", "prompt")  # the first one present is the question
+ROW_FIELDS: Dict[str, TypeSpec] = {"problem": str, "question": str, "prompt": str, "answer": (str, float),
+                                   "solution": str, "solutions": list}
+ROW_SHAPE = ("a question in 'problem', 'question' or 'prompt' (a non-empty string) and its ground truth in 'answer' "
+             "(a string or number), 'solution' (a string with a \\boxed{} answer) or 'solutions' (a non-empty list of "
+             "strings or numbers)")
 
-class DatasetError(ValueError):
-    """A dataset that does not exist or cannot be read."""
+__all__ = ["DatasetError", "Problem", "available_datasets", "dataset_path", "file_sha256", "ground_truth",
+           "load_problems", "subset_indices"]
 
 
 @dataclasses.dataclass
@@ -66,31 +78,71 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _answer_str(a) -> str:
-    if isinstance(a, float) and a.is_integer():
-        a = int(a)
-    return str(a).strip()
+def _answer_str(a, where: str, field: str) -> str:
+    """A number or string answer as text (``27.0`` is ``27``); a blank or non-finite one is a DatasetError."""
+    if isinstance(a, float):
+        if not math.isfinite(a):
+            raise DatasetError(f"{where}: field {field!r} is {a}; an answer must be a finite number or a string")
+        if a.is_integer():
+            a = int(a)
+    text = str(a).strip()
+    if not text:
+        raise DatasetError(f"{where}: field {field!r} is empty; an answer must be a non-empty string or a number")
+    return text
 
 
-def ground_truth(name: str, row: dict) -> tuple[str, List[str]]:
-    """``(answer shown, references for the grader)`` of one row."""
-    if name == "math_500" or (name not in KNOWN_DATASETS and "solution" in row and last_boxed(str(row["solution"]))
-                              and "answer" not in row):
-        box = last_boxed(row["solution"])
-        if box is None:
-            raise DatasetError(f"{name}: a solution without \\boxed{{}}: {row['solution'][-80:]!r}")
-        return box, [row["solution"]]
-    if name == "gsm8k" or (isinstance(row.get("answer"), str) and "####" in row["answer"]):
-        return gsm8k_answer(row["answer"]), [row["answer"]]
-    if "answer" in row:
-        a = _answer_str(row["answer"])
+def _boxed(row: dict, where: str, why: str) -> Tuple[str, List[str]]:
+    sol = row.get("solution")
+    box = last_boxed(sol) if isinstance(sol, str) else None
+    if not box or not box.strip():
+        got = "no 'solution'" if sol is None else f"a 'solution' without one: ...{sol[-60:]!r}"
+        raise DatasetError(f"{where}: {why} the ground truth is the last \\boxed{{}} of 'solution', but the row has "
+                           f"{got}")
+    return box, [sol]
+
+
+def _solutions(sols: list, where: str) -> Tuple[str, List[str]]:
+    """A realhf math row's ``solutions`` (answers as strings or numbers): the first is the one shown."""
+    if not sols:
+        raise DatasetError(f"{where}: field 'solutions' is an empty list; it needs at least one answer")
+    for i, x in enumerate(sols):
+        if isinstance(x, bool) or not isinstance(x, (str, int, float)):
+            raise DatasetError(f"{where}: field 'solutions' item {i} is {json.dumps(x)[:40]}; the items must be "
+                               "strings or numbers")
+    refs = [_answer_str(x, where, "solutions") for x in sols]
+    return refs[0], refs
+
+
+def ground_truth(name: str, row: dict, where: Optional[str] = None) -> Tuple[str, List[str]]:
+    """``(answer shown, references for the grader)`` of one row; ``where`` (``file:line``) prefixes errors."""
+    where = where or name
+    ans, sol, sols = row.get("answer"), row.get("solution"), row.get("solutions")
+    if name == "math_500" or (name not in KNOWN_DATASETS and ans is None and isinstance(sol, str) and last_boxed(sol)):
+        return _boxed(row, where, f"for {name}")
+    if name == "gsm8k" or (isinstance(ans, str) and "####" in ans):
+        if not isinstance(ans, str) or "####" not in ans:
+            raise DatasetError(f"{where}: for gsm8k the ground truth is the number after '####' in 'answer', but the "
+                               f"row has {'no answer' if ans is None else json.dumps(ans)[:60]}")
+        final = gsm8k_answer(ans)
+        if not final:
+            raise DatasetError(f"{where}: nothing after '####' in 'answer'; write the final number after it")
+        return final, [ans]
+    if ans is not None:
+        a = _answer_str(ans, where, "answer")
         return a, [a]
-    if isinstance(row.get("solutions"), list) and row["solutions"]:  # realhf math rows {query_id, prompt, solutions}
-        sols = [_answer_str(x) for x in row["solutions"]]
-        return sols[0], sols
-    if "solution" in row and last_boxed(str(row["solution"])):
-        return last_boxed(row["solution"]), [row["solution"]]
-    raise DatasetError(f"{name}: cannot find a ground truth in a row with fields {sorted(row)}")
+    if sols is not None:  # realhf math rows {query_id, prompt, solutions}
+        return _solutions(sols, where)
+    if sol is not None:
+        return _boxed(row, where, "without 'answer' or 'solutions'")
+    raise DatasetError(f"{where}: no ground truth (fields {sorted(row)}); each row needs {ROW_SHAPE}")
+
+
+def _problem(name: str, where: str, idx: int, row: Dict[str, Any]) -> Problem:
+    q = next((row[k] for k in QUESTION_FIELDS if row.get(k) is not None), None)
+    if q is None:
+        raise DatasetError(f"{where}: no question (fields {sorted(row)}); each row needs {ROW_SHAPE}")
+    gt, sols = ground_truth(name, row, where)
+    return Problem(idx=idx, question=q, ground_truth=gt, solutions=sols)
 
 
 def subset_indices(name: str, n_rows: int, max_problems: Optional[int], seed: int) -> List[int]:
@@ -103,22 +155,11 @@ def subset_indices(name: str, n_rows: int, max_problems: Optional[int], seed: in
 
 def load_problems(name: str, data_dir: Optional[str] = None, max_problems: Optional[int] = None,
                   seed: int = 0) -> List[Problem]:
+    """The problems of dataset ``name`` (a seeded subset of ``max_problems`` of them). Every row is checked
+    first, with the checks of the training datasets (``realhf.impl.dataset.jsonl.read_jsonl``): a row that is
+    not JSON or not an object, a missing, ill-typed or blank field, text that is not Unicode, an empty file,
+    no question or no ground truth is a :class:`DatasetError` naming ``file:line``."""
     path = dataset_path(name, data_dir)
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: not JSON ({e})") from None
-    out = []
-    for i in subset_indices(name, len(rows), max_problems, seed):
-        row = rows[i]
-        q = row.get("problem", row.get("question", row.get("prompt")))
-        if q is None:
-            raise DatasetError(f"{path}: row {i} has none of 'problem', 'question', 'prompt'")
-        gt, sols = ground_truth(name, row)
-        out.append(Problem(idx=i, question=str(q), ground_truth=gt, solutions=sols))
-    return out
+    rows = read_jsonl(path, {}, ROW_FIELDS, nonempty=QUESTION_FIELDS + ("answer", "solution"), describe=ROW_SHAPE)
+    problems = [_problem(name, f"{path}:{line_no}", i, row) for i, (line_no, row) in enumerate(rows)]
+    return [problems[i] for i in subset_indices(name, len(problems), max_problems, seed)]

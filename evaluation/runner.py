@@ -324,8 +324,6 @@ def _validate(args):
 def run_evaluation(args: argparse.Namespace, engine=None) -> EvalRun:
     """Evaluate ``args.model_path``; ``engine`` (an object with ``generate(requests, cfg)``) replaces
     the one named by ``args.engine`` (e.g. a fake engine in tests)."""
-    import transformers
-
     _validate(args)
     names = [n.strip() for n in args.data_names.split(",") if n.strip()]
     if not names:
@@ -340,6 +338,8 @@ def run_evaluation(args: argparse.Namespace, engine=None) -> EvalRun:
         raise EvalError(str(e)) from None
     out = os.path.abspath(args.output_path)
     os.makedirs(out, exist_ok=True)
+
+    import transformers  # ~2 s: only once the arguments and every dataset are known to be good
 
     tok = transformers.AutoTokenizer.from_pretrained(model_path)
     stop_ids = engines.stop_token_ids(model_path, tok)

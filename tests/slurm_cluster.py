@@ -107,7 +107,8 @@ class Slurm:
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "MinJobAge=600",
-            "KillWait=5",
+            "KillWait=5",  # SIGTERM to SIGKILL when Slurm ends a job (time limit, scancel)
+            "OverTimeLimit=0",  # a job is ended at the first time-limit check after its end time (every 30 s)
             "InactiveLimit=0",
             "GresTypes=gpu" if gres_files else "",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=1000 State=UNKNOWN{gres_line}",

@@ -188,3 +188,33 @@ def test_a_task_that_dies_with_its_wrapper_is_named_with_the_job_state(slurm_clu
         p.kill()
         for q in run_processes(root):
             q.kill()
+
+
+@pytest.mark.slow  # Slurm checks time limits every 30 s: 30-40 s
+def test_a_time_limit_is_named_with_slurms_state_and_the_option(slurm_cluster, tiny_sft, tmp_path):
+    """A job ended by its Slurm time limit: the failure says Slurm's state and reason (TIMEOUT, TimeLimit), the option
+    behind the limit (slurm.time) and what to do, not only the signal its processes got. slurmctld checks time limits
+    every 30 s; once the worker's task runs, its job's end time is moved to now (scontrol update EndTime=now), so the
+    next check ends it."""
+    root = str(tmp_path)
+    p = start_quickstart(sft_cmd(*tiny_sft, root, "long", "allocation_mode=d1m1p1", "n_devices_per_node=1",
+                                 "exp_ctrl.total_train_epochs=500", "slurm.time=10", *SLURM_CPU))
+    log = os.path.join(root, "long", "trial0", "logs", "model_worker_0.log")
+    try:
+        deadline = time.monotonic() + 120
+        while not (os.path.exists(log) and "[slurm] model_worker_0: job" in open(log).read()):
+            assert p.poll() is None and time.monotonic() < deadline, "the worker's task did not start"
+            time.sleep(0.2)
+        jobs = slurm_cluster.run(["squeue", "-h", "-o", "%i %j"]).stdout.split("\n")
+        (job,) = [line.split()[0] for line in jobs if line.endswith(":model_worker_0")]
+        slurm_cluster.run(["scontrol", "update", f"jobid={job}", "EndTime=now"])
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 1, out[-3000:]
+        assert f"model_worker_0 exited with code -15 (killed by signal 15) because Slurm job {job} ended: TIMEOUT " \
+               "(TimeLimit): the job reached its time limit" in out, out[-3000:]
+        assert "(slurm.time='10'); raise slurm.time" in out and "recover_mode=auto" in out, out[-3000:]
+        assert not _no_job_left(slurm_cluster) and not wait_until_gone(root)
+    finally:
+        p.kill()
+        for q in run_processes(root):
+            q.kill()

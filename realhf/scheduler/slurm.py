@@ -14,6 +14,10 @@ to its node's address (``slurm.host_cmd``), runs the process with its output in 
 records the exit code in ``<log_dir>/slurm/<job>.exit``. The launcher watches those files and ``squeue``: a task
 that exits non-zero, or a job Slurm ended (cancelled, node failure, time limit) before its tasks reported, fails the
 run named, and every job of the run is cancelled (``scancel``) and waited out of the queue. Ctrl-C does the same.
+When Slurm itself ended the job or its step (TIMEOUT, CANCELLED, NODE_FAIL, OUT_OF_MEMORY, PREEMPTED, ...), the
+failure says so with Slurm's state and reason (``scontrol show job``, read as soon as the task's exit is seen, while
+slurmctld still keeps the job's record: there may be no accounting database to ask later) or slurmstepd's notice in
+the job's output file, and what to do: for a time limit, the ``slurm.time`` behind it.
 The launcher touches ``<log_dir>/slurm/lease`` while it lives; if it is killed outright the processes of the
 jobs notice the stale lease and end (``slurm.launcher_lease_secs``), so no job trains unsupervised.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -45,6 +50,26 @@ RANK = "@@REALHF_RANK@@"  # stands for a task's rank in a group's command line
 _ENDED_STATES = ("BOOT_FAIL", "CANCELLED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                  "TIMEOUT", "COMPLETED", "SPECIAL_EXIT", "REVOKED")
 _SECRET_KEYS = ("REALHF_RUN_SECRET",)
+# Job states in which Slurm itself ended a job (FAILED too, unless its reason is the tasks' own exit code), and what
+# to do about each (TIMEOUT's advice names the time limit: see SlurmScheduler._advice)
+_SLURM_ENDS = {
+    "TIMEOUT": "",
+    "CANCELLED": "someone or something ran scancel on it (you, an administrator, a script)",
+    "NODE_FAIL": "a node of the job failed; recover_mode=auto relaunches the run from its last recover checkpoint",
+    "PREEMPTED": "a job of higher priority took its resources; recover_mode=auto relaunches the run from its last "
+                 "recover checkpoint",
+    "OUT_OF_MEMORY": "a task went over the job's memory; raise slurm.mem_per_slot",
+    "DEADLINE": "it reached the deadline given to sbatch (--deadline in slurm.sbatch_args)",
+    "BOOT_FAIL": "a node of the job failed to boot",
+    "REVOKED": "",
+    "FAILED": "",
+}
+_OWN_FAILURE_REASONS = ("NonZeroExitCode", "None")  # a FAILED job with these reasons ended by its tasks' exit codes
+# slurmstepd's notice in a job's output ("*** STEP 12.0 ON node1 CANCELLED AT 2024-01-01T10:00:00 DUE TO TIME LIMIT
+# ***"), which also tells of a step Slurm ended while the job went on, and outlives the job's record
+_STEPD_NOTICE = re.compile(r"\*\*\* ((?:JOB|STEP) \S+ ON \S+ CANCELLED AT \S+[^*\n]*?) \*\*\*")
+_NOTICE_STATES = {"TIME LIMIT": "TIMEOUT", "PREEMPTION": "PREEMPTED", "NODE FAILURE": "NODE_FAIL"}
+_SETTLE_SECS = 15.0  # how long a failed task's report waits for its ending job's final state (COMPLETING -> ...)
 
 
 class SlurmError(ValueError):
@@ -113,7 +138,11 @@ class SlurmScheduler(WaitMixin):
         self._states_t = 0.0
         self._states_at = 0.0  # when the queue was last read whole (0: never)
         self._gone_since: Dict[str, float] = {}
-        self.lost: Dict[str, str] = {}  # job -> why it counts as failed without an exit code (read by WaitMixin.wait)
+        # job -> why it failed when Slurm ended it, or why it counts as failed without an exit code (read by
+        # WaitMixin.wait as the failure's reason)
+        self.lost: Dict[str, str] = {}
+        self._ending: Dict[str, Tuple[float, float]] = {}  # job -> (first seen, last asked) while its Slurm job ends
+        self._explained: set = set()  # jobs whose non-zero exit code was checked against Slurm's state
         self._pending_logged: Dict[str, float] = {}
         self._stop = threading.Event()
         self.lease = os.path.join(self.script_dir, "lease")
@@ -291,12 +320,75 @@ exit $CODE
                            "(squeue; too many nodes, GPUs or CPUs asked? check_cluster says what the cluster has)")
 
     def _end_reason(self, job_id: str) -> str:
+        """Why a job left the queue, in Slurm's words, for a task that could not report its exit."""
+        fields = _scontrol_job(job_id)
+        if not fields:
+            notice = self._stepd_notice(job_id)
+            return f"Slurm job {job_id} is no longer in the queue" + (f" ({notice})" if notice else "")
+        head, advice = self._slurm_end(job_id, fields, always=True)
+        return f"{head} before it exited" + (f": {advice}" if advice else "")
+
+    def _slurm_end(self, job_id: str, fields: Dict[str, str], always: bool = False) -> Tuple[Optional[str], str]:
+        """(``Slurm job N ended: STATE (Reason)``, what to do) when Slurm itself ended the job or one of its steps (a
+        time limit, scancel, a node failure, preemption, ...); otherwise (None, "") (or, with ``always``, the state)."""
+        state, reason = fields.get("JobState", "?"), fields.get("Reason", "None")
+        notice = self._stepd_notice(job_id)
+        by_slurm = state in _SLURM_ENDS and (state != "FAILED" or reason not in _OWN_FAILURE_REASONS)
+        if by_slurm or (always and not notice):
+            head = f"Slurm job {job_id} ended: {state} ({reason})"
+        elif notice:  # the job went on (or failed) after Slurm ended a step of it
+            state = next((st for due, st in _NOTICE_STATES.items() if f"DUE TO {due}" in notice), "CANCELLED")
+            head = f"Slurm ended it (slurmstepd of job {job_id}: *** {notice} ***)"
+        else:
+            return None, ""
+        return head, (self._advice(state, fields) if by_slurm or notice else "")
+
+    def _advice(self, state: str, fields: Dict[str, str]) -> str:
+        if state != "TIMEOUT":
+            return _SLURM_ENDS.get(state, "")
+        t = self.config.slurm.time
+        limit = f"its time limit {fields['TimeLimit']}" if fields.get("TimeLimit") else "its time limit"
+        source = f"slurm.time={t!r}" if t else "the partition's default: slurm.time is empty"
+        return (f"the job reached {limit} ({source}); raise slurm.time (sbatch --time), or run with recover_mode=auto "
+                "to resume from the last recover checkpoint in new jobs")
+
+    def _stepd_notice(self, job_id: str) -> Optional[str]:
+        """The last ``*** ... CANCELLED AT ... ***`` line slurmstepd wrote to the job's output file, if any."""
+        group = next((g for g, j in self._job_of_group.items() if j == job_id), None)
+        if group is None:
+            return None
         try:
-            p = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
-            fields = dict(w.split("=", 1) for w in p.stdout.split() if "=" in w)
-            return f"Slurm job {job_id} ended: {fields.get('JobState', 'unknown state')} ({fields.get('Reason', '?')})"
-        except Exception:
-            return f"Slurm job {job_id} is no longer in the queue"
+            with open(os.path.join(self.script_dir, f"{group}-{job_id}.out"), "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - (64 << 10)))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        found = _STEPD_NOTICE.findall(text)
+        return found[-1] if found else None
+
+    def _failed_code(self, name: str, t: SlurmTask, code: int) -> Optional[int]:
+        """A task's non-zero exit ``code``, once Slurm's state tells whether Slurm ended it (then ``self.lost[name]``
+        says how), or None while its job is still ending (COMPLETING) and the final state may say more. Slurm's
+        record is read at once, while slurmctld still holds it (MinJobAge seconds after the end, 300 by default)."""
+        if name in self._explained:
+            return code
+        now = time.monotonic()
+        first, asked = self._ending.get(name, (now, 0.0))
+        if now - asked < 1.0:
+            return None
+        fields = _scontrol_job(t.job_id)
+        if fields.get("JobState") == "COMPLETING" and now - first < _SETTLE_SECS:
+            self._ending[name] = (first, now)
+            return None
+        self._ending.pop(name, None)
+        self._explained.add(name)
+        if fields.get("JobState") == "COMPLETING" and fields.get("Reason") == "TimeLimit":
+            fields["JobState"] = "TIMEOUT"  # still ending after _SETTLE_SECS; its reason already says why
+        head, advice = self._slurm_end(t.job_id, fields)
+        if head:
+            sig = f" (killed by signal {-code})" if code < 0 else ""
+            self.lost[name] = f"{name} exited with code {code}{sig} because {head}" + (f": {advice}" if advice else "")
+        return code
 
     def _codes(self) -> Dict[str, Optional[int]]:
         self._refresh_states()
@@ -304,19 +396,30 @@ exit $CODE
         for name, t in self.jobs.items():
             code = _read_exit(t.exit_path)
             if code is not None:
-                out[name] = code
+                out[name] = code if code == 0 else self._failed_code(name, t, code)
                 continue
             state = self._states.get(t.job_id)
             if self._states_at and (state is None or state in _ENDED_STATES):  # Slurm ended it before the task reported
                 since = self._gone_since.setdefault(t.job_id, self._states_at)
                 if self._states_at - since > 5.0:  # seen gone for 5 s (the task's exit file may lag on shared disks)
-                    self.lost[name] = f"{name} was lost: {self._end_reason(t.job_id)} before it exited"
+                    self.lost[name] = f"{name} was lost: {self._end_reason(t.job_id)}"
                     out[name] = -1
                     continue
             elif state is not None:
                 self._gone_since.pop(t.job_id, None)
             out[name] = None
-        return out
+        return self._slurm_ends_first(out)
+
+    def _slurm_ends_first(self, codes: Dict[str, Optional[int]]) -> Dict[str, Optional[int]]:
+        """Failures Slurm explains (a job it ended) come before the failures they cause (e.g. the master's, when a
+        worker's job reached its time limit): while one is known, or a failed task's job is still ending, the others
+        read as running."""
+        failed = [n for n, c in codes.items() if c is not None and c != 0]
+        if self._ending or any(n in self.lost for n in failed):
+            for n in failed:
+                if n not in self.lost:
+                    codes[n] = None
+        return codes
 
     # ------------------------------------------------------------------ stopping
     def stop_all(self, grace: float = 30.0):
@@ -366,6 +469,19 @@ def sinfo(partition: str, fmt: str, timeout: float = 20.0) -> Tuple[Optional[Lis
     if p.returncode != 0:
         return None, f"sinfo failed: {' '.join(p.stderr.split())[-400:]}"
     return [" ".join(line.split()) for line in p.stdout.splitlines() if line.strip()], None
+
+
+def _scontrol_job(job_id: str) -> Dict[str, str]:
+    """The fields of ``scontrol show job -o JOB`` (JobState, Reason, TimeLimit, ...); {} when slurmctld has no record
+    of the job any more (there is no accounting database to ask instead) or scontrol fails."""
+    try:
+        p = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        logger.warning(f"scontrol show job {job_id} failed: {e}")
+        return {}
+    if p.returncode != 0:
+        return {}
+    return dict(w.split("=", 1) for w in p.stdout.split() if "=" in w)
 
 
 def _read_exit(path: str) -> Optional[int]:

@@ -83,22 +83,27 @@ def _lines(f, path: str, max_row_bytes: int) -> Iterator[Tuple[int, bytes]]:
 
 
 def read_jsonl(path: str, required: Dict[str, TypeSpec], optional: Optional[Dict[str, TypeSpec]] = None,
-               nonempty: Sequence[str] = ("prompt",), max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[Tuple[int, dict]]:
+               nonempty: Sequence[str] = ("prompt",), max_row_bytes: int = MAX_ROW_BYTES,
+               describe: Optional[str] = None) -> Iterator[Tuple[int, dict]]:
     """Yield ``(line_no, row)`` for every non-blank line of ``path`` (1-based line numbers).
 
     ``required`` / ``optional`` map field names to a type or tuple of types (``bool`` is never
     taken for an ``int``; an ``int`` is accepted for ``float``); an optional field set to null
     counts as absent. String fields named in ``nonempty`` must not be blank. A row longer than
-    ``max_row_bytes`` is rejected by its size before it is parsed.
+    ``max_row_bytes`` is rejected by its size before it is parsed; text that is not valid Unicode
+    (a lone surrogate from a JSON escape such as ``"\\ud800"``) is rejected with its field.
+    ``describe`` says in words what a row holds, for the messages (default: the fields listed).
     """
     if not os.path.isfile(path):
         raise DatasetError(f"{path}: no such file")
     if max_row_bytes < 1:
         raise ValueError(f"max_row_bytes must be >= 1, got {max_row_bytes}")
     optional = optional or {}
-    n = 0
+    shape = describe or _describe(required, optional)
+    n = last = 0
     with open(path, "rb") as f:
         for line_no, raw in _lines(f, path, max_row_bytes):
+            last = line_no
             where = f"{path}:{line_no}"
             try:
                 line = raw.decode("utf-8")
@@ -111,14 +116,18 @@ def read_jsonl(path: str, required: Dict[str, TypeSpec], optional: Optional[Dict
             except json.JSONDecodeError as e:
                 raise DatasetError(
                     f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object "
-                    f"with {_describe(required, optional)}"
+                    f"with {shape}"
                 ) from None
             if not isinstance(row, dict):
-                raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}; "
-                                   f"each line needs {_describe(required, optional)}")
+                got = "null" if row is None else _type_names(type(row))
+                raise DatasetError(f"{where}: expected a JSON object, got {got}; each line needs {shape}")
+            bad = _not_unicode(row) if "\\u" in line else None  # lone surrogates come only from \u escapes
+            if bad is not None:
+                raise DatasetError(f"{where}: {bad} holds a lone surrogate (a \\ud800-\\udfff escape that is not half "
+                                   "of a pair), which is not Unicode text; write the character itself or a valid pair")
             for key, t in required.items():
                 if key not in row:
-                    raise DatasetError(f"{where}: missing field {key!r}; each row needs {_describe(required, optional)}")
+                    raise DatasetError(f"{where}: missing field {key!r}; each row needs {shape}")
                 if not _type_ok(row[key], t):
                     raise DatasetError(f"{where}: field {key!r} must be a {_type_names(t)}, got "
                                        f"{type(row[key]).__name__} {_short(row[key])}")
@@ -133,7 +142,32 @@ def read_jsonl(path: str, required: Dict[str, TypeSpec], optional: Optional[Dict
             n += 1
             yield line_no, row
     if n == 0:
-        raise DatasetError(f"{path} is empty: expected one JSON object per line with {_describe(required, optional)}")
+        raise DatasetError(f"{path}:{max(last, 1)}: no rows, {os.path.basename(path)} is empty; expected one JSON "
+                           f"object per line with {shape}")
+
+
+def _not_unicode(value: Any, where: str = "") -> Optional[str]:
+    """Where in a parsed row (e.g. ``field 'prompt'``, ``field 'solutions'[1]``, ``a field name``) text cannot be
+    encoded as UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if _not_unicode(k) is not None:
+                return f"a field name ({k.encode('utf-8', 'backslashreplace').decode()})"
+            found = _not_unicode(v, f"{where}[{k!r}]" if where else f"field {k!r}")
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _not_unicode(v, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _short(v: Any, n: int = 60) -> str:
