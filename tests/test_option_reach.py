@@ -413,6 +413,7 @@ ASYNC: Dict[str, Any] = {
 }
 # the critic's options of ppo-math, which read the critic's interfaces as they are
 ASYNC.update({k: v for k, v in PPO.items() if k.startswith("ppo.") and k not in ASYNC and "gen." not in k})
+    "async_rl.max_episode_retries": Reach("5", _rollout("max_episode_retries")),
 
 TABLES = {"sft": SFT, "gen": GEN, "ppo-math": PPO, "async-ppo-math": ASYNC}
 # the options each experiment needs to build at all (required paths; the tiny model has 512 positions)

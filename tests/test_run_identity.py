@@ -95,7 +95,8 @@ def test_resume_checks_and_planted_files(tiny_sft, tmp_path):
         json.dump(info, f)
     out = run(sft(tiny_sft, root, "r", *base, "recover_mode=resume"), code=1)
     assert not os.path.exists(marker), "a planted recover file ran code"
-    assert f"cannot load recover file {planted}" in out, out[-3000:]
+    assert f"recover file {planted} is damaged or is not a realhf recover file" in out, out[-3000:]
+    assert "weights_only" not in out, out[-3000:]  # torch's advice to load it unsafely is not passed on
     # restored: the resumed run ends with the parameters of the uninterrupted one, every step once
     shutil.copy(keep, planted)
     info["files"]["worker_rank0.pt"] = os.path.getsize(planted)

@@ -4,7 +4,8 @@
   step's time and key stats (task reward or loss, each MFC's time).
 * Otherwise (CI, nohup, Slurm logs): a plain line when a step finishes, at most one every ``interval`` seconds
   (and always the last step).
-* Warnings a user can act on (``notices``) are printed once each, above the progress line.
+* Warnings a user can act on (``notices``, the master's and those other processes post) are printed once each,
+  above the progress line.
 * At the end: a summary (steps, time, first- vs last-quarter reward or loss, where logs, checkpoints and the
   curve are) and ``<log_dir>/reward_curve.png`` (:mod:`realhf.apps.plot`).
 
@@ -20,7 +21,7 @@ import time
 from typing import Optional, TextIO
 
 from realhf.base import logging
-from realhf.base.progress import key_stats, read_progress
+from realhf.base.progress import key_stats, read_posted_notices, read_progress
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +103,17 @@ class Console:
         launch's progress file first)."""
         self.close()
         self.log_dir, self._step, self._notices, self._printed_at = log_dir, None, 0, float("-inf")
+        self._posted = 0  # notices of other processes (realhf.base.progress.post_notice) shown so far
         self._tail = _StatsTail(os.path.join(log_dir, "stats.jsonl"))
 
     def poll(self) -> None:
         """Show what changed in the run's progress since the last call (cheap when nothing did)."""
         if self.log_dir is None:
             return
+        posted = read_posted_notices(self.log_dir)
+        for msg in posted[self._posted:]:
+            self._write(f"warning: {msg}")
+        self._posted = max(self._posted, len(posted))
         p = read_progress(self.log_dir)
         if p is None:
             return

@@ -49,11 +49,20 @@ def write_json_atomic(path: str, obj: Any, durable: bool = True) -> None:
     """Write ``obj`` as JSON to ``path`` so that readers see the old or the new file, never a partial one;
     ``durable`` also fsyncs the file and its folder (for files that must survive a power loss)."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # e.g. a full disk: say which file, and leave no partial temporary behind
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), path) from None
     if durable:
         _fsync_dir(os.path.dirname(os.path.abspath(path)))

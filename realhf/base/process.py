@@ -67,14 +67,35 @@ def env_with_source_path(env=None) -> dict:
     return env
 
 
+FULL_DISK_BYTES = 1 << 20  # a file system with less free space than this cannot take a log or a checkpoint
+
+
+def full_disk_note(path: str) -> str:
+    """A line saying that the file system holding ``path`` is full (whatever was written there last, e.g. a
+    process's dying words in its log, may be cut), or ``""`` when it has room or cannot be asked."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    if free >= FULL_DISK_BYTES:
+        return ""
+    return (f"(no space left on device: the file system of {folder} has {free} bytes free, so the lines above may "
+            "be cut or missing; free some space there, or point fileroot elsewhere, and launch again)")
+
+
 def tail(path: str, n: int = 25) -> str:
-    """The last ``n`` lines of a (log) file, or ``(no log)`` when it cannot be read."""
+    """The last ``n`` lines of a (log) file, or ``(no log)`` when it cannot be read; followed by
+    :func:`full_disk_note` when the file's disk is full (its last lines may then be cut)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
             size = f.tell()
             f.seek(max(0, size - 16384))
             lines = f.read().decode(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        out = "\n".join(lines[-n:])
     except OSError:
-        return "(no log)"
+        out = "(no log)"
+    note = full_disk_note(path)
+    return "\n".join(x for x in (out, note) if x)

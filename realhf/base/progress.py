@@ -5,16 +5,21 @@ Fields: ``total_steps`` (the steps this run really does, given epochs, data size
 the recover checkpoint's step, else 0), ``epoch``/``epochs``, ``elapsed`` and ``eta`` (seconds), ``last`` (the last
 step's time and key stats) and ``notices`` (warnings a user can act on, each once). The launcher's console
 shows it; anything else may read it too.
+
+Processes other than the master (the rollout manager of an asynchronous run, which finds problems while the master
+waits for a batch) post their notices to ``<log_dir>/notices.jsonl`` (:func:`post_notice`, one JSON string a line);
+the console shows those too.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import List, Optional
 
 from realhf.base.plain_json import write_json_atomic
 
 PROGRESS_FILE = "progress.json"
+NOTICES_FILE = "notices.jsonl"
 
 # the stats shown with the progress, when a run has them (reward and losses, then the MFC times)
 KEY_STATS = ("task_reward", "loss", "eval_loss", "actor_loss", "critic_loss", "no_eos_ratio")
@@ -32,11 +37,41 @@ def write_progress(log_dir: str, progress: dict) -> None:
 
 
 def clear_progress(log_dir: str) -> None:
-    """Remove the progress of an earlier launch (before a new one starts)."""
+    """Remove the progress and the posted notices of an earlier launch (before a new one starts)."""
+    for name in (PROGRESS_FILE, NOTICES_FILE):
+        try:
+            os.remove(os.path.join(log_dir, name))
+        except FileNotFoundError:
+            pass
+
+
+def post_notice(log_dir: str, message: str) -> None:
+    """Append ``message`` to the run's posted notices (one line, written at once: lines of several processes do not
+    mix)."""
+    line = (json.dumps(message) + "\n").encode()
+    fd = os.open(os.path.join(log_dir, NOTICES_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.remove(os.path.join(log_dir, PROGRESS_FILE))
-    except FileNotFoundError:
-        pass
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_posted_notices(log_dir: str) -> List[str]:
+    """The notices posted so far (a line still being written is left for the next call)."""
+    try:
+        with open(os.path.join(log_dir, NOTICES_FILE), "rb") as f:
+            data = f.read()
+    except OSError:
+        return []
+    out = []
+    for line in data[:data.rfind(b"\n") + 1].splitlines():
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(msg, str):
+            out.append(msg)
+    return out
 
 
 def read_progress(log_dir: str) -> Optional[dict]:

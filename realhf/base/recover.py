@@ -13,6 +13,10 @@ checkpoint — the new one or the previous one; folders that never became ``LATE
 commit. Before a run resumes, :meth:`RecoverStore.latest` checks that every file of the manifest exists
 with its recorded size, so a truncated checkpoint is refused by name before any worker starts.
 
+The workers' state files (``*.pt``) are read by :func:`load_state_file` with ``torch.load(weights_only=True)``: plain
+tensors, numbers and containers only, so a file planted in the run folder cannot run code; one that cannot be read
+so is refused as damaged, naming it.
+
 Every checkpoint records the id of the run that wrote it and a fingerprint of the options that shape the
 training (see ``BaseExperimentConfig.fingerprint``); the launcher decides from them whether a checkpoint
 belongs to the run being started (``realhf.apps.main``).
@@ -24,7 +28,7 @@ import os
 import shutil
 import time
 import uuid
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 from realhf.base import logging
 from realhf.base.plain_json import write_json_atomic
@@ -51,6 +55,44 @@ def _read_json(path: str, what: str) -> dict:
     if not isinstance(obj, dict):
         raise RecoverError(f"{what} {path} is not a JSON object; the recover checkpoint is damaged")
     return obj
+
+
+# lines of torch's load errors that advise loading with weights_only=False: that would unpickle arbitrary objects,
+# which is what a planted file needs to run code; they are left out of the errors realhf shows
+_UNSAFE_ADVICE = ("weights_only", "Weights only load failed", "file an issue", "torch.load")
+
+
+def _load_cause(e: BaseException) -> str:
+    """The gist of a failed ``torch.load``: its first statement, without the advice to load unsafely."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not any(a in ln for a in _UNSAFE_ADVICE)]
+    gist = lines[0].split(". ")[0].rstrip(".") if lines else ""
+    if len(gist) > 200:
+        gist = gist[:200] + "..."
+    return f"{type(e).__name__}: {gist}" if gist else type(e).__name__
+
+
+def load_state_file(path: str, keys: Sequence[str] = ()) -> dict:
+    """The state a worker saved in recover file ``path`` (a dict holding at least ``keys``), read as plain tensors
+    and numbers (``weights_only=True``). RecoverError naming the file when it cannot be read, is damaged, or is not
+    such a state."""
+    import torch
+
+    try:
+        st = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise RecoverError(f"recover file {path} is missing") from None
+    except OSError as e:
+        raise RecoverError(f"recover file {path} cannot be read: {e.strerror or e}") from None
+    except Exception as e:  # noqa: BLE001  (any failure of the restricted unpickler: these bytes are no such state)
+        raise RecoverError(f"recover file {path} is damaged or is not a realhf recover file ({_load_cause(e)}; "
+                           "realhf reads recover files as plain tensors and numbers only, so that a planted file "
+                           "cannot run code). Move the recover folder aside (or set recover_mode=disabled) to start "
+                           "afresh") from None
+    missing = [k for k in keys if not isinstance(st, dict) or k not in st]
+    if missing:
+        raise RecoverError(f"recover file {path} is not a realhf recover file of this kind: it lacks {missing}. Move "
+                           "the recover folder aside (or set recover_mode=disabled) to start afresh")
+    return st
 
 
 def _manifest(root: str) -> Dict[str, int]:

@@ -201,7 +201,8 @@ def async_rollout_spec(cfg: AsyncPPOMathConfig, prompts: DatasetSpec, n_samples:
         reward_fn=a.reward_fn, reward_args=reward_args, reward_output_scaling=cfg.ppo.reward_output_scaling,
         reward_output_bias=cfg.ppo.reward_output_bias, tokenizer_path=cfg.actor.path,
         dynamic_filtering=a.dynamic_filtering, shuffle=True, seed=cfg.seed, episode_timeout_secs=a.episode_timeout_secs,
-        weight_update=a.weight_update, max_seq_len=max_seq_len, use_chat_template=cfg.use_chat_template)
+        max_episode_retries=a.max_episode_retries, weight_update=a.weight_update, max_seq_len=max_seq_len,
+        use_chat_template=cfg.use_chat_template)
 
 
 register_experiment("ppo-math", PPOMathConfig, build_ppo_math)

@@ -13,12 +13,12 @@ or gone) ends itself (``realhf.system.heartbeat.exit_when_silent``).
 
 The torch.distributed rendezvous store listens only on the address the worker binds its sockets to
 (loopback for a run on one machine; the node's address under a cluster launcher). Recover checkpoints are
-read with ``torch.load(weights_only=True)``: a file planted in the run folder cannot run code.
+read with ``torch.load(weights_only=True)`` (``realhf.base.recover.load_state_file``): a file planted in the run folder
+cannot run code.
 """
 from __future__ import annotations
 
 import os
-import pickle
 import random
 import socket
 import time
@@ -36,7 +36,7 @@ from realhf.api.core.system_api import ExperimentSpec, ModelSpec
 import realhf.impl.model.interface  # noqa: F401  (registers the interfaces)
 from realhf.base import cpu_share, logging, network
 from realhf.base.name_resolve import names
-from realhf.base.recover import RecoverError, RecoverStore
+from realhf.base.recover import RecoverStore, load_state_file
 from realhf.base.runtime_env import RuntimeEnv
 from realhf.base.topology import ParallelGrid
 from realhf.system.data_manager import DataManager
@@ -58,14 +58,6 @@ def owner_rank(grid: ParallelGrid, dp_rank: int) -> int:
 def load_recover_info(spec: ExperimentSpec) -> Optional[dict]:
     """The current recover checkpoint's info (its folder under ``"path"``), or None (see realhf.base.recover)."""
     return RecoverStore(spec.recover_dir).latest()
-
-
-def _load_recover_file(path: str) -> dict:
-    """A recover file's state, read without unpickling code; RecoverError naming the file otherwise."""
-    try:
-        return torch.load(path, weights_only=True)
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-        raise RecoverError(f"cannot load recover file {path}: {type(e).__name__}: {e}") from e
 
 
 def _np_state_plain(state) -> list:
@@ -389,10 +381,10 @@ class ModelWorker:
             spec = self.spec.model(name)
             if spec.optimizer is None:
                 continue
-            st = _load_recover_file(os.path.join(d, name, f"engine_rank{self.rank}.pt"))
+            st = load_state_file(os.path.join(d, name, f"engine_rank{self.rank}.pt"), keys=("version",))
             m.engine.load_state_dict(st)
             m.version = st["version"]
-        st = _load_recover_file(os.path.join(d, f"worker_rank{self.rank}.pt"))
+        st = load_state_file(os.path.join(d, f"worker_rank{self.rank}.pt"), keys=("rng", "py", "np"))
         torch.set_rng_state(st["rng"])
         random.setstate(st["py"])
         np.random.set_state(_np_state_from_plain(st["np"]))

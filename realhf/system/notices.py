@@ -1,16 +1,21 @@
 """Warnings a user can act on, found in a run's step stats and reported once each: the master logs them and puts
-them in ``progress.json``, from where the launcher shows them on the console."""
+them in ``progress.json``, from where the launcher shows them on the console. Other processes of a run post theirs
+next to it (``Notices(log_dir)``, ``realhf.base.progress.post_notice``)."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from realhf.base import logging
+from realhf.base.progress import post_notice
 
 logger = logging.getLogger(__name__)
 
 
 class Notices:
-    def __init__(self):
+    """``log_dir``: also post each notice there for the console (a process that writes no ``progress.json``)."""
+
+    def __init__(self, log_dir: Optional[str] = None):
+        self.log_dir = log_dir
         self.messages: List[str] = []
         self._seen: set = set()
         self._last: Dict[str, float] = {}
@@ -22,6 +27,11 @@ class Notices:
         self._seen.add(key)
         self.messages.append(message)
         logger.warning(message)
+        if self.log_dir is not None:
+            try:
+                post_notice(self.log_dir, message)
+            except OSError as e:  # the warning is in this process's log; the console goes without it
+                logger.error(f"could not post the notice to {self.log_dir}: {e}")
 
     def check(self, step: int, stats: dict) -> None:
         """Look at the stats of global ``step`` for what a user should know."""

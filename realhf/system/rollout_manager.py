@@ -8,7 +8,9 @@ sits between the rollout workers, the generation servers and the trainer:
   data-parallel *head* that receives the trajectory, the *prompt* (a dataset index) and the generation server to
   prefer. Workers report each episode's end (``/finish``): ``accepted`` (pushed to the trainer), ``rejected``
   (dropped by dynamic filtering: the slot is re-issued with the next prompt) or ``failed`` (errored: the slot and
-  its prompt are re-issued, nothing is lost).
+  its prompt are re-issued, nothing is lost). The first retryable failure (a timeout ...) is a console notice; a
+  prompt that fails more than ``async_rl.max_episode_retries`` times stops the run: the manager exits with code 1
+  and the error (naming the prompt and the cause) as the last line of its log, which the launcher reports.
 * The trainer publishes new weights (``/update_weights``): the manager pauses every live server, aborts what runs
   there (workers resubmit the rest of an aborted answer; it waits on the paused server; with
   ``async_rl.weight_update=inflight`` nothing is aborted), loads the checkpoint folder, resumes, and raises its
@@ -31,13 +33,14 @@ import asyncio
 import os
 import signal
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from realhf.base import logging
 
 logger = logging.getLogger("realhf.rollout_manager")
 
-from realhf.system.ticket_book import TicketBook, _int
+from realhf.system.notices import Notices
+from realhf.system.ticket_book import EpisodeRetriesExhausted, TicketBook, _int, describe_prompt
 
 
 # ====================================================================== the server
@@ -65,8 +68,9 @@ class RolloutManager:
     ==========================  ===================================================================================
     ``POST /allocate``          ``{"worker"}`` -> ``{"ticket": {id, batch, slot, head, prompt, cursor, version} |
                                 null, "reason", "version", "server": i|null, "complete"}``; reason ``ok``,
-                                ``done``, ``staleness``, ``concurrency`` or ``weights`` (restored, until the
-                                trainer publishes); 503 when every server is down
+                                ``done``, ``staleness``, ``concurrency``, ``weights`` (restored, until the
+                                trainer publishes) or ``stopping`` (a prompt failed too often:
+                                see ``fail``); 503 when every server is down
     ``POST /finish``            ``{"ticket": id, "status": "accepted"|"rejected"|"failed", "stats": {...}}`` -> ``{}``
     ``POST /server_down``       ``{"index", "reason"}`` -> ``{}``: stop routing to server ``index`` and updating it
     ``POST /worker_down``       ``{"worker", "reason"}`` -> ``{"released": n}``: the rollout worker is gone (the
@@ -95,7 +99,8 @@ class RolloutManager:
     servers are resumed, the version is not raised). Updates are serialized."""
 
     def __init__(self, book: TicketBook, addresses: Sequence[str], secret: bytes, backend: str = "gen",
-                 control_timeout: float = 30.0, weight_timeout: float = 1800.0, interrupt: bool = True):
+                 control_timeout: float = 30.0, weight_timeout: float = 1800.0, interrupt: bool = True,
+                 notices: Optional[Notices] = None):
         from realhf.gen_server.auth import RequestVerifier
         from realhf.gen_server.client import GenClient, dialect_options
         from realhf.system.wire import RejectionLog
@@ -123,6 +128,9 @@ class RolloutManager:
         self._idle_s = 0.0
         self.runner = None
         self.port: Optional[int] = None
+        self.notices = notices if notices is not None else Notices()  # Notices(log_dir): they reach the console
+        self.fatal: Optional[str] = None  # the error that stops the run (see fail)
+        self.on_fatal: Optional[Callable[[], None]] = None
 
     # ------------------------------------------------------------------ HTTP plumbing
     def app(self):
@@ -167,6 +175,17 @@ class RolloutManager:
             self._idle_s += now - self._last_tick
         self._last_tick = now
 
+    def fail(self, message: str) -> None:
+        """Stop the run with ``message``: no more tickets are issued, and ``on_fatal`` (``serve``: end the process with
+        code 1 and the message as the last line of its log, which the launcher reports) is called."""
+        if self.fatal is not None:
+            return
+        self.fatal = message
+        if self.on_fatal is not None:
+            self.on_fatal()
+        else:
+            logger.error("the run must stop: %s", message)
+
     def _live(self) -> List[int]:
         return [i for i, ok in enumerate(self.live) if ok]
 
@@ -189,6 +208,9 @@ class RolloutManager:
         if not live:
             raise self._all_down()
         self._tick()
+        if self.fatal is not None:  # stopping the run: nothing more to do
+            return {"ticket": None, "reason": "stopping", "version": self.book.version, "server": None,
+                    "complete": False}
         if self.awaiting_version is not None:
             return {"ticket": None, "reason": "weights", "version": self.book.version, "server": None,
                     "complete": self.book.complete}
@@ -209,7 +231,15 @@ class RolloutManager:
         if not isinstance(stats, dict):
             raise _HTTPError(400, f"stats must be a JSON object, got {type(stats).__name__}")
         self._tick()
-        self.book.finish(tid, d["status"], stats)
+        try:
+            t = self.book.finish(tid, d["status"], stats)
+        except EpisodeRetriesExhausted as e:  # recorded; the prompt keeps failing: stop the run with the cause
+            self.fail(str(e))
+        else:
+            if d["status"] == "failed" and stats.get("retryable") is True:
+                self.notices.add("episode_retried", f"the episode of {describe_prompt(t, stats)} failed and is "
+                                 f"retried: {stats.get('error') or 'no cause reported'} (a prompt is retried at most "
+                                 f"async_rl.max_episode_retries={self.book.max_retries} times; then the run stops)")
         if d["status"] == "accepted":  # the episodes' own numbers (reward, turns, length ...), averaged per /status
             for k, v in stats.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -385,11 +415,13 @@ async def serve(spec, secret: bytes, nr, resume: bool, host: Optional[str] = Non
     if not resume and os.path.exists(log_path):  # a fresh run starts the log afresh
         os.remove(log_path)
     book = TicketBook(r.batch_size, r.dp_size, r.total_batches, r.n_prompts, r.max_head_offpolicyness,
-                      r.max_concurrent_rollouts, r.seed, r.shuffle, log_path=log_path)
+                      r.max_concurrent_rollouts, r.seed, r.shuffle, log_path=log_path,
+                      max_episode_retries=r.max_episode_retries)
     if resume:
         info = RecoverStore(spec.recover_dir).latest()
         book.restore(int(info["global_step"]) if info is not None else 0)
-    mgr = RolloutManager(book, addrs, secret, backend=fleet.backend, interrupt=r.weight_update == "interrupt")
+    mgr = RolloutManager(book, addrs, secret, backend=fleet.backend, interrupt=r.weight_update == "interrupt",
+                         notices=Notices(spec.log_dir))
     host = host or network.worker_host()
     port = await mgr.start(host, 0)
     nr.add(names.rollout_manager(exp, trial), f"{host}:{port}", replace=True)
@@ -400,9 +432,13 @@ async def serve(spec, secret: bytes, nr, resume: bool, host: Optional[str] = Non
         loop = asyncio.get_running_loop()
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(s, stop.set)
+    mgr.on_fatal = stop.set
     try:
         await stop.wait()
     finally:
         logger.info("rollout manager stopping: %s", mgr.status())
         await mgr.stop()
+    if mgr.fatal is not None:  # the last line of the log, which the launcher shows
+        logger.error("the rollout manager stops the run: %s", mgr.fatal)
+        return 1
     return 0

@@ -12,8 +12,10 @@ episode tasks; each task repeats:
 3. push the trajectory to its trainer head (``realhf.system.trajectory_stream``) and report ``accepted``;
    a rejected episode (the workflow returned None, or ``dynamic_filtering`` found every reward equal) is
    reported ``rejected`` (the manager gives the slot a new prompt); an episode that timed out or lost its server is
-   reported ``failed`` (the manager re-issues the same prompt); any other error (a malformed request, a bug in the
-   workflow or the reward) is reported ``failed`` and stops the worker with the cause, as it would repeat.
+   reported ``failed`` and ``retryable`` with the prompt's id and first characters (the manager re-issues the same
+   prompt, at most ``async_rl.max_episode_retries`` times before it stops the run); any other error (a malformed
+   request, a bug in the workflow or the reward) is reported ``failed`` and stops the worker with the cause, as it
+   would repeat.
 
 The prompt order and every count live in the manager, so a worker holds no state worth saving: the manager
 resumes the run's accounting after a restart. The worker exits 0 when all its tasks end, and ends itself when
@@ -51,6 +53,28 @@ def retryable(e: BaseException) -> bool:
     if isinstance(e, asyncio.TimeoutError):
         return True
     return isinstance(e, GenServerError) and (e.status is None or e.status == 503)
+
+
+def timed_out(e: BaseException, elapsed: float, timeout: float) -> bool:
+    """Whether the episode ran into its own time limit (not a request's inside it)."""
+    return isinstance(e, asyncio.TimeoutError) and elapsed + 0.05 >= timeout
+
+
+def failure_text(e: BaseException, elapsed: float, timeout: float) -> str:
+    """What went wrong in an episode, for the logs and the rollout manager (whose error names it when the prompt
+    keeps failing)."""
+    if timed_out(e, elapsed, timeout):
+        return (f"the episode timed out after {timeout:g} s (async_rl.episode_timeout_secs); does the reward function "
+                "or the workflow hang?")
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _head(prompt, n: int = 60) -> str:
+    """The first ``n`` characters of a prompt (its text, or its chat turns' contents), on one line."""
+    if isinstance(prompt, list):
+        prompt = " ".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in prompt)
+    text = " ".join(str(prompt).split())
+    return text if len(text) <= n else text[:n] + "..."
 
 
 class EpisodeEngine:
@@ -172,11 +196,15 @@ class RolloutWorker:
                 traj = await asyncio.wait_for(self.workflow.arun_episode(EpisodeEngine(self.engine, got.get("server")),
                                                                          data), timeout=rs.episode_timeout_secs)
             except Exception as e:  # a failed episode is retried by the manager with the same prompt
-                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-                logger.warning("%s: episode of ticket %s (prompt %s) failed: %s\n%s", self.name, t["id"], t["prompt"],
-                               why, traceback.format_exc(limit=5))
+                elapsed = time.monotonic() - t0
+                why = failure_text(e, elapsed, rs.episode_timeout_secs)
+                where = "" if timed_out(e, elapsed, rs.episode_timeout_secs) else "\n" + traceback.format_exc(limit=5)
+                logger.warning("%s: episode of ticket %s (prompt %s) failed: %s%s", self.name, t["id"], t["prompt"],
+                               why, where)
                 self.counts["failed"] += 1
-                await self.manager.finish(t["id"], "failed", {"error": why[:500]})
+                await self.manager.finish(t["id"], "failed", {"error": why[:500], "retryable": retryable(e),
+                                                              "query_id": data["query_id"],
+                                                              "prompt_text": _head(data.get("prompt"))})
                 if not retryable(e):  # it would fail again: stop the run with the cause rather than loop
                     raise RuntimeError(f"{self.name}: the episode of prompt {t['prompt']} (query "
                                        f"{data.get('query_id')!r}) failed: {why}") from e

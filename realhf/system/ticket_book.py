@@ -3,6 +3,11 @@ synchronous prompt order under the staleness bound, rejected and failed episodes
 JSON-lines log (``<log_dir>/rollouts.jsonl``) from which a restarted manager restores its state and which property
 tests of the whole system read.
 
+Retries: a prompt whose episode fails *retryably* (the worker reports ``"retryable": true`` in the stats of a
+``failed`` finish: a timeout, a server that could not be reached) more than ``max_episode_retries`` times makes
+:meth:`TicketBook.finish` raise :class:`EpisodeRetriesExhausted` naming the prompt and the cause (the rollout manager
+then stops the run). A worker lost with its tickets does not count against their prompts.
+
 Staleness (``RolloutSpec``): a ticket of batch ``b`` is issued only while ``b <= version + max_head_offpolicyness``,
 and at most ``max_concurrent_rollouts`` run at once. Order: prompts are handed out in the order a synchronous run
 trains them (``EpochIterator`` with ``drop_last=True``): the prompt stream's position ``c`` is sample ``c`` of the
@@ -39,6 +44,22 @@ class Ticket:
         return dataclasses.asdict(self)
 
 
+class EpisodeRetriesExhausted(RuntimeError):
+    """A prompt's episode failed more often than the retries allow; the ticket's finish was recorded."""
+
+    def __init__(self, ticket: Ticket, message: str):
+        self.ticket = ticket
+        super().__init__(message)
+
+
+def describe_prompt(t: Ticket, stats: Dict[str, Any]) -> str:
+    """``prompt <index> (query <id>: '<its first characters>')``, from what a worker reported with a finish."""
+    about = [f"query {stats['query_id']!r}" if "query_id" in stats else "",
+             repr(str(stats["prompt_text"])) if "prompt_text" in stats else ""]
+    about = [a for a in about if a]
+    return f"prompt {t.prompt}" + (f" ({': '.join(about)})" if about else "")
+
+
 def _int(v: Any, what: str, lo: int = 0) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         raise ValueError(f"{what} must be an integer >= {lo}, got {v!r}")
@@ -54,7 +75,7 @@ class TicketBook:
 
     def __init__(self, batch_size: int, dp_size: int, total_batches: int, n_prompts: int,
                  max_head_offpolicyness: int = 0, max_concurrent_rollouts: int = 64, seed: int = 1,
-                 shuffle: bool = True, log_path: Optional[str] = None):
+                 shuffle: bool = True, log_path: Optional[str] = None, max_episode_retries: Optional[int] = None):
         from realhf.impl.dataset.jsonl import EpochIterator
 
         self.B = _int(batch_size, "batch_size", 1)
@@ -62,6 +83,7 @@ class TicketBook:
         self.total_batches = _int(total_batches, "total_batches")
         self.ofp = _int(max_head_offpolicyness, "max_head_offpolicyness")
         self.max_concurrent = _int(max_concurrent_rollouts, "max_concurrent_rollouts", 1)
+        self.max_retries = None if max_episode_retries is None else _int(max_episode_retries, "max_episode_retries")
         self.log_path = log_path
         # the synchronous order: dataset indices only need len(), the permutation is EpochIterator's own
         self._it = EpochIterator(range(_int(n_prompts, "n_prompts", 1)), self.B, seed=seed, dp_size=self.dp_size,
@@ -76,6 +98,7 @@ class TicketBook:
         self._running: Dict[int, Ticket] = {}
         self._worker_of: Dict[int, str] = {}  # running ticket -> the rollout worker running it
         self._accepted: Dict[Tuple[int, int], Ticket] = {}  # accepted slots (set_version drops trained batches)
+        self._failures: Dict[int, int] = {}  # prompt-stream position -> retryable failures of its episode
         self._counts = dict(issued=0, accepted=0, rejected=0, failed=0, refused_staleness=0, refused_concurrency=0)
         self._log_f = None
         self._log_mode = "w"  # a fresh run starts the log afresh; restore() appends
@@ -138,7 +161,9 @@ class TicketBook:
     def finish(self, ticket_id: int, status: str, stats: Optional[Dict[str, Any]] = None) -> Ticket:
         """End a running ticket: ``accepted`` fills its slot; ``rejected`` consumes its prompt and returns the slot
         (re-issued with the next prompt of the stream); ``failed`` returns slot and prompt. ``stats`` (plain JSON,
-        e.g. reward or token counts) go into the log line."""
+        e.g. reward or token counts) go into the log line. A ``failed`` finish with ``"retryable": true`` counts
+        against the prompt (see the module docstring): EpisodeRetriesExhausted, after the finish is recorded, when
+        the prompt has failed more than ``max_episode_retries`` times."""
         if status not in STATUSES:
             raise ValueError(f"status must be one of {list(STATUSES)}, got {status!r}")
         stats = dict(stats or {})
@@ -155,7 +180,23 @@ class TicketBook:
         self._worker_of.pop(t.id, None)
         self._apply_finish(t, status)
         self._write({"event": "finish", "ticket": t.id, "status": status, **stats})
+        if status != "failed":
+            self._failures.pop(t.cursor, None)
+        elif stats.get("retryable") is True:
+            self._count_failure(t, stats)
         return t
+
+    def failures(self, t: Ticket) -> int:
+        """How often the episode of ``t``'s prompt failed retryably so far (in this process: a restart starts
+        afresh)."""
+        return self._failures.get(t.cursor, 0)
+
+    def _count_failure(self, t: Ticket, stats: Dict[str, Any]) -> None:
+        n = self._failures[t.cursor] = self._failures.get(t.cursor, 0) + 1
+        if self.max_retries is not None and n > self.max_retries:
+            raise EpisodeRetriesExhausted(t, f"the episode of {describe_prompt(t, stats)} failed {n} times "
+                                             f"(async_rl.max_episode_retries={self.max_retries} retries are allowed); "
+                                             f"the last time: {stats.get('error') or 'no cause reported'}")
 
     def release(self, worker: str, reason: str) -> List[Ticket]:
         """A rollout worker is gone: every ticket it was running fails (slot and prompt come back, re-issued to the

@@ -119,6 +119,7 @@ class RolloutSpec:
     episode_timeout_secs: float = 3600.0
     weight_update: str = "interrupt"  # interrupt | inflight: what an update does to running answers (rollout_manager)
     max_seq_len: int = 0  # the servers' max_model_len: the workflow's sequence budget (0: not set)
+    max_episode_retries: int = 2  # retries of a prompt's failed episode (timeout, server lost) before the run stops
     use_chat_template: bool = False  # the prompts are chat turns (a workflow that inserts turns follows suit)
 
 

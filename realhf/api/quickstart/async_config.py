@@ -39,7 +39,11 @@ class AsyncRLConfig:
                      "is interpolated in log space between its behaviour log-prob and the trained policy's, by weight "
                      "versions; exact at a step's first minibatch and for tokens of the current version) | behaviour "
                      "(plain PPO against the behaviour log-probs of generation)")
-    episode_timeout_secs: float = option(3600.0, "time limit of one episode; a timed-out episode is retried")
+    episode_timeout_secs: float = option(3600.0, "time limit of one episode; a timed-out episode is retried (see "
+                                                  "max_episode_retries)")
+    max_episode_retries: int = option(
+        2, "how many times the episode of one prompt is retried after a timeout or an unreachable generation server; "
+           "one more failure stops the run with an error naming the prompt and the cause (0: the first failure does)")
     weight_update: str = option(
         "interrupt", "what a weight update does to the answers being generated: interrupt (AReaL: they are aborted "
                      "and resubmitted with their partial output, which is prefilled again under the new weights) | "
@@ -53,6 +57,7 @@ class AsyncRLConfig:
         check_int("async_rl.max_concurrent_rollouts", self.max_concurrent_rollouts, 1, optional=True)
         check_int("async_rl.n_rollout_workers", self.n_rollout_workers, 1)
         check_number("async_rl.episode_timeout_secs", self.episode_timeout_secs, lo=0, lo_open=True)
+        check_int("async_rl.max_episode_retries", self.max_episode_retries, 0)
         check_choice("async_rl.weight_update", self.weight_update, WEIGHT_UPDATE_MODES)
         if self.prox_logp not in PROX_LOGP_METHODS:
             raise ValueError(f"async_rl.prox_logp={self.prox_logp!r} is not allowed; allowed: {', '.join(PROX_LOGP_METHODS)}")
