@@ -226,6 +226,7 @@ def _gen_server(mfc: str) -> Dict[str, Any]:
         "gen_server.routing": Reach("round_robin", fleet("routing"), needs=needs),
         "gen_server.startup_timeout_secs": Reach("30.0", fleet("startup_timeout_secs"), needs=needs),
         "gen_server.request_timeout_secs": Reach("60.0", fleet("request_timeout_secs"), needs=needs),
+        "gen_server.health_timeout_secs": Reach("5.0", fleet("health_timeout_secs"), needs=needs),
         "gen_server.extra": Reach('{"compile_decode": true}', fleet("extra"), expect=lambda x: json.loads(x),
                                   needs=needs),
     }
@@ -369,7 +370,8 @@ ASYNC: Dict[str, Any] = {
     # the generation servers
     **{f"gen_server.{k}": Reach(v, _fleet(k)) for k, v in (("max_num_seqs", "8"), ("routing", "round_robin"),
                                                          ("startup_timeout_secs", "30.0"),
-                                                         ("request_timeout_secs", "60.0"))},
+                                                         ("request_timeout_secs", "60.0"),
+                                                         ("health_timeout_secs", "5.0"))},
     "gen_server.extra": Reach('{"compile_decode": true}', _fleet("extra"), expect=lambda x: json.loads(x)),
     # the rollout workers: prompts, sampling, rewards, workflow
     "dataset.path": Reach(lambda env: env.math2, _rollout_ds("path")),
@@ -409,11 +411,11 @@ ASYNC: Dict[str, Any] = {
     "async_rl.prox_logp": Reach("loglinear", lambda b: ("actor_inf" in b.ifaces, b.iface("actor_train").prox_logp),
                                 expect=lambda v: (False, v)),
     "async_rl.episode_timeout_secs": Reach("60.0", _rollout("episode_timeout_secs")),
+    "async_rl.max_episode_retries": Reach("5", _rollout("max_episode_retries")),
     "async_rl.weight_update": Reach("inflight", _rollout("weight_update")),  # the manager's interrupt flag
 }
 # the critic's options of ppo-math, which read the critic's interfaces as they are
 ASYNC.update({k: v for k, v in PPO.items() if k.startswith("ppo.") and k not in ASYNC and "gen." not in k})
-    "async_rl.max_episode_retries": Reach("5", _rollout("max_episode_retries")),
 
 TABLES = {"sft": SFT, "gen": GEN, "ppo-math": PPO, "async-ppo-math": ASYNC}
 # the options each experiment needs to build at all (required paths; the tiny model has 512 positions)

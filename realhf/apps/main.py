@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 import uuid
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from realhf.api.quickstart.entry import config_to_yaml
 from realhf.apps.console import Console
@@ -53,16 +53,18 @@ def _run_env(spec, launcher, secret: str) -> dict:
     return env
 
 
-def _start_jobs(sched, spec, config, launcher, env: dict, nr, common: list, wait: bool = True) -> Optional[str]:
+def _start_jobs(sched, spec, config, launcher, env: dict, nr, common: list,
+                wait: bool = True) -> Tuple[Optional[str], List[str]]:
     """Submit every job of the run in order: generation servers (waited for: the workers connect to them at start),
     the rollout manager (waited for: it restores its accounting), the master, the model workers, the rollout
-    workers. ``wait=False`` (a dry run) only submits. Returns the rollout manager's address (asynchronous runs)."""
-    manager = None
+    workers. ``wait=False`` (a dry run) only submits. Returns the rollout manager's address (asynchronous runs) and
+    the generation servers' addresses."""
+    manager, servers = None, []
     if spec.served() is not None:
         from realhf.gen_server.launch import start_servers
 
-        start_servers(sched, spec, config, env, nr, name_resolve_root(config), own_devices=launcher.own_devices,
-                      wait=wait)
+        servers = start_servers(sched, spec, config, env, nr, name_resolve_root(config),
+                                own_devices=launcher.own_devices, wait=wait)
     if spec.rollout is not None:  # asynchronous RL
         from realhf.system.rollout_launch import start_manager
 
@@ -75,7 +77,7 @@ def _start_jobs(sched, spec, config, launcher, env: dict, nr, common: list, wait
         from realhf.system.rollout_launch import start_rollout_workers
 
         start_rollout_workers(sched, spec, env, common)
-    return manager
+    return manager, servers
 
 
 def _worker_lost(manager: Optional[str], secret: str):
@@ -113,16 +115,30 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console
     launcher = get_launcher(config.mode)
     env = _run_env(spec, launcher, new_run_secret().hex())
     sched = launcher.make(spec.log_dir, config, spec.device_slots())
+    servers = None
     try:
-        manager = _start_jobs(sched, spec, config, launcher, env, nr, _common_args(exp_name, cfg_path, resume, run_id))
+        manager, addresses = _start_jobs(sched, spec, config, launcher, env, nr,
+                                         _common_args(exp_name, cfg_path, resume, run_id))
+        if addresses:  # a running server that stops answering /health stops the run (realhf.gen_server.launch)
+            from realhf.gen_server.launch import ServersLiveness
+
+            servers = ServersLiveness(sched, spec, addresses, bytes.fromhex(env["REALHF_RUN_SECRET"]))
         console.watch(spec.log_dir)
+
+        def poll():
+            console.poll()
+            if servers is not None:
+                servers.check()
+
         # an asynchronous run goes on while one generation server is left (the others' requests move to it) and while
         # one rollout worker is left (a lost worker's episodes are re-issued to the others)
-        sched.wait("master", on_poll=console.poll,
+        sched.wait("master", on_poll=poll,
                    survivable=("gen_server_", "rollout_worker_") if spec.rollout is not None else (),
                    on_survived=_worker_lost(manager, env["REALHF_RUN_SECRET"]))
         sched.wait_others(skip=("gen_server_", "rollout_"))  # servers and the rollout side serve until stopped
     finally:
+        if servers is not None:
+            servers.close()
         console.close()
         sched.stop_all()
 
@@ -130,8 +146,10 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console
 def dry_run(exp_name: str, config, out=None) -> int:
     """Print what a launch of ``config`` would submit (``--dry-run``): the command of every job, and under
     ``mode=slurm`` each ``sbatch`` command with its batch script and task wrapper. Nothing is started or written."""
+    from realhf.experiments.memory_plan import plan_run
+
     out = out or sys.stdout
-    spec = build_spec(exp_name, config)
+    config, spec, memory = plan_run(exp_name, config, lambda c: build_spec(exp_name, c))
     launcher = get_launcher(config.mode)
     if launcher.dry_run is None:
         raise ValueError(f"mode={config.mode} has no dry run")

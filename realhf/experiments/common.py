@@ -162,6 +162,7 @@ def gen_servers_spec(cfg, max_len: int, model_dtype: str = "auto"):
                           weight_sync=getattr(cfg, "param_realloc", "disk"), shares_gpus=bool(cfg.gpus_per_node),
                           routing=gs.routing,
                           startup_timeout_secs=gs.startup_timeout_secs, request_timeout_secs=gs.request_timeout_secs,
+                          health_timeout_secs=gs.health_timeout_secs,
                           threads=cfg.cpus_per_worker, extra=gs.extra_dict())
 
 

@@ -5,6 +5,14 @@ every server has registered its address (which it does only once its engine has 
 ``/health``. A server that exits first fails the launch at once with its exit code and the tail of its log
 (a bad model path, a port taken, out of memory ...); one that is still not up after ``startup_timeout_secs``
 fails it too. Once running, the servers are jobs like the workers: a server that dies stops the run, named.
+
+A server can also run and serve nothing (stopped, hung, its engine stuck): :class:`ServersLiveness` has the
+launcher probe every server's ``/health`` (``realhf.gen_server.liveness``) while it waits for the run, and a running
+server that answers none for ``gen_server.health_timeout_secs``, or whose engine reports no progress with work for
+as long, stops the run, named with its address and log. The launcher watches because it is the one process of every
+run (synchronous or asynchronous, local, Ray or Slurm) that already decides which job failed and stops the others.
+A stopped or hung server stops the run even where a dead one would not (an asynchronous run goes on while one
+server is left): its requests hang instead of failing over, and no launcher can end one server of a Slurm job step.
 """
 from __future__ import annotations
 
@@ -98,3 +106,36 @@ def start_servers(sched, spec, config, env: Dict[str, str], nr, nr_root: str, ow
     logger.info("%d %s generation server(s) up in %.1f s: %s", fleet.n_servers, fleet.backend, time.monotonic() - t0,
                 ", ".join(addrs[i] for i in range(fleet.n_servers)))
     return [addrs[i] for i in range(fleet.n_servers)]
+
+
+class ServersLiveness:
+    """The launcher's watch over the running generation servers of ``spec`` (at ``addresses``): ``check()``, called at
+    every poll of the launcher, raises JobFailure naming a server whose process runs but which is not live (see the
+    module docstring). A server whose process exited is left to the launcher's exit rule."""
+
+    def __init__(self, sched, spec, addresses: List[str], secret: bytes):
+        from realhf.gen_server.liveness import ServerWatch
+
+        self.sched = sched
+        self.fleet = spec.served().gen_servers
+        self.watch = ServerWatch(addresses, secret, self.fleet.backend, self.fleet.health_timeout_secs)
+
+    def check(self) -> None:
+        from realhf.scheduler.local import JobFailure
+
+        suspects = self.watch.suspects()
+        if suspects:  # rarely: a server whose process exited is the exit rule's (it may be survivable)
+            codes = self.sched._codes()
+            for i in suspects:
+                if codes.get(server_name(i)) is not None:
+                    self.watch.ignore(i)
+        for i, why in self.watch.not_live("gen_server.health_timeout_secs"):
+            name = server_name(i)
+            log = self.sched.jobs[name].log_path
+            server = f"generation server {i} ({name} at {self.watch.addresses[i]})"
+            logger.error("%s is not live; stopping the run", server)
+            raise JobFailure(name, -1, tail(log), reason=f"{server} runs but is not live: {why}; its log: {log}; the "
+                                                         "run was stopped")
+
+    def close(self) -> None:
+        self.watch.close()

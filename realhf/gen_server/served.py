@@ -12,8 +12,10 @@
   checkpoint goes to the rollout manager instead, which pauses the servers, has them load it and resumes them.
   There, a single-process replica publishes *behind* training: it copies its weights (a fraction of a second)
   and a background thread writes and announces the checkpoint while the trainer goes on with the next step; the
-  next publish waits for it, so versions arrive in order, and a failure is raised there. The staleness bound
-  holds as before: the manager admits rollouts by the version the servers hold, which only lags a little longer.
+  next publish waits for it, so versions arrive in order. A failure is reported at once through ``on_failure``
+  (the worker's heartbeats: the master stops the run with it, as no rollout of a later batch may wait for a
+  version that never comes) and raised again by the next publish. The staleness bound holds as before: the
+  manager admits rollouts by the version the servers hold, which only lags a little longer.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -105,10 +107,14 @@ class ServedEngine:
 
 
 class WeightPublisher:
-    """Publishes the weights of one trained replica (``src`` on this worker) to the servers of ``fleet``."""
+    """Publishes the weights of one trained replica (``src`` on this worker) to the servers of ``fleet``.
+    ``on_failure(message)``: called (from the background thread) when a publish behind training fails, e.g. the
+    worker's ``HeartbeatSender.report_failure``."""
 
-    def __init__(self, spec, fleet, secret: bytes, nr, env, dst: str):
+    def __init__(self, spec, fleet, secret: bytes, nr, env, dst: str,
+                 on_failure: Optional[Callable[[str], None]] = None):
         self.spec, self.fleet, self.secret, self.nr, self.env, self.dst = spec, fleet, secret, nr, env, dst
+        self.on_failure = on_failure
         self.client: Optional[SyncGenClient] = None
         self.group = None
         self.path = os.path.join(spec.save_dir, ".gen_weights", dst)
@@ -140,7 +146,7 @@ class WeightPublisher:
             self._behind = None
         err, self._behind_error = self._behind_error, None
         if err is not None:
-            raise RuntimeError(f"publishing the weights of {self.dst} to the generation servers failed: {err}") from err
+            raise err
 
     @staticmethod
     def _is_head(grid) -> bool:
@@ -176,8 +182,13 @@ class WeightPublisher:
             self._announce(version)
             logger.info("published version %d of %s behind training in %.2f s", version, self.dst,
                         time.perf_counter() - t0)
-        except BaseException as e:  # raised by the next publish (or close)
-            self._behind_error = e
+        except BaseException as e:  # reported now (the run stops), raised again by the next publish (or close)
+            err = RuntimeError(f"publishing version {version} of the weights of {self.dst} to the generation servers "
+                               f"(through {self.path}) failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            self._behind_error = err
+            if self.on_failure is not None:
+                self.on_failure(str(err))
 
     def _announce(self, version: int):
         """The checkpoint at ``self.path`` is complete: have the servers load it as ``version``."""

@@ -6,7 +6,7 @@
 Endpoints (POST bodies and answers are JSON; every POST must be signed, see ``realhf.gen_server.auth``):
 
 ==================================  ==============================================================================
-``GET /health``                     ``{"status": "ok", "backend", "version", "index"}`` (no secret needed)
+``GET /health``                     ``{"status": "ok", "backend", "version", "index", "pid", "stalled_s"}`` (no secret)
 ``GET /metrics``                    running/waiting requests, tokens in flight, version, generated tokens, paused
 ``POST /generate``                  ``{"rid", "input_ids", "sampling": {...}}`` -> ``{"rid", "outputs": [...]}``
 ``POST /logprobs``                  ``{"sequences": [[ids]]}`` -> ``{"logprobs": [[...]]}``
@@ -95,10 +95,16 @@ class GenServer:
                             logger)
 
     async def _health(self, request):
+        """Liveness (``realhf.gen_server.liveness``): answered by the event loop, with ``stalled_s``, the seconds the
+        engine has had requests without producing a token (0 while it progresses or is idle)."""
         from aiohttp import web
 
+        from realhf.gen_server.liveness import EngineProgress
+
+        progress = self.__dict__.setdefault("_progress", EngineProgress())
+        stalled = progress.observe(self.engine.metrics())
         return web.json_response({"status": "ok", "backend": self.engine.backend, "version": self.engine.version,
-                                  "index": self.index, "pid": os.getpid()})
+                                  "index": self.index, "pid": os.getpid(), "stalled_s": round(stalled, 1)})
 
     async def _metrics(self, request):
         from aiohttp import web

@@ -1,11 +1,16 @@
 """Heartbeats: how the master learns within seconds that a model worker died.
 
 Each worker runs a :class:`HeartbeatSender` (a daemon thread with its own PUSH socket) that sends a
-signed ``{"worker", "time", "pid", "status"}`` every ``interval`` seconds to the master's
+signed ``{"worker", "time", "pid", "status", "failure"}`` every ``interval`` seconds to the master's
 :class:`HeartbeatMonitor` (a PULL socket read by its own thread). Messages use the same framing and
 HMAC signing as the request/reply stream; forged, tampered or replayed heartbeats are dropped and
 counted. The monitor records when (on its own monotonic clock) it last heard from each worker;
 ``MasterClient.gather`` asks it which of the workers owing replies went silent.
+
+Work a worker runs in the background (e.g. publishing weights behind training) has no request whose reply could
+carry its error: ``HeartbeatSender.report_failure`` puts the error into every later heartbeat, and the monitor
+counts a worker that reported one as dead (:meth:`HeartbeatMonitor.dead_workers`), so the master's next gather
+stops the run with it within a heartbeat, whichever worker it waits for.
 
 The other direction uses the same parts: the master sends its own heartbeats to a monitor in every
 worker, and :func:`exit_when_silent` ends a worker whose master went silent (stopped with SIGSTOP, hung,
@@ -38,8 +43,11 @@ from realhf.system.wire import MAX_HEARTBEAT_BYTES
 logger = logging.getLogger(__name__)
 
 
-def _encode_beat(secret: bytes, worker: str, pid: int, status: Optional[str]) -> list:
-    body = {"worker": worker, "time": time.time(), "pid": pid, "status": status}
+MAX_FAILURE_CHARS = 4000  # of a reported failure: well within MAX_HEARTBEAT_BYTES
+
+
+def _encode_beat(secret: bytes, worker: str, pid: int, status: Optional[str], failure: Optional[str] = None) -> list:
+    body = {"worker": worker, "time": time.time(), "pid": pid, "status": status, "failure": failure}
     return sign_frames(secret, [json.dumps(body, separators=(",", ":")).encode("utf-8")])
 
 
@@ -51,11 +59,11 @@ def _decode_beat(secret: bytes, frames) -> dict:
         beat = json.loads(bytes(body[0]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise RejectedMessage(f"heartbeat is not UTF-8 JSON: {e}") from None
-    if not isinstance(beat, dict) or set(beat) != {"worker", "time", "pid", "status"}:
-        raise RejectedMessage("heartbeat must be an object with keys worker, time, pid, status")
+    if not isinstance(beat, dict) or set(beat) != {"worker", "time", "pid", "status", "failure"}:
+        raise RejectedMessage("heartbeat must be an object with keys worker, time, pid, status, failure")
     if (not isinstance(beat["worker"], str) or not isinstance(beat["time"], (int, float))
             or isinstance(beat["pid"], bool) or not isinstance(beat["pid"], int)
-            or not (beat["status"] is None or isinstance(beat["status"], str))):
+            or not all(beat[k] is None or isinstance(beat[k], str) for k in ("status", "failure"))):
         raise RejectedMessage("heartbeat fields have the wrong types")
     return beat
 
@@ -68,7 +76,8 @@ class HeartbeatMonitor:
         self._secret = _check_secret(secret)
         self._rejections = RejectionLog("heartbeat monitor")
         self._lock = threading.Lock()
-        # worker -> {"mono": receipt time (monotonic), "wall": receipt time (time.time()), "sent": sender time, "pid", "status"}
+        # worker -> {"mono": receipt time (monotonic), "wall": receipt time (time.time()), "sent": sender time, "pid",
+        # "status", "failure"}
         self._seen: Dict[str, dict] = {}
         self._created = time.monotonic()
         self._stop = threading.Event()
@@ -102,7 +111,8 @@ class HeartbeatMonitor:
                 if prev is not None and prev["pid"] == beat["pid"] and beat["time"] <= prev["sent"]:
                     raise RejectedMessage(f"replayed heartbeat of worker {beat['worker']!r}")
                 self._seen[beat["worker"]] = {"mono": time.monotonic(), "wall": time.time(), "sent": beat["time"],
-                                              "pid": beat["pid"], "status": beat["status"]}
+                                              "pid": beat["pid"], "status": beat["status"],
+                                              "failure": beat["failure"]}
         except RejectedMessage as e:
             self._rejections.reject(_peer_address(frames[0]) if frames else "?", e)
 
@@ -133,18 +143,28 @@ class HeartbeatMonitor:
             rec = self._seen.get(worker)
             return None if rec is None else rec["pid"]
 
+    def failure(self, worker: str) -> Optional[str]:
+        """The failure ``worker`` reported (:meth:`HeartbeatSender.report_failure`), or None."""
+        with self._lock:
+            rec = self._seen.get(worker)
+            return None if rec is None else rec["failure"]
+
     def dead_workers(self, expected: List[str], timeout_s: float) -> List[str]:
-        """The workers of ``expected`` not heard from for ``timeout_s`` seconds (a worker never heard
-        from counts from the monitor's creation), in the given order."""
+        """Every worker that reported a failure (of any worker: background work of one that failed ends the run,
+        whichever the caller waits for), then the workers of ``expected`` not heard from for ``timeout_s`` seconds
+        (a worker never heard from counts from the monitor's creation), in the given order."""
         now = time.monotonic()
         with self._lock:
-            return [w for w in expected
-                    if now - (self._seen[w]["mono"] if w in self._seen else self._created) > timeout_s]
+            failed = sorted(w for w, rec in self._seen.items() if rec["failure"] is not None)
+            return failed + [w for w in expected if w not in failed
+                             and now - (self._seen[w]["mono"] if w in self._seen else self._created) > timeout_s]
 
     def describe(self, worker: str, timeout_s: float) -> str:
         """Why ``worker`` counts as dead, for error messages."""
         with self._lock:
             rec = self._seen.get(worker)
+            if rec is not None and rec["failure"] is not None:
+                return f"it reported a failure of its background work: {rec['failure']}"
             if rec is None:
                 return f"no heartbeat received since the monitor started {time.monotonic() - self._created:.1f} s ago"
             return (f"no heartbeat for {time.monotonic() - rec['mono']:.1f} s (limit {timeout_s} s); "
@@ -165,7 +185,9 @@ class HeartbeatSender:
     """A daemon thread that sends a signed heartbeat every ``interval`` seconds to one address (a worker to the
     master) or to several (the master to every worker).
 
-    ``set_status`` changes the status string carried by the heartbeats and sends one at once.
+    ``set_status`` changes the status string carried by the heartbeats and sends one at once;
+    ``report_failure`` makes every later heartbeat carry a failure of the worker's background work (the first one
+    reported is kept), which the master's monitor counts as the worker's death.
     """
 
     def __init__(self, worker_name: str, secret: bytes, address, interval: float = 1.0):
@@ -176,12 +198,21 @@ class HeartbeatSender:
         self.addresses = [address] if isinstance(address, str) else list(address)
         self.interval = interval
         self._status: Optional[str] = None
+        self._failure: Optional[str] = None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def set_status(self, status: Optional[str]) -> None:
         self._status = status
+        self._wake.set()
+
+    def report_failure(self, message: str) -> None:
+        """Background work of this worker failed with ``message``: the run cannot go on (callable from any thread)."""
+        if self._failure is None:
+            text = str(message)
+            self._failure = text if len(text) <= MAX_FAILURE_CHARS else text[:MAX_FAILURE_CHARS] + " [...]"
+            logger.error("%s: %s; reporting it to the master", self.worker_name, self._failure)
         self._wake.set()
 
     def start(self) -> None:
@@ -201,7 +232,7 @@ class HeartbeatSender:
                 sock.connect(address)
             pid = os.getpid()
             while not self._stop.is_set():
-                frames = _encode_beat(self._secret, self.worker_name, pid, self._status)
+                frames = _encode_beat(self._secret, self.worker_name, pid, self._status, self._failure)
                 for sock in socks:
                     try:
                         sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)

@@ -15,6 +15,7 @@ the step's samples leave the buffer.
 """
 from __future__ import annotations
 
+import glob
 import math
 import os
 import time
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 # stats every MFC has: logged as <mfc>/<stat>
 PER_MFC_STATS = ("time", "compute_time", "realloc_time", "weight_sync_time", "peak_mem_gib", "reserved_mem_gib",
-                 "cpu_threads")
+                 "est_mem_gib", "est_increase_gib", "mem_increase_gib", "cpu_threads")
 
 
 def balanced_dp_split(ids: List[str], tokens: Dict[str, int], dp: int) -> List[List[str]]:
@@ -147,7 +148,9 @@ class MasterWorker:
         # over the MFC's workers: the slowest one's own compute time (time - compute_time is messaging, data
         # transfer, scheduling) and the largest peak memory of the call
         for key, stat in (("seconds", "compute_time"), ("peak_mem_gib", "peak_mem_gib"),
-                          ("reserved_mem_gib", "reserved_mem_gib"), ("cpu_threads", "cpu_threads")):
+                          ("reserved_mem_gib", "reserved_mem_gib"), ("est_mem_gib", "est_mem_gib"),
+                          ("est_increase_gib", "est_increase_gib"), ("mem_increase_gib", "mem_increase_gib"),
+                          ("cpu_threads", "cpu_threads")):
             vals = [rep.data[key] for rep in replies.values() if key in rep.data]
             if vals:
                 out_stats[stat] = max(vals)
@@ -198,6 +201,33 @@ class MasterWorker:
         return out
 
     # ------------------------------------------------------------------ main loop
+    def _train_batch(self, executor: Optional[DFGExecutor]):
+        """Fetch the next batch and run the graph over it: (the executor, the batch's ids, its epoch info, the MFCs'
+        stats). A resumed run that fails before its first step names the checkpoint it resumed first."""
+        try:
+            ids, info, dataset_keys = self._fetch()
+            if executor is None:
+                graph = build_graph([m for m in self.spec.mfcs if not m.is_evaluate], dataset_keys)
+                logger.info("dataflow graph:\n" + graph.describe())
+                executor = DFGExecutor(graph, self.buffer, self._run_mfc)
+            return executor, ids, info, executor.run(ids)
+        except Exception:
+            if self.resume_info is not None and self.step == self.resume_info["global_step"] + 1:
+                logger.error(self._resume_context())
+            raise
+
+    def _resume_context(self) -> str:
+        """Where a resumed run's state came from: the recover checkpoint and the weight files of its trained models."""
+        path, files = self.resume_info["path"], []
+        for m in self.spec.models:
+            if m.optimizer is not None:
+                folder = os.path.join(path, m.name)
+                files += sorted(glob.glob(os.path.join(folder, "*.safetensors"))) or [folder]
+        return (f"the run resumed from the recover checkpoint {path} (global step {self.resume_info['global_step']}) "
+                f"and failed before its first step; the trained weights it resumed: {', '.join(files)}. The cause "
+                "follows; if it lies in that checkpoint (e.g. weights that are not finite), start afresh "
+                "(recover_mode=disabled)")
+
     def run(self) -> int:
         spec = self.spec
         infos = self._all("dataset_info", {})
@@ -224,7 +254,8 @@ class MasterWorker:
         executor = None
         cadence = Cadence(spec)
         if spec.rollout is not None and self.resume_info is not None:
-            # the servers started with the initial weights: give them the resumed ones before rollouts begin
+            # the servers started with the initial weights: give them the resumed ones before rollouts begin (their
+            # publish runs behind; a failure reaches the first step's requests through the publisher's heartbeats)
             for m in spec.models:
                 if m.gen_servers is not None:
                     self.realloc.sync(m.name)
@@ -233,12 +264,7 @@ class MasterWorker:
             t0 = time.perf_counter()
             self.step = global_step + 1
             failpoint.delay("trainer.step")  # tests: a random delay ($REALHF_DELAYS)
-            ids, info, dataset_keys = self._fetch()
-            if executor is None:
-                graph = build_graph([m for m in spec.mfcs if not m.is_evaluate], dataset_keys)
-                logger.info("dataflow graph:\n" + graph.describe())
-                executor = DFGExecutor(graph, self.buffer, self._run_mfc)
-            mfc_stats = executor.run(ids)
+            executor, ids, info, mfc_stats = self._train_batch(executor)
             global_step += 1
             epoch, epoch_step = info["epoch"], info["epoch_step"]
             stats = dict(info["stats"])

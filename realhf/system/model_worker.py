@@ -427,7 +427,7 @@ class ModelWorker:
         if src in self.models:
             if dst not in self._publishers:
                 self._publishers[dst] = WeightPublisher(self.spec, self.spec.model(dst).gen_servers, self.secret,
-                                                        self.nr, self.env, dst)
+                                                        self.nr, self.env, dst, on_failure=self.heartbeat.report_failure)
             out = self._publishers[dst].publish(self.models[src], version)
         if dst in self.models:
             self.models[dst].version = version

@@ -34,6 +34,7 @@ class GenServersSpec:
     routing: str = "least_requests"
     startup_timeout_secs: float = 600.0
     request_timeout_secs: float = 3600.0
+    health_timeout_secs: float = 60.0  # a running server silent (or its engine stuck) this long stops the run
     threads: int = 1  # torch threads of a CPU server
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # backend options (e.g. vLLM engine args)
 

@@ -163,8 +163,9 @@ class BaseExperimentConfig:
     # --------------------------------------------------------------- derived values
     # Options that do not change what a run computes (where it runs, how it is watched, logged, saved and
     # relaunched): a recover checkpoint written under other values of these still belongs to the run.
-    RESUME_NEUTRAL_KEYS = ("mode", "ray_address", "ray_gpus_per_worker", "gpus_per_node", "slurm", "fileroot", "recover_mode",
-                           "recover_retries", "cpus_per_worker", "cpus_per_worker_max", "worker_timeout_secs", "wandb", "tensorboard",
+    RESUME_NEUTRAL_KEYS = ("mode", "ray_address", "ray_gpus_per_worker", "gpus_per_node", "device_memory_gib", "slurm", "fileroot", "recover_mode",
+                           "recover_retries", "cpus_per_worker", "cpus_per_worker_max", "worker_timeout_secs",
+                           "gen_server.health_timeout_secs", "wandb", "tensorboard",
                            "auto_eval", "exp_ctrl.save_freq_epochs", "exp_ctrl.save_freq_steps",
                            "exp_ctrl.save_freq_secs", "exp_ctrl.ckpt_freq_epochs", "exp_ctrl.ckpt_freq_steps",
                            "exp_ctrl.ckpt_freq_secs", "exp_ctrl.eval_freq_epochs", "exp_ctrl.eval_freq_steps")
@@ -336,6 +337,9 @@ class GenServerConfig:
                                             "least_tokens (the samples of one prompt stay together)")
     startup_timeout_secs: float = option(600.0, "time the servers get to load the model and serve, before training")
     request_timeout_secs: float = option(3600.0, "time limit of one generation request")
+    health_timeout_secs: float = option(60.0, "a running server that answers no /health for this many seconds, or "
+                                              "whose engine has work but makes no progress for as long, stops the "
+                                              "run, named (the launcher checks every second)")
     extra: str = option("{}", "backend options as a JSON object, e.g. vLLM engine args "
                               "'{\"enable_prefix_caching\": true}'")
 
@@ -346,6 +350,7 @@ class GenServerConfig:
         check_choice("gen_server.routing", self.routing, ("round_robin", "least_requests", "least_tokens"))
         check_number("gen_server.startup_timeout_secs", self.startup_timeout_secs, lo=0, lo_open=True)
         check_number("gen_server.request_timeout_secs", self.request_timeout_secs, lo=0, lo_open=True)
+        check_number("gen_server.health_timeout_secs", self.health_timeout_secs, lo=0, lo_open=True)
         try:
             ok = isinstance(json.loads(self.extra), dict)
         except ValueError:
