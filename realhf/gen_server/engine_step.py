@@ -247,9 +247,9 @@ class EngineSteps:
         self._check_weights()
         dev = self.model.device
         inp = make_packed_input([len(s) for s in seqs], device=dev)
+        inp.defer_head = True  # the log-softmax chunk by chunk: no [tokens, vocabulary] logits
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
-        logits = self.model(ids, inp).float()
-        lp, _ = packed_logprobs(logits, ids, inp.cu_seqlens)
+        lp, _ = packed_logprobs(self.model(ids, inp), ids, inp.cu_seqlens)
         lp = lp.tolist()
         out, off = [], 0
         for s in seqs:
