@@ -136,6 +136,8 @@ COMMON: Dict[str, Any] = {
     "ray_address": Launcher("auto", "realhf/scheduler/ray_launcher.py"),  # the Ray cluster joined
     "ray_gpus_per_worker": Launcher("1.0", "realhf/scheduler/ray_launcher.py"),  # Ray resources of each worker
     "gpus_per_node": Launcher("1", "realhf/apps/remote.py"),  # which GPU a model worker of a shared node takes
+    # the memory plan's capacity: checked before start, sizes max_tokens_per_mb=auto (tests/test_memory_plan.py)
+    "device_memory_gib": Launcher("80.0", "realhf/experiments/memory_plan.py"),
     # mode=slurm: the sbatch/srun flags and task wrappers (tests/test_slurm_dry_run.py checks the printed commands)
     **{f"slurm.{k}": Launcher(v, "realhf/scheduler/slurm.py") for k, v in (
         ("partition", "gpu"), ("account", "rl"), ("time", "1:00:00"), ("gpus_per_slot", "0"), ("mem_per_slot", "1G"),
@@ -178,6 +180,8 @@ def _model_options(prefix: str, model: str, trains: bool, offload=None) -> Dict[
     if trains:
         out.update({f"{prefix}.optimizer.{k}": Reach(v, lambda b, k=k: getattr(b.model(model).optimizer, k))
                     for k, v in OPTIMIZER})
+        # the model worker sets ReaLModel.checkpointing from it (the memory plan reads the config too)
+        out[f"{prefix}.gradient_checkpointing"] = Reach("true", lambda b: b.model(model).gradient_checkpointing)
     return out
 
 

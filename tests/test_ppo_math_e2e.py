@@ -54,5 +54,10 @@ def test_grpo_runs_and_updates(tiny_math_run):
     assert "critic_loss" not in st[0] and "ref_inf/time" not in st[0]
     for s in st:
         assert s["importance_weight"] > 0 and s["n_valid_tokens"] > 0
+        # every MFC that runs a model reports the memory model's estimate beside the peak it measured (on CPU the
+        # process's resident memory, which the estimate's runtime part stands for)
+        for mfc in ("actor_gen", "actor_train"):
+            est, peak = s[f"{mfc}/est_mem_gib"], s[f"{mfc}/peak_mem_gib"]
+            assert 0 < s[f"{mfc}/est_increase_gib"] < est and 0.25 * peak < est < 4 * peak, (mfc, est, peak)
         if s["task_reward"] == -5.0:  # every answer wrong: every group is flat, GRPO has nothing to learn from
             assert s["actor_grad_norm"] == 0.0 and s["advantage"] == 0.0

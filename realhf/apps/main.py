@@ -163,6 +163,8 @@ def dry_run(exp_name: str, config, out=None) -> int:
     cfg_path = os.path.join(spec.log_dir, "config.yaml")
     _start_jobs(sched, spec, config, launcher, env, None, _common_args(exp_name, cfg_path, False, "<run id>"),
                 wait=False)
+    if memory is not None:  # every MFC's estimate on its fullest rank
+        out.write(memory.table() + "\n")
     return 0
 
 

@@ -21,6 +21,7 @@ def run(name: str, cfg, console=None, dry_run: bool = False) -> int:
     message) and run it through its launcher (``dry_run``: print what would be submitted, start nothing)."""
     from realhf.apps.main import check_process_env, dry_run as print_plan, run_experiment
     from realhf.experiments import build_spec
+    from realhf.experiments.memory_plan import plan_run
     from realhf.impl.dataset import DatasetError
     from realhf.scheduler import get_launcher
 
@@ -28,7 +29,9 @@ def run(name: str, cfg, console=None, dry_run: bool = False) -> int:
         launcher = get_launcher(cfg.mode)
         if dry_run:
             return print_plan(name, cfg)
-        spec = build_spec(name, cfg)  # fail fast, with a clear message, before anything starts
+        # fail fast, with a clear message, before anything starts; a plan that does not fit its devices is refused and
+        # max_tokens_per_mb=auto becomes the budgets the processes run with
+        cfg, spec, _ = plan_run(name, cfg, lambda c: build_spec(name, c))
         check_process_env()
         if launcher.check is not None:  # e.g. the Ray cluster must exist and hold the workers
             launcher.check(cfg, spec.device_slots())

@@ -138,7 +138,8 @@ def replica_specs(role: str, replicas: Dict[str, Tuple[ParallelDims, Tuple[int, 
             is_critic=is_critic, optimizer=optimizer if trains else None, total_train_steps=total_train_steps,
             tokenizer_path=tokenizer_path, realloc_from=role if optimizer is not None and not trains else None,
             offload=bool(model_cfg is not None and model_cfg.offload and not trains),
-            compile=bool(model_cfg is not None and model_cfg.compile)))
+            compile=bool(model_cfg is not None and model_cfg.compile),
+            gradient_checkpointing=bool(trains and getattr(model_cfg, "gradient_checkpointing", False))))
     return specs
 
 
@@ -157,13 +158,26 @@ def gen_servers_spec(cfg, max_len: int, model_dtype: str = "auto"):
         raise ValueError(f"allocation_mode={cfg.allocation_mode!r}: realhf's own server (gen.) runs one replica with "
                          f"tp=1 per server; use gen.d{dims.dp * dims.tp}m1p1, or vllm./sglang. for tensor parallelism")
     gs = cfg.gen_server
+    max_num_seqs = gs.max_num_seqs if gs.max_num_seqs != "auto" else server_rows_in_flight(cfg, dims.dp)
     return GenServersSpec(backend=mode.gen_backend, n_servers=dims.dp, tp=dims.tp, first_slot=mode.rest_n_devices(),
-                          dtype=model_dtype, max_model_len=max_len, max_num_seqs=gs.max_num_seqs,
+                          dtype=model_dtype, max_model_len=max_len, max_num_seqs=max_num_seqs,
                           weight_sync=getattr(cfg, "param_realloc", "disk"), shares_gpus=bool(cfg.gpus_per_node),
                           routing=gs.routing,
                           startup_timeout_secs=gs.startup_timeout_secs, request_timeout_secs=gs.request_timeout_secs,
                           health_timeout_secs=gs.health_timeout_secs,
                           threads=cfg.cpus_per_worker, extra=gs.extra_dict())
+
+
+def server_rows_in_flight(cfg, n_servers: int) -> int:
+    """The samples one generation server can have in flight at once in this run: the prompts of a step (asynchronous:
+    ``async_rl.max_concurrent_rollouts``) times the answers per prompt, spread over the servers
+    (``gen_server.max_num_seqs=auto`` before the memory plan bounds it by the server's memory)."""
+    prompts = cfg.dataset.train_bs_n_seqs
+    rl = getattr(cfg, "async_rl", None)
+    if rl is not None and rl.max_concurrent_rollouts:
+        prompts = rl.max_concurrent_rollouts
+    n = getattr(cfg, "group_size", None) or getattr(getattr(cfg, "gen", None), "n", 1)
+    return max(n, -(-prompts * n // max(1, n_servers)))
 
 
 def check_backend_available(backend: str, key: str) -> None:

@@ -33,12 +33,13 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.dfg import MicroBatchSpec
 from realhf.api.core.model_api import Model, make_interface
 from realhf.api.core.system_api import ExperimentSpec, ModelSpec
-import realhf.impl.model.interface  # noqa: F401  (registers the interfaces)
+import realhf.impl.model.interface  # noqa: F401 (registers the interfaces)
 from realhf.base import cpu_share, logging, network
 from realhf.base.name_resolve import names
 from realhf.base.recover import RecoverStore, load_state_file
 from realhf.base.runtime_env import RuntimeEnv
 from realhf.base.topology import ParallelGrid
+from realhf.system import mfc_memory
 from realhf.system.data_manager import DataManager
 from realhf.system.heartbeat import HeartbeatMonitor, HeartbeatSender, exit_when_silent
 from realhf.system.request_reply_stream import Payload, WorkerServer
@@ -197,6 +198,7 @@ class ModelWorker:
         # the model's own dtype, or the environment's default (bf16 on GPU, fp32 on CPU) where it names none
         dtype = getattr(torch, m.dtype) if m.dtype not in (None, "auto") else self.env.dtype
         module = build_from_hf(path, grid=self.grids[m.name], dtype=dtype, is_critic=m.is_critic, env=self.env)
+        module.checkpointing = m.gradient_checkpointing
         if m.compile:
             why = module.compile_blocks()
             if why is not None:
@@ -314,18 +316,24 @@ class ModelWorker:
         mb_spec = MicroBatchSpec(**data.get("mb_spec", {})) if data.get("mb_spec") else mfc.mb_spec
         t0 = time.perf_counter()
         self._load_params(role)
-        if mfc.is_train:
-            res = iface.train_step(model, inp, mb_spec)
-            model.version += 1
-        elif mfc.is_generate:
-            res = iface.generate(model, inp, mb_spec)
-        elif mfc.is_inference:
-            res = iface.inference(model, inp, mb_spec)
-        else:
-            raise ValueError(f"MFC {mfc.name}: {mfc.interface_type} is not run through 'mfc' requests")
+        held = mfc_memory.held(self.models, self.env.device)
+        est, mb_info = mfc_memory.call(mfc, iface, model, inp, mb_spec)
+        mb_key = f"{mfc.name}.mb_spec" if mfc.name != "trainDefault" else "mb_spec"
+        with mfc_memory.reported_out_of_memory(mfc.name, self.rank, mb_info, held, est,
+                                               lambda: self.env.memory_stats()["peak_mem_gib"], mb_key), \
+                mfc_memory.measured(self.env.device) as peak:
+            if mfc.is_train:
+                res = iface.train_step(model, inp, mb_spec)
+                model.version += 1
+            elif mfc.is_generate:
+                res = iface.generate(model, inp, mb_spec)
+            elif mfc.is_inference:
+                res = iface.inference(model, inp, mb_spec)
+            else:
+                raise ValueError(f"MFC {mfc.name}: {mfc.interface_type} is not run through 'mfc' requests")
         # this worker's compute time and peak memory of the call (realhf.base.runtime_env: peak_mem_gib, and
-        # reserved_mem_gib on CUDA)
-        reply = {"seconds": time.perf_counter() - t0, **self.env.memory_stats()}
+        # reserved_mem_gib on CUDA), beside the memory model's estimate (realhf.system.mfc_memory)
+        reply = {"seconds": time.perf_counter() - t0, **self.env.memory_stats(), **mfc_memory.stats(held, est, peak)}
         if cpu_share.active():  # cpus_per_worker_max: the threads this call ran with on average
             reply["cpu_threads"] = cpu_share.mean_threads()
         is_owner = self.rank == owner_rank(grid, grid.dp_rank)

@@ -60,6 +60,7 @@ class ModelSpec:
     realloc_from: Optional[str] = None  # the trained replica this one mirrors
     offload: bool = False  # keep the parameters in host memory between calls (inference-only replicas)
     compile: bool = False  # run the blocks' non-attention parts as compiled graphs (ReaLModel.compile_blocks)
+    gradient_checkpointing: bool = False  # training passes recompute each block in backward (ReaLModel.checkpointing)
     # served by generation servers: this replica (on one worker, layout d1m1p1) holds no weights, only a client;
     # its ``realloc_from`` source publishes its weights to the servers instead of reallocating them
     gen_servers: Optional[GenServersSpec] = None
@@ -118,9 +119,9 @@ class RolloutSpec:
     shuffle: bool = True
     seed: int = 1
     episode_timeout_secs: float = 3600.0
+    max_episode_retries: int = 2  # retries of a prompt's failed episode (timeout, server lost) before the run stops
     weight_update: str = "interrupt"  # interrupt | inflight: what an update does to running answers (rollout_manager)
     max_seq_len: int = 0  # the servers' max_model_len: the workflow's sequence budget (0: not set)
-    max_episode_retries: int = 2  # retries of a prompt's failed episode (timeout, server lost) before the run stops
     use_chat_template: bool = False  # the prompts are chat turns (a workflow that inserts turns follows suit)
 
 

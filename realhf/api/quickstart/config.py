@@ -20,7 +20,7 @@ here).
 import dataclasses
 import os
 import re
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 from realhf.api.core.config import check_finite
 from realhf.api.quickstart.allocation import (
@@ -115,6 +115,11 @@ class BaseExperimentConfig:
                                    "gen.d1m1p1+d1m1p1, n_devices_per_node=2, gpus_per_node=1); model workers still "
                                    "need a GPU each; a vLLM or SGLang server must then be told to leave memory for the "
                                    "trainer (gen_server.extra); 0: one GPU per slot")
+    device_memory_gib: float = option(0.0, "memory of one device in GiB, for the launcher's memory plan (a plan that "
+                                           "cannot fit is refused before start; max_tokens_per_mb=auto budgets): a "
+                                           "GPU's memory, or on CPU the host memory a node's processes share; 0: read "
+                                           "it where the launcher runs (local runs), unknown otherwise "
+                                           "($REALHF_DEVICE_MEMORY_GIB overrides it)")
     cpus_per_worker: int = option(1, "CPU threads of each worker process")
     cpus_per_worker_max: int = option(0, "CPU runs: a model worker takes up to this many threads while other "
                                          "processes leave the host's cores idle, and falls back to cpus_per_worker "
@@ -145,6 +150,7 @@ class BaseExperimentConfig:
         check_int("n_nodes", self.n_nodes, 1)
         check_int("n_devices_per_node", self.n_devices_per_node, 1)
         check_int("gpus_per_node", self.gpus_per_node, 0)
+        check_number("device_memory_gib", self.device_memory_gib, lo=0)
         if self.gpus_per_node > self.n_devices_per_node:
             raise ValueError(f"gpus_per_node={self.gpus_per_node} is above n_devices_per_node={self.n_devices_per_node}"
                              ": each device slot uses one GPU, so at most n_devices_per_node GPUs are used; set it to "
@@ -177,7 +183,9 @@ class BaseExperimentConfig:
         def walk(obj, prefix):
             for f in dataclasses.fields(obj):
                 key, v = prefix + f.name, getattr(obj, f.name)
-                if key in self.RESUME_NEUTRAL_KEYS:
+                # micro-batch budgets (set by hand, or by the launcher's memory plan for auto) cut the same
+                # computation differently: a run may resume under others
+                if key in self.RESUME_NEUTRAL_KEYS or key.endswith("mb_spec") or key == "gen_server.max_num_seqs":
                     continue
                 if dataclasses.is_dataclass(v):
                     walk(v, key + ".")
@@ -332,7 +340,10 @@ class SFTConfig(BaseExperimentConfig):
 class GenServerConfig:
     """Generation servers of a ``vllm.``/``sglang.``/``gen.`` allocation (one per data-parallel rank of its layout)."""
 
-    max_num_seqs: int = option(64, "samples a server decodes together at most (more wait for a free slot)")
+    max_num_seqs: Union[int, str] = option(
+        "auto", "samples a server decodes together at most (more wait for a free slot); auto: as many as the run can "
+                "have in flight on one server (prompts per step, or async_rl.max_concurrent_rollouts, times "
+                "group_size, over the servers) and the memory plan says its device holds")
     routing: str = option("least_requests", "which server a request goes to: round_robin | least_requests | "
                                             "least_tokens (the samples of one prompt stay together)")
     startup_timeout_secs: float = option(600.0, "time the servers get to load the model and serve, before training")
@@ -346,7 +357,8 @@ class GenServerConfig:
     def __post_init__(self):
         import json
 
-        check_int("gen_server.max_num_seqs", self.max_num_seqs, 1)
+        if self.max_num_seqs != "auto":
+            check_int("gen_server.max_num_seqs", self.max_num_seqs, 1)
         check_choice("gen_server.routing", self.routing, ("round_robin", "least_requests", "least_tokens"))
         check_number("gen_server.startup_timeout_secs", self.startup_timeout_secs, lo=0, lo_open=True)
         check_number("gen_server.request_timeout_secs", self.request_timeout_secs, lo=0, lo_open=True)

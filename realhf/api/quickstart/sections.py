@@ -2,7 +2,7 @@
 run control, logging, micro-batches and MFC placement, models and datasets. Each checks its own fields in
 ``__post_init__``; the experiment configs check across sections."""
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from realhf.api.core.config import OptimizerConfig
 from realhf.api.core.dfg import MicroBatchSpec
@@ -79,14 +79,22 @@ class MicroBatchConfig:
     """How one MFC cuts its per-rank batch into micro-batches (see ``MicroBatchSpec``)."""
 
     n_mbs: int = option(1, "minimum number of micro-batches per rank")
-    max_tokens_per_mb: int = option(2**31 - 1, "maximum tokens in one micro-batch (a longer single sample goes alone)")
+    max_tokens_per_mb: Union[int, str] = option(
+        "auto", "maximum tokens in one micro-batch (a longer single sample goes alone); auto: the whole per-rank batch "
+                "where the memory plan says it fits the device, else the largest budget that fits (generation: the "
+                "fewest micro-batches of prompts that fit)")
 
     def __post_init__(self):
         check_int("n_mbs", self.n_mbs, 1)
-        check_int("max_tokens_per_mb", self.max_tokens_per_mb, 1)
+        v = self.max_tokens_per_mb
+        if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"max_tokens_per_mb={v!r} is not allowed; expected an integer >= 1 or auto")
 
     def to_spec(self) -> MicroBatchSpec:
-        return MicroBatchSpec(n_mbs=self.n_mbs, max_tokens_per_mb=self.max_tokens_per_mb)
+        """The spec; ``auto`` not yet resolved by the launcher's memory plan (``realhf.experiments.memory_plan``) means
+        no budget."""
+        tokens = 2**31 - 1 if self.max_tokens_per_mb == "auto" else self.max_tokens_per_mb
+        return MicroBatchSpec(n_mbs=self.n_mbs, max_tokens_per_mb=tokens)
 
 
 @dataclasses.dataclass
@@ -127,6 +135,10 @@ class ModelTrainEvalConfig(ModelConfig):
     """A model that is trained (and evaluated)."""
 
     optimizer: OptimizerConfig = option(help="optimizer and learning-rate schedule", factory=OptimizerConfig)
+    gradient_checkpointing: bool = option(False, "activation checkpointing: a training pass keeps only each block's "
+                                                 "input and recomputes the block in the backward pass (about a third "
+                                                 "more compute; activations per token fall from about 60 hidden "
+                                                 "widths a block to one), for long sequences")
 
 
 @dataclasses.dataclass

@@ -21,13 +21,13 @@ on whole logits, within fp32 rounding; gradients likewise.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from realhf.impl.model.nn import cpu_gemm
+from realhf.plan.memory import chunk_rows  # noqa: F401 (the chunk's size: the memory model's)
 from realhf.impl.model.parallelism.tensor_parallel import (
     ColumnParallelLinear,
     copy_to_tp,
@@ -35,33 +35,9 @@ from realhf.impl.model.parallelism.tensor_parallel import (
     vocab_parallel_logprobs,
 )
 
-# The fp32 logits of one chunk stay within this many bytes (a chunk's pass holds at most three such buffers at once,
-# plus the chunk's logits in the model's dtype where that is not fp32). 1 GiB: 1,767 tokens of Qwen2.5's vocabulary,
-# 5,461 of SmolLM2's.
-# ``REALHF_LOGITS_CHUNK_MB`` overrides it (tests use small chunks).
-CHUNK_BYTES = 1 << 30
-_ENV = "REALHF_LOGITS_CHUNK_MB"
-
-
-def chunk_bytes() -> int:
-    """The fp32 bytes of one chunk of logits (``REALHF_LOGITS_CHUNK_MB`` or :data:`CHUNK_BYTES`)."""
-    v = os.environ.get(_ENV)
-    if not v:
-        return CHUNK_BYTES
-    try:
-        mb = float(v)
-    except ValueError:
-        raise ValueError(f"{_ENV}={v!r}: expected a positive number of MiB") from None
-    if not mb > 0:
-        raise ValueError(f"{_ENV}={v!r}: expected a positive number of MiB")
-    return max(1, int(mb * (1 << 20)))
-
-
-def chunk_rows(vocab_local: int, budget_bytes: Optional[int] = None) -> int:
-    """Tokens per chunk for a head of ``vocab_local`` outputs on this rank: as many as fit ``budget_bytes`` of fp32
-    logits (default :func:`chunk_bytes`), at least 1."""
-    b = chunk_bytes() if budget_bytes is None else budget_bytes
-    return max(1, b // (4 * max(1, vocab_local)))
+# The fp32 logits of one chunk stay within ``plan.memory.chunk_bytes()`` (1 GiB: 1,766 tokens of Qwen2.5's vocabulary,
+# 5,461 of SmolLM2's; ``REALHF_LOGITS_CHUNK_MB`` overrides it). A chunk's pass holds at most three such fp32 buffers
+# at once, plus the chunk's logits in the model's dtype where that is not fp32.
 
 
 @dataclasses.dataclass

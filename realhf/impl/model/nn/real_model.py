@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 from realhf.api.core.model_api import ReaLModelConfig, even_range, kv_head_partition, stage_layer_range  # noqa: F401 (re-exported)
@@ -410,6 +411,9 @@ class ReaLModel(nn.Module):
             self.head.lm_head.weight = self.embed.wte.weight
         self.rotary = (Rotary(config.head_dim, config.rotary_base, config.rotary_scaling, device)
                        if config.apply_rotary else None)
+        # activation checkpointing: a training pass keeps each block's input only and runs the block again in the
+        # backward pass (set by the model worker from ModelSpec.gradient_checkpointing)
+        self.checkpointing = False
         self._build_flat()
 
     # ------------------------------------------------------------------ flat parameter buffer
@@ -500,10 +504,15 @@ class ReaLModel(nn.Module):
         if y is not None:
             x = y
         else:
+            recompute = self.checkpointing and inp.cache is None and torch.is_grad_enabled()
             for i, blk in self.blocks.items():
                 if ticking:
                     cpu_share.tick()
-                x = blk(x, inp, rope, int(i) - self.layer_start)
+                if recompute:
+                    x = torch.utils.checkpoint.checkpoint(blk, x, inp, rope, int(i) - self.layer_start,
+                                                          use_reentrant=False)
+                else:
+                    x = blk(x, inp, rope, int(i) - self.layer_start)
                 if ticking:
                     cpu_share.tick_in_backward(x)
         if self.is_last:
