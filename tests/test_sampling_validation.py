@@ -77,3 +77,23 @@ def test_a_stop_list_covering_the_vocabulary_is_refused_with_min_new_tokens():
         check_stop_coverage(every, 2, 50, prefix="sampling.")
     check_stop_coverage(every, 0, 50)  # nothing banned: a stop token ends the answer
     check_stop_coverage(every[1:], 2, 50)  # token 0 can be sampled
+
+
+def test_in_process_generation_and_evaluation_apply_the_same_rule():
+    """``generate`` refuses a stop list that covers the model's vocabulary with min_new_tokens (as the server does at
+    admission), and the evaluator's sampling temperature takes the same minimum."""
+    from realhf.api.core.sampling_checks import SamplingValueError
+    from realhf.api.quickstart.eval_config import EvaluatorConfig
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn.generation import generate
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    model = build_from_hf(ensure_tiny_model("qwen2"))
+    V = model.config.vocab_size
+    g = GenerationHyperparameters(max_new_tokens=4, min_new_tokens=2, stop_token_ids=list(range(V - 1)))
+    with pytest.raises(SamplingValueError, match=r"gconfig\.stop_token_ids=.*min_new_tokens=2"):
+        generate(model, [[1, 2, 3]], g, eos_token_id=V - 1)
+    out = generate(model, [[1, 2, 3]], g)  # one token left to sample before min_new_tokens: it runs
+    assert len(out.tokens[0]) >= 2
+    with pytest.raises(ValueError, match="temperature=1e-40"):
+        EvaluatorConfig(enabled=True, n_sampling=2, temperature=1e-40)

@@ -13,6 +13,7 @@ Example: ``auto_eval.enabled=true auto_eval.data_names=[gsm8k] auto_eval.max_pro
 auto_eval.n_sampling=4 auto_eval.max_gen_tokens=256 auto_eval.prompt_type=chat``.
 """
 import dataclasses
+import math
 import os
 from typing import List, Optional
 
@@ -92,7 +93,11 @@ class EvaluatorConfig:
         if self.prompt_type not in EVAL_PROMPT_TYPES:
             _bad("prompt_type", self.prompt_type, f"one of {list(EVAL_PROMPT_TYPES)}")
         if self.n_sampling > 0:
-            _pos("temperature", self.temperature)
+            from realhf.api.core.sampling_checks import MIN_TEMPERATURE
+
+            t = self.temperature
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < MIN_TEMPERATURE:
+                _bad("temperature", t, f"a finite number >= {MIN_TEMPERATURE:g} (the sampling rule of every generation)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             _bad("top_p", self.top_p, "a number in (0, 1]")
         _pos("timeout", self.timeout, optional=True)

@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.api.core.sampling_checks import check_stop_coverage
 from realhf.impl.model.nn import cpu_gemm, kv_cache
 from realhf.impl.model.nn.kv_cache import KVCache, SharedPrefixCache
 from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, even_range, make_packed_input
@@ -221,6 +222,8 @@ def generate(
     stop = set(gconfig.stop_token_ids)
     if eos_token_id is not None:
         stop.add(int(eos_token_id))
+    # a stop list that bans the whole vocabulary before min_new_tokens leaves nothing to sample (the server's rule)
+    check_stop_coverage(sorted(stop), gconfig.min_new_tokens, cfg.vocab_size, "gconfig.")
     stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=device)
     if generator is None and gconfig.seed is not None:
         generator = torch.Generator(device=device).manual_seed(gconfig.seed)
