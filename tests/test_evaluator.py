@@ -101,7 +101,7 @@ def test_failing_evaluation_is_reported_and_training_goes_on(model, tmp_path):
     assert all("exit code 2" in r["auto_eval/error"] for r in failed.values())
     with open(os.path.join(run_dir, "logs", "master.log")) as f:
         log = f.read()
-    assert "auto_eval: evaluation of global step 2" in log and "not JSON" in log and "training continues" in log
+    assert "auto_eval: evaluation of global step 2" in log and "not valid JSON" in log and "training continues" in log
 
 
 def _cfg(**kw):

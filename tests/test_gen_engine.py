@@ -278,7 +278,9 @@ def test_fp16_kv_cache_equals_generate_with_one(path, ref_model, share):
         ref = _gen(ref_model, [p], seeds=[10 + i], n=2, max_new_tokens=16, temperature=0.9, kv_cache_dtype="float16")
         assert [o.output_ids for o in r.outputs] == ref.tokens, f"prompt {i}: samples differ from generate()"
         for o, lps in zip(r.outputs, ref.logprobs):
-            assert _max_err(o.logprobs, lps) < 1e-5
+            # the server decodes all rows together, generate() each prompt's two: on a CPU without the tile kernel
+            # (no AVX-512) BLAS rounds products of other row counts otherwise, by up to ~2e-6 of logits near 7
+            assert _max_err(o.logprobs, lps) < 3e-5
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, got 'fp8'"):
         _engine(path, extra={"kv_cache_dtype": "fp8"})
 

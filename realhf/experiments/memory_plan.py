@@ -146,7 +146,12 @@ def plan_run(exp_name: str, cfg, build) -> Tuple[object, object, Optional[Memory
     served = spec.served()
     if served is not None and getattr(cfg, "gen_server", None) is not None and cfg.gen_server.max_num_seqs == "auto":
         resolved.gen_server.max_num_seqs = _server_rows(cfg, spec, served, cap)
-    if autos or served is not None:
+    # the spec again only where a budget differs from what the first build took (auto: whole micro-batches, the
+    # server rows the run can have in flight): building it reads the data and the model folders again
+    before = {m.name: (m.mb_spec.n_mbs, m.mb_spec.max_tokens_per_mb) for m in spec.mfcs}
+    after = {n: (_mb_config(resolved, n).n_mbs, _mb_config(resolved, n).max_tokens_per_mb) for n in autos if n in names}
+    rows_changed = served is not None and resolved.gen_server.max_num_seqs != served.gen_servers.max_num_seqs
+    if rows_changed or any(before[n] != v for n, v in after.items()):
         spec = build(resolved)
     p = plan(spec, cfgs, work, cap)
     bad = p.unfit()

@@ -42,7 +42,7 @@ KERNELS = ("auto", "aten", "onednn")
 ENV_VAR = "REALHF_CPU_GEMM"
 # auto keeps oneDNN only when its time is below this fraction of aten's on the probe product
 AUTO_MARGIN = 0.85
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what oneDNN's linear can take (see onednn_serves)
 
 _choice: Optional[str] = None
 # packed (oneDNN-blocked) copies of parameters, kept while a packed_weights() context is open
@@ -55,6 +55,19 @@ PACK_ROWS = 32
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear runs ``dtype`` on this CPU: fp32 always; bf16 and fp16 only where the CPU has the
+    instructions its kernels need (an AVX2-only CPU has none for bf16: oneDNN then cannot build the primitive)."""
+    if dtype not in _ONEDNN_DTYPES or not onednn_available():
+        return False
+    try:
+        _onednn_linear(torch.ones(2, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -293,8 +306,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         y = decode_ops.linear(x, weight, bias)  # None where it does not serve (decode_ops.for_rows)
         if y is not None:
             return y
-    if (torch.compiler.is_compiling() or x.dtype not in _ONEDNN_DTYPES or weight.dtype != x.dtype or x.dim() < 2
-            or kernel() != "onednn"):
+    if (torch.compiler.is_compiling() or weight.dtype != x.dtype or x.dim() < 2 or kernel() != "onednn"
+            or not onednn_serves(x.dtype)):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
