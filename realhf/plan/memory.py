@@ -281,8 +281,11 @@ def train_call(s: Shard, tokens: int, head_rows: int, n_mbs: int = 1, entropy: b
 def forward_call(s: Shard, tokens: int, head_rows: int, temperature: float = 1.0) -> Estimate:
     """A forward-only call (log-probs, values) over micro-batches of at most ``tokens`` tokens, ``head_rows`` of
     them through the output head."""
-    act = tokens * block_forward_peak_per_token(s)
-    return Estimate({"activations": act}) + head_call(s, head_rows, False, temperature=temperature)
+    body = tokens * block_forward_peak_per_token(s)  # freed block by block: the head runs after the last
+    head = head_call(s, head_rows, False, temperature=temperature)
+    if head.total <= body:
+        return Estimate({"activations": body})
+    return head + Estimate({"activations": tokens * s.cfg.hidden_dim * s.bytes})  # the last block's output beside it
 
 
 def kv_cache(s: Shard, rows: int, max_len: int, cache_bytes: Optional[int] = None) -> float:
