@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from realhf.impl.model.nn import cpu_gemm
-from realhf.plan.memory import chunk_rows  # noqa: F401 (the chunk's size: the memory model's)
 from realhf.impl.model.parallelism.tensor_parallel import (
     ColumnParallelLinear,
     copy_to_tp,
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
+from realhf.plan.memory import chunk_rows  # noqa: F401 (re-exported: the chunk's size is the memory model's)
 
 # The fp32 logits of one chunk stay within ``plan.memory.chunk_bytes()`` (1 GiB: 1,766 tokens of Qwen2.5's vocabulary,
 # 5,461 of SmolLM2's; ``REALHF_LOGITS_CHUNK_MB`` overrides it). A chunk's pass holds at most three such fp32 buffers
@@ -56,10 +56,6 @@ class HeadOutput:
     @property
     def n_rows(self) -> int:
         return self.hidden.shape[0]
-
-    @property
-    def group(self):
-        return self.head.group
 
     @property
     def vocab_start(self) -> int:
@@ -145,7 +141,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             if want_entropy:
                 ent[s:e] = _entropy(logp, group)
             del logp
-        ctx.head, ctx.temperature, ctx.group, ctx.start, ctx.chunk = head, temperature, group, start, chunk
+        ctx.head, ctx.temperature, ctx.start, ctx.chunk = head, temperature, start, chunk
         ctx.want_entropy = want_entropy
         ctx.save_for_backward(h, labels, lse, ent)
         ctx.set_materialize_grads(False)
