@@ -13,7 +13,7 @@
 
 ``--task add`` is the earlier main job: one-step additions, the last number of an answer counted, 40 tokens.
 
-Usage: python scripts/main_job.py [--out outputs/main_job] [--steps N] [--task mix|add] [key=value overrides]
+Usage: python scripts/main_job.py [--seed 1] [--out outputs/main_job/seed1] [--steps N] [--task mix|add] [key=value overrides]
 """
 from __future__ import annotations
 
@@ -55,9 +55,24 @@ def make_data(out_dir: str, n_train: int, n_test: int, task: str = "add", mix_ma
     return train, test
 
 
+def _commit() -> str:
+    """The checkout's commit (with ``+changes`` when its files differ from it), or "unknown" outside git."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "main_job"))
+    ap.add_argument("--out", default=None, help="output folder (default outputs/main_job/seed<seed>)")
+    ap.add_argument("--seed", type=int, default=1, help="the run's seed (sampling, shuffling); the data stay the same")
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default 16 for mix, 14 for add)")
     ap.add_argument("--n-test", type=int, default=None, help="held-out problems (default 96 for mix, 64 for add)")
     ap.add_argument("--task", choices=["add", "mix"], default="mix",
@@ -71,6 +86,7 @@ def main(argv=None) -> int:
                     "add, 8 for mix")
     ap.add_argument("overrides", nargs="*", help="extra ppo-math key=value overrides")
     a = ap.parse_args(argv)
+    a.out = a.out or os.path.join(ROOT, "outputs", "main_job", f"seed{a.seed}")
     t_start = time.time()
     strict = a.task == "mix"
     a.steps = a.steps or (16 if strict else 14)
@@ -101,7 +117,7 @@ def main(argv=None) -> int:
         f"reward_unfinished_as_wrong={str(strict).lower()}", "use_chat_template=true", f"ppo.gen.max_new_tokens={max_new}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2",
         "ppo.adv_norm=false", "ppo.group_adv_norm=true", "ppo.eps_clip=0.2", f"ppo.skip_zero_advantage={str(strict).lower()}",
         "actor.optimizer.lr=3e-5", "actor.optimizer.gradient_clipping=1.0", "actor.optimizer.weight_decay=0.0",
-        f"exp_ctrl.benchmark_steps={a.steps}", "exp_ctrl.save_freq_steps=1000000",
+        f"exp_ctrl.benchmark_steps={a.steps}", "exp_ctrl.save_freq_steps=1000000", f"seed={a.seed}",
     ] + list(a.overrides)
     cfg = load_config(PPOMathConfig, overrides=overrides, defaults={"experiment_name": "grpo-smollm2"})
     t0 = time.time()
@@ -118,7 +134,8 @@ def main(argv=None) -> int:
     rewards = [r["task_reward"] for r in step_rows(cfg.log_dir())]
     k = max(1, len(rewards) // 4)
     summary = {
-        "model": "SmolLM2-135M-Instruct", "algorithm": "GRPO", "steps": len(rewards),
+        "model": "SmolLM2-135M-Instruct", "algorithm": "GRPO", "steps": len(rewards), "seed": a.seed,
+        "commit": _commit(), "overrides": list(a.overrides),
         "heldout_greedy_acc_before": before.accuracy, "heldout_greedy_acc_after": after.accuracy,
         "n_heldout": before.n, "heldout_eos_rate_before": before.eos_rate,
         "heldout_eos_rate_after": after.eos_rate, "batch_acc_first_quarter": sum((r + 5) / 10 for r in rewards[:k]) / k,
