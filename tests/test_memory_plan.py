@@ -408,6 +408,7 @@ def smollm2_step(path, data, root, layout):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # four launches of the real SmolLM2, each counting every call's live bytes: ~6 min each
 def test_smollm2_estimates_match_measured_calls_in_every_layout(tmp_path, math_rows):
     """The real SmolLM2-135M-Instruct, one GRPO step with a KL loss under each layout: every call's estimated
     increase within 25% of what the worker measured, where the estimate is at least 0.5 GiB."""
