@@ -146,7 +146,7 @@ def fastest_sweep(groups: list, rows: int, repeats: int = 5):
 def realhf_train_step(model, ids: list):
     """A callable running one training step of ``model`` (a ReaLModel) on the sequences ``ids`` (1-D token tensors
     on the model's device), packed: forward, backward of the mean next-token loss, AdamW. What bench_model.py and
-    bench_gpu.py time for realhf."""
+    bench_scale.py --compare-transformers time for realhf."""
     from realhf.api.core.data_api import SequenceSample
     from realhf.impl.model.backend.engine import TrainEngine
     from realhf.impl.model.backend.optim import OptimizerConfig

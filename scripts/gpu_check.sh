@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# The CUDA path on a GPU machine, in one go (about 4 minutes on one H200 in Session 17, before the gen-server part; results in README.md):
-#   1. benchmarks/bench_gpu.py: SmolLM2-sized generation and training against transformers, and the gen server's
-#      engine with and without CUDA graphs, bf16 (BENCH_ARGS="--gen-works 32x128,8x4x64 --skip train" for a
-#      shorter run)
+# The CUDA path on a GPU machine, in one go (at most 8 minutes: the benchmark's 4, then the tests' 4; results in README.md):
+#   1. benchmarks/bench_scale.py: the RL step at users' scale, on the card this machine has: a Qwen2.5-1.5B-shaped
+#      model (random weights, built on the GPU), 16 GSM8K prompts x 8 answers of exactly 1,024 tokens, KL loss 0.04,
+#      3 steps in each mode (colocated, a generation server beside the trainer, asynchronous), each MFC's time beside
+#      its floor from the matmul and copy ceilings measured first, and its peak memory. The script shares
+#      BENCH_LIMIT (default 240 s) among the modes and stops a mode that runs over, reporting its finished steps.
+#      BENCH_LONG=1: answers of 8,192 tokens from 2 prompts instead (give it a larger BENCH_LIMIT);
+#      BENCH_ARGS: more flags (e.g. "--modes colocated", or "--compare-transformers --shape smollm2" for the
+#      in-process comparisons against transformers)
 #   2. pytest -m gpu (tests/test_gpu_path.py, tests/test_gen_server_gpu.py); tests needing 2 GPUs, vLLM,
 #      SGLang or flash-attn skip themselves where those are missing
 #   3. the tiny-model GRPO and PPO learning tests (tests/test_grpo_learns.py), which on a CUDA machine run their
@@ -43,9 +48,14 @@ part() {  # part NAME SECONDS CMD...: run CMD under a time limit, its output to 
 show() { tail -n "${2:-25}" "$OUT/$1.log"; }
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  part bench "${BENCH_LIMIT:-240}" python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} || status=1
-  show bench 14
-  grep -h -m3 "CUDA graph" "$OUT/bench.log"
+  BENCH_LIMIT=${BENCH_LIMIT:-240}
+  BENCH_WORK="--answer-tokens 1024"
+  [ "${BENCH_LONG:-0}" = 1 ] && BENCH_WORK="--answer-tokens 8192 --prompts 2"
+  # the script keeps 20 s of the limit for stopping a mode that runs over; timeout is the backstop
+  part bench "$BENCH_LIMIT" python3 benchmarks/bench_scale.py --shape 1.5b --modes colocated,served,async --steps 3 \
+    $BENCH_WORK --budget-s $((BENCH_LIMIT - 20)) --root "$OUT/bench_scale" ${BENCH_ARGS:-} || status=1
+  grep -h -E '"part": "(env|ceilings)"' "$OUT/bench.log"
+  show bench 16
 fi
 PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -rs --timeout 240"
 part pytest_gpu "${TEST_LIMIT:-240}" $PYTEST -m gpu tests/test_gpu_path.py tests/test_gen_server_gpu.py -v &

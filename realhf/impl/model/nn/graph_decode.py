@@ -2,9 +2,9 @@
 
 On a GPU, a decode step of a small model at rollout batch sizes is bound by the host, not the device: SmolLM2
 (30 layers) launches about 1,000 kernels a step, and on the H200 machine measured here the step took 55 ms of
-host time for 2.8 ms of GPU work, in realhf and ``transformers`` alike (``benchmarks/bench_gpu.py
---profile-decode 32``). Capturing the step once as a CUDA graph and replaying it launches the whole step at
-once.
+host time for 2.8 ms of GPU work, in realhf and ``transformers`` alike (``benchmarks/bench_scale.py
+--compare-transformers --shape smollm2 --profile-decode 32``). Capturing the step once as a CUDA graph and
+replaying it launches the whole step at once.
 
 The captured step is ``compiled_decode.static_step_fns``: it writes each row's new key/value at ``lens[row]`` and
 attends over the cache's whole length with a mask, so its shapes and buffers do not change from step to step
