@@ -72,9 +72,10 @@ def _worker(impl: str, path: str, n: int, new_tokens: int, batch_size: int, thre
             return texts, n_tok
     else:
         from evaluation import engine as E
+        from realhf.api.core.generation import SamplingParams
 
         E._worker_init(path, threads, "float32", "cpu")
-        cfg = E.SamplingConfig(n=1, greedy=True, max_new_tokens=new_tokens, stop_token_ids=tuple(stops)).to_dict()
+        cfg = SamplingParams(n=1, greedy=True, max_new_tokens=new_tokens, stop_token_ids=list(stops)).to_dict()
 
         def run(batch):
             res = E._worker_generate(batch, [0] * len(batch), cfg)

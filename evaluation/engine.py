@@ -1,7 +1,8 @@
 """Generation back-ends for evaluation.
 
-An engine takes :class:`GenRequest` s (prompt ids + a per-problem seed) and a :class:`SamplingConfig`
-and returns ``cfg.n`` :class:`Completion` s per request. Engines are looked up by name in
+An engine takes :class:`GenRequest` s (prompt ids + a per-problem seed) and the sampling parameters of the
+generation contract (``realhf.api.core.generation.SamplingParams``; its ``seed`` is unused: each request has its
+own) and returns ``cfg.n`` :class:`Completion` s per request. Engines are looked up by name in
 ``ENGINES`` (``register_engine`` adds one, e.g. a fake engine in tests):
 
 * ``realhf`` — realhf's own ``generate`` (ReaLModel + KV cache). Data parallel over ``n_workers``
@@ -21,6 +22,7 @@ import os
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+from realhf.api.core.generation import GenerateRequest, GenerationHyperparameters, SamplingParams
 from realhf.base import logging
 
 logger = logging.getLogger(__name__)
@@ -36,22 +38,6 @@ class GenRequest:
     prompt_text: str
     seed: int
     problem: object = None  # the data_loader.Problem (used by test engines)
-
-
-@dataclasses.dataclass
-class SamplingConfig:
-    n: int = 1
-    greedy: bool = True
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 1024
-    stop_token_ids: tuple = ()
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["stop_token_ids"] = list(self.stop_token_ids)
-        return d
 
 
 @dataclasses.dataclass
@@ -153,13 +139,11 @@ def _worker_init(model_path: str, threads: Optional[int], dtype: str, device: st
 
 
 def _worker_generate(prompts: List[List[int]], seeds: List[int], cfg: dict) -> List[List[tuple]]:
-    from realhf.api.core.model_api import GenerationHyperparameters
+    """``cfg``: ``SamplingParams.to_dict()`` (the per-prompt ``seeds`` stand for its seed)."""
     from realhf.impl.model.nn.generation import generate
 
-    g = GenerationHyperparameters(
-        max_new_tokens=cfg["max_new_tokens"], greedy=cfg["greedy"], temperature=cfg["temperature"] or 1.0,
-        top_p=cfg["top_p"], top_k=cfg["top_k"], n=cfg["n"], stop_token_ids=tuple(cfg["stop_token_ids"]),
-    )
+    g = GenerationHyperparameters(**dict(cfg, temperature=cfg["temperature"] or 1.0, seed=None,
+                                         stop_token_ids=tuple(cfg["stop_token_ids"])))
     out = generate(_W["model"], prompts, g, seeds=None if cfg["greedy"] else list(seeds))
     tok = _W["tokenizer"]
     n = cfg["n"]
@@ -207,7 +191,7 @@ class RealhfEngine:
                                              initargs=(self.model_path, self.threads, self.dtype, self.device, q))
             self._rank_queue = q
 
-    def generate(self, requests: Sequence[GenRequest], cfg: SamplingConfig) -> List[List[Completion]]:
+    def generate(self, requests: Sequence[GenRequest], cfg: SamplingParams) -> List[List[Completion]]:
         self.n_calls += 1
         if not requests:
             return []
@@ -299,15 +283,12 @@ class ServerEngine:
         self.client = self.fleet.client()
         self.n_calls = 0
 
-    def generate(self, requests: Sequence[GenRequest], cfg: SamplingConfig) -> List[List[Completion]]:
-        from realhf.gen_server.api import GenerateRequest, SamplingParams
-
+    def generate(self, requests: Sequence[GenRequest], cfg: SamplingParams) -> List[List[Completion]]:
         self.n_calls += 1
         if not requests:
             return []
-        reqs = [GenerateRequest(rid=f"eval{self.n_calls}-{i}", input_ids=list(r.prompt_ids), sampling=SamplingParams(
-            n=cfg.n, greedy=cfg.greedy, temperature=cfg.temperature if not cfg.greedy else 1.0, top_p=cfg.top_p,
-            top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens, stop_token_ids=list(cfg.stop_token_ids),
+        reqs = [GenerateRequest(rid=f"eval{self.n_calls}-{i}", input_ids=list(r.prompt_ids), sampling=dataclasses.replace(
+            cfg, temperature=cfg.temperature if not cfg.greedy else 1.0, stop_token_ids=list(cfg.stop_token_ids),
             seed=None if cfg.greedy else int(r.seed))) for i, r in enumerate(requests)]
         t0 = time.perf_counter()
         results = self.client.generate_many(reqs)

@@ -24,6 +24,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+from realhf.api.core.generation import SamplingParams
 from realhf.base import logging
 
 from evaluation import data_loader, engine as engines, metrics as M, prompts
@@ -264,13 +265,13 @@ class EvalRun:
     output_path: str
 
 
-def _sampling_configs(args, stop_ids: List[int], max_new: int) -> Dict[str, engines.SamplingConfig]:
-    out = {"greedy": engines.SamplingConfig(n=1, greedy=True, temperature=0.0, top_p=1.0, top_k=0,
-                                            max_new_tokens=max_new, stop_token_ids=tuple(stop_ids))}
+def _sampling_configs(args, stop_ids: List[int], max_new: int) -> Dict[str, SamplingParams]:
+    """The sampling of each pass (the generation contract's; every problem samples with its own seed)."""
+    out = {"greedy": SamplingParams(n=1, greedy=True, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new,
+                                    stop_token_ids=list(stop_ids))}
     if args.n_sampling > 0:
-        out["sample"] = engines.SamplingConfig(n=args.n_sampling, greedy=False, temperature=args.temperature,
-                                               top_p=args.top_p, top_k=args.top_k, max_new_tokens=max_new,
-                                               stop_token_ids=tuple(stop_ids))
+        out["sample"] = SamplingParams(n=args.n_sampling, greedy=False, temperature=args.temperature, top_p=args.top_p,
+                                       top_k=args.top_k, max_new_tokens=max_new, stop_token_ids=list(stop_ids))
     return out
 
 

@@ -258,8 +258,8 @@ MANUAL = ("allocation_mode=manual", "n_devices_per_node=2", *(f"{m}.device_mesh=
 TWO_CRITIC_LAYOUTS = ("ppo.value_norm=false",)  # value_norm needs critic_inf and critic_train on one layout
 
 
-def _placement(mfc: str) -> Dict[str, Any]:
-    needs = MANUAL + (TWO_CRITIC_LAYOUTS if mfc.startswith("critic") else ())
+def _placement(mfc: str, manual: Tuple[str, ...] = MANUAL) -> Dict[str, Any]:
+    needs = manual + (TWO_CRITIC_LAYOUTS if mfc.startswith("critic") else ())
     return {f"{mfc}.device_mesh": Reach("localhost:1", lambda b: b.model_of(mfc).ranks, expect=[1], needs=needs),
             f"{mfc}.parallel": Reach("d2m1p1", lambda b: b.model_of(mfc).layout.dp, expect=2, needs=needs,
                                      with_=(f"{mfc}.device_mesh=localhost:0,1",))}
@@ -290,14 +290,14 @@ PPO: Dict[str, Any] = {
     "prompt_template": Reach("Q: {prompt}", _ds("prompt_template")),
     "group_size": Reach("2", _attrs("actor_gen.gconfig.n", "actor_train.group_size"), expect=lambda x: _n(x, 2)),
     # the reward interface
-    "reward_allow_last_number": Reach("true", _attrs("rew_inf.allow_last_number")),
+    "reward.allow_last_number": Reach("true", _attrs("rew_inf.allow_last_number")),
     # rw-math scores unfinished answers wrong, reading actor_gen's seq_no_eos_mask
-    "reward_unfinished_as_wrong": Reach("true", lambda b: (b.iface("rew_inf").unfinished_as_wrong,
+    "reward.unfinished_as_wrong": Reach("true", lambda b: (b.iface("rew_inf").unfinished_as_wrong,
                                                            "seq_no_eos_mask" in b.mfc("rew_inf").input_keys),
                                         expect=(True, True)),
-    "correct_reward": Reach("3.0", _attrs("rew_inf.correct_reward")),
-    "wrong_reward": Reach("-1.0", _attrs("rew_inf.wrong_reward")),
-    "reward_timeout_secs": Reach("2.0", _attrs("rew_inf.timeout_secs")),
+    "reward.correct_reward": Reach("3.0", _attrs("rew_inf.correct_reward")),
+    "reward.wrong_reward": Reach("-1.0", _attrs("rew_inf.wrong_reward")),
+    "reward.timeout_secs": Reach("2.0", _attrs("rew_inf.timeout_secs")),
     "ppo.reward_output_scaling": Reach("2.0", _attrs("rew_inf.reward_output_scaling")),
     "ppo.reward_output_bias": Reach("1.0", _attrs("rew_inf.reward_output_bias")),
     # actor generation: the engine's options
@@ -322,6 +322,21 @@ PPO: Dict[str, Any] = {
 }
 
 PPO["ppo.behav_imp_weight_cap"] = Refused("2.0")  # ppo-math trains on samples of the trained weights
+# the algorithm variants (docs/algorithms.md): the actor's step reads them; the advantages' options the critic's too
+PPO.update({
+    **{f"ppo.{k}": Reach(v, _attrs(f"actor_train.cfg.{k}")) for k, v in (
+        ("policy_loss", "gspo"), ("eps_clip_higher", "0.28"), ("loss_agg_mode", "seq-mean-token-sum-norm"),
+        ("kl_loss_estimator", "k2"), ("mismatch_cap", "3.0"))},
+    "ppo.adv_estimator": Reach("rloo", _attrs("actor_train.cfg.adv_estimator"), needs=("use_critic=false", "group_size=2")),
+    **{f"ppo.{k}": _ppo_both(k, v) for k, v in (("kl_estimator", "k3"), ("overlong_tokens", "8"),
+                                                 ("overlong_penalty_factor", "0.5"))},
+    # the trainer's log-probs of the generated tokens come from actor_inf
+    "ppo.mismatch_correction": Reach("tis", lambda b: ("actor_inf" in b.ifaces, b.iface("actor_train").cfg.mismatch_correction),
+                                     expect=lambda v: (True, v)),
+    # the master refills the batch (realhf.system.dynamic_sampling)
+    "ppo.dynamic_sampling": Reach("true", lambda b: b.spec.dynamic_sampling is not None, expect=True,
+                                  needs=("group_size=2",)),
+})
 
 
 # ------------------------------------------------------------------------------------------ async-ppo-math
@@ -350,11 +365,10 @@ def _fleet(field):
 ASYNC_ALLOC = "gen.d2m1p1+d1m1p1"  # a base with three device slots, so the trainer's layout can change
 ASYNC: Dict[str, Any] = {
     **{k: v for k, v in PPO.items() if not k.startswith(("actor_gen.", "rew_inf.", "ppo.gen.", "gen_server.", "dataset.",
-                                                            "critic_inf.", "critic_train.", "actor_train.", "ref_inf."))
+                                                            "critic_inf.", "critic_train.", "actor_train.", "ref_inf.",
+                                                            "reward."))
        and k not in ("param_realloc", "actor.offload", "critic.offload", "use_chat_template", "prompt_template",
-                     "group_size", "reward_allow_last_number", "reward_unfinished_as_wrong", "correct_reward",
-                     "wrong_reward", "reward_timeout_secs",
-                     "ppo.reward_output_scaling", "ppo.reward_output_bias", "ppo.behav_imp_weight_cap")},
+                     "group_size", "ppo.reward_output_scaling", "ppo.reward_output_bias", "ppo.behav_imp_weight_cap")},
     # the trainer: the same spec fields and interfaces as ppo-math
     "allocation_mode": Reach("gen.d1m1p1+d2m1p1", lambda b: b.model("actor").layout.dp, expect=2,
                              needs=("n_devices_per_node=3", f"allocation_mode={ASYNC_ALLOC}")),
@@ -387,10 +401,10 @@ ASYNC: Dict[str, Any] = {
     "group_size": Reach("2", lambda b: (b.spec.rollout.gconfig["n"], b.iface("actor_train").group_size),
                         expect=lambda x: _n(x, 2)),
     **{k: Reach(v, lambda b, a=a: b.spec.rollout.reward_args[a]) for k, v, a in (
-        ("reward_allow_last_number", "true", "allow_last_number"), ("correct_reward", "3.0", "correct_reward"),
-        ("wrong_reward", "-1.0", "wrong_reward"), ("reward_timeout_secs", "2.0", "timeout_secs"))},
+        ("reward.allow_last_number", "true", "allow_last_number"), ("reward.correct_reward", "3.0", "correct_reward"),
+        ("reward.wrong_reward", "-1.0", "wrong_reward"), ("reward.timeout_secs", "2.0", "timeout_secs"))},
     # the reward the rollout workers build from the spec (as RolloutWorker.setup does) scores unfinished answers wrong
-    "reward_unfinished_as_wrong": Reach("true", lambda b: _rollout_reward(b).unfinished_as_wrong),
+    "reward.unfinished_as_wrong": Reach("true", lambda b: _rollout_reward(b).unfinished_as_wrong),
     "ppo.reward_output_scaling": Reach("2.0", _rollout("reward_output_scaling")),
     "ppo.reward_output_bias": Reach("1.0", _rollout("reward_output_bias")),
     **{f"ppo.gen.{k}": Reach(v, _gconf(k)) for k, v in (("max_new_tokens", "64"), ("min_new_tokens", "2"),
@@ -411,6 +425,7 @@ ASYNC: Dict[str, Any] = {
     "async_rl.workflow_args": Reach('{"max_turns": 3}', _rollout("workflow_args"), expect=lambda x: json.loads(x)),
     "async_rl.reward_fn": Reach("realhf.reward:MathVerifier", _rollout("reward_fn")),  # any importable callable
     "async_rl.dynamic_filtering": Reach("true", _rollout("dynamic_filtering")),
+    "ppo.dynamic_sampling": Reach("true", _rollout("dynamic_filtering"), needs=("group_size=2",)),
     # loglinear: no actor_inf, and actor_train interpolates the proximal log-probs itself
     "async_rl.prox_logp": Reach("loglinear", lambda b: ("actor_inf" in b.ifaces, b.iface("actor_train").prox_logp),
                                 expect=lambda v: (False, v)),
@@ -421,7 +436,55 @@ ASYNC: Dict[str, Any] = {
 # the critic's options of ppo-math, which read the critic's interfaces as they are
 ASYNC.update({k: v for k, v in PPO.items() if k.startswith("ppo.") and k not in ASYNC and "gen." not in k})
 
-TABLES = {"sft": SFT, "gen": GEN, "ppo-math": PPO, "async-ppo-math": ASYNC}
+# ------------------------------------------------------------------------------------------ rw, dpo; ppo-math's reward model
+REWARD_MODEL = ("reward.type=model", "RM")  # a reward model scores in rew_inf
+PPO.update({
+    # rew_inf runs the reward model (the rw interface) instead of the grader (rw-math)
+    "reward.type": Reach("model", lambda b: b.mfc("rew_inf").interface_impl, expect="rw", with_=("RM",)),
+    "reward.model.path": Reach(lambda env: env.rm2, lambda b: b.model("reward").path, needs=REWARD_MODEL),
+    **{f"reward.model.{k}": Reach(v, lambda b, k=k: getattr(b.model("reward"), k), needs=REWARD_MODEL)
+       for k, v in (("dtype", "bfloat16"), ("offload", "true"), ("compile", "true"))},
+    **{k: dataclasses.replace(v, needs=REWARD_MODEL) for k, v in _mb_spec("rew_inf.mb_spec", "rew_inf").items()},
+})
+# the rollout workers score with async_rl.reward_fn: a reward model has no use there
+ASYNC.update({"reward.type": Refused("model"), "reward.model.path": Refused(lambda env: env.rm),
+              **{f"reward.model.{k}": Refused(v) for k, v in (("dtype", "bfloat16"), ("offload", "true"),
+                                                             ("compile", "true"))},
+              **{f"rew_inf.mb_spec.{k}": Refused(v) for k, v in (("n_mbs", "2"), ("max_tokens_per_mb", "4096"))}})
+
+
+def _pairs_options() -> Dict[str, Any]:
+    """The preference dataset: the DatasetSpec of the rw / dpo run, which the workers build the dataset from."""
+    return {"dataset.train_path": Reach(lambda env: env.pairs2, _ds("path")),
+            "dataset.valid_path": Reach(lambda env: env.pairs2,
+                                        lambda b: b.spec.valid_dataset and b.spec.valid_dataset.args["path"]),
+            "dataset.max_seqlen": Reach("256", _ds("max_seqlen")),
+            "dataset.use_chat_template": Reach("true", _ds("use_chat_template")),
+            "dataset.train_bs_n_seqs": Reach("8", lambda b: b.spec.dataset.batch_size),
+            "dataset.valid_bs_n_seqs": Reach("8", lambda b: b.spec.valid_dataset.batch_size, needs=("PAIRS_VALID",)),
+            "exp_ctrl.eval_freq_epochs": Reach("2", _spec("eval_freq_epochs"), needs=("PAIRS_VALID",)),
+            "exp_ctrl.eval_freq_steps": Reach("2", _spec("eval_freq_steps"), needs=("PAIRS_VALID",))}
+
+
+RW: Dict[str, Any] = {
+    **{k: v for k, v in TRAINING.items() if not k.startswith("auto_eval.")},  # a reward model is not evaluated so
+    **_model_options("model", "default", trains=True, offload=Refused("true")),
+    **_pairs_options(),
+    **_mb_spec("mb_spec", "trainDefault"),
+}
+DPO_MFCS = ("actor_train", "ref_inf")
+DPO_MANUAL = ("allocation_mode=manual", "n_devices_per_node=2", *(f"{m}.device_mesh=localhost:0" for m in DPO_MFCS),
+              *(f"{m}.parallel=d1m1p1" for m in DPO_MFCS))
+DPO: Dict[str, Any] = {
+    **TRAINING,
+    **_model_options("actor", "actor", trains=True, offload=Refused("true")),
+    **_model_options("ref", "ref", trains=False, offload=Reach("true", lambda b: b.model("ref").offload)),
+    **_pairs_options(),
+    "dpo.beta": Reach("0.5", _attrs("actor_train.beta", "ref_inf.beta"), expect=lambda x: _n(x, 2)),
+    **{k: v for m in DPO_MFCS for k, v in {**_mb_spec(f"{m}.mb_spec", m), **_placement(m, DPO_MANUAL)}.items()},
+}
+
+TABLES = {"sft": SFT, "gen": GEN, "ppo-math": PPO, "async-ppo-math": ASYNC, "rw": RW, "dpo": DPO}
 # the options each experiment needs to build at all (required paths; the tiny model has 512 positions)
 BASE_ARGS = {
     "sft": lambda env: [f"model.path={env.model}", f"dataset.train_path={env.sft}", "dataset.max_seqlen=512"],
@@ -429,8 +492,12 @@ BASE_ARGS = {
     "ppo-math": lambda env: [f"actor.path={env.model}", f"dataset.path={env.math}"],
     "async-ppo-math": lambda env: [f"actor.path={env.model}", f"dataset.path={env.math}", "n_devices_per_node=2",
                                    "allocation_mode=gen.d1m1p1+d1m1p1"],
+    "rw": lambda env: [f"model.path={env.model}", f"dataset.train_path={env.pairs}", "dataset.max_seqlen=512"],
+    "dpo": lambda env: [f"actor.path={env.model}", f"dataset.train_path={env.pairs}", "dataset.max_seqlen=512"],
 }
-NEEDS = {"VALID": lambda env: f"dataset.valid_path={env.sft}"}  # placeholders of ``needs`` filled from the files
+NEEDS = {"VALID": lambda env: f"dataset.valid_path={env.sft}",  # placeholders of ``needs`` filled from the files
+         "PAIRS_VALID": lambda env: f"dataset.valid_path={env.pairs}",
+         "RM": lambda env: f"reward.model.path={env.rm}"}
 
 
 def _experiments():
@@ -462,10 +529,25 @@ def env(tmp_path_factory):
                                                     for i in range(32)))
         (d / f"prompts{name}.jsonl").write_text("".join(json.dumps({"query_id": f"q{i}", "prompt": f"{i}+1="}) + "\n"
                                                         for i in range(32)))
-        for kind in ("math", "sft", "prompts"):
+        (d / f"pairs{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "chosen": str(i + 1),
+                                                                  "rejected": str(i + 2)}) + "\n" for i in range(32)))
+        for kind in ("math", "sft", "prompts", "pairs"):
             files[kind + name] = str(d / f"{kind}{name}.jsonl")
+    files["rm"], files["rm2"] = _reward_model(model, str(d / "rm")), _reward_model(model, str(d / "rm2"))
     return SimpleNamespace(model=model, model2=str(d / "model2"), root=str(d / "root"), root2=str(d / "root2"),
                            builds={}, **files)
+
+
+def _reward_model(model: str, out: str) -> str:
+    """A reward model folder (``model`` with a fresh scalar head) of the tiny model's tokenizer."""
+    import torch
+
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.conversion.hf_io import build_from_hf, save_hf
+
+    save_hf(build_from_hf(model, grid=single_process_grid(), dtype=torch.float32, is_critic=True), out,
+            tokenizer_src=model)
+    return out
 
 
 def _entry(exp: str, key: str):

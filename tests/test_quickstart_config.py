@@ -222,6 +222,39 @@ def test_load_config_programmatic(paths):
     assert cfg.experiment_name == "quickstart"
 
 
+def test_renamed_options_load_under_their_old_names(paths, tmp_path):
+    """The reward options moved into the ``reward`` section: their old top-level names, in a YAML file or an
+    override, set the new options, and the loader names every old name it met in one warning."""
+    import logging
+
+    base = [f"actor.path={paths[0]}", f"dataset.path={paths[1]}"]
+    old = tmp_path / "old.yaml"
+    old.write_text("correct_reward: 3.0\nreward_allow_last_number: true\n")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("realhf.api.quickstart.entry")
+    log.addHandler(handler)
+    try:
+        cfg = load_config(qc.PPOMathConfig, [str(old)], base + ["reward_timeout_secs=2.0", "wrong_reward=-1.0",
+                                                                  "reward_unfinished_as_wrong=true"])
+    finally:
+        log.removeHandler(handler)
+    new = load_config(qc.PPOMathConfig, [], base + ["reward.correct_reward=3.0", "reward.allow_last_number=true",
+                                                    "reward.timeout_secs=2.0", "reward.wrong_reward=-1.0",
+                                                    "reward.unfinished_as_wrong=true"])
+    assert cfg.reward == new.reward and new.reward.grader_args() == dict(
+        correct_reward=3.0, wrong_reward=-1.0, timeout_secs=2.0, allow_last_number=True, unfinished_as_wrong=True)
+    warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and all(f"{k} -> reward." in warned[0] for k in (
+        "correct_reward", "reward_allow_last_number", "reward_timeout_secs", "wrong_reward",
+        "reward_unfinished_as_wrong")), warned
+    both = tmp_path / "both.yaml"
+    both.write_text("correct_reward: 3.0\nreward: {correct_reward: 4.0}\n")
+    with pytest.raises(ConfigError, match=r"both 'reward\.correct_reward' and its deprecated old name 'correct_reward'"):
+        load_config(qc.PPOMathConfig, [str(both)], base)
+
+
 def test_registry(registered):
     exps = entry.registered_experiments()
     assert exps["toy-sft"].config_cls.__name__ == "ToyConfig"

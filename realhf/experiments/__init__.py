@@ -54,6 +54,8 @@ def final_hook(name: str) -> Callable:
 
 
 def _import_all():
+    import realhf.experiments.dpo_exp  # noqa: F401
     import realhf.experiments.gen_exp  # noqa: F401
     import realhf.experiments.ppo_math_exp  # noqa: F401
+    import realhf.experiments.rw_exp  # noqa: F401
     import realhf.experiments.sft_exp  # noqa: F401

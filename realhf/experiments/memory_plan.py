@@ -35,7 +35,11 @@ def workloads(cfg) -> Dict[str, Workload]:
         share = min(1.0, A / (A + P / 2))  # answer rows of a sequence, with prompts of half max_prompt_len on average
         ckpt = bool(getattr(cfg.actor, "gradient_checkpointing", False))
         critic_ckpt = bool(getattr(cfg.critic, "gradient_checkpointing", False))
+        out = {} if not getattr(cfg, "reward", None) or not cfg.reward.uses_model() else {
+            # a reward model (reward.type=model): a forward pass, its scalar head on each sequence's last token
+            "rew_inf": Workload("inference", seqs, P + A, 1.0)}
         return {
+            **out,
             "actor_gen": Workload("generate", cfg.dataset.train_bs_n_seqs, P, n=n, max_new=A, temperature=T),
             "ref_inf": Workload("inference", seqs, P + A, share, temperature=T),
             "actor_inf": Workload("inference", seqs, P + A, share, temperature=T),
@@ -48,10 +52,28 @@ def workloads(cfg) -> Dict[str, Workload]:
     if hasattr(cfg, "gen") and hasattr(cfg.dataset, "max_prompt_len"):  # gen
         return {"gen": Workload("generate", cfg.dataset.train_bs_n_seqs, cfg.dataset.max_prompt_len,
                                 n=cfg.gen.n, max_new=cfg.gen.max_new_tokens)}
+    pairs = _preference_workloads(cfg)
+    if pairs is not None:
+        return pairs
     if hasattr(cfg.dataset, "max_seqlen"):  # sft
         return {"trainDefault": Workload("train", cfg.dataset.train_bs_n_seqs, cfg.dataset.max_seqlen, 1.0,
                                          checkpointing=bool(getattr(cfg.model, "gradient_checkpointing", False)))}
     return {}
+
+
+def _preference_workloads(cfg) -> Optional[Dict[str, Workload]]:
+    """rw and dpo: every pair is two sequences of up to ``dataset.max_seqlen`` tokens (None: another experiment)."""
+    from realhf.api.quickstart.preference_config import DPOConfig, RWConfig
+
+    if not isinstance(cfg, (RWConfig, DPOConfig)):
+        return None
+    seqs, L = 2 * cfg.dataset.train_bs_n_seqs, cfg.dataset.max_seqlen
+    if isinstance(cfg, RWConfig):  # the scalar head scores each sequence's last token
+        return {"trainDefault": Workload("train", seqs, L, 1.0,
+                                         checkpointing=bool(cfg.model.gradient_checkpointing))}
+    # DPO: log-probs of the answer tokens (at most the whole sequence) through the output head
+    return {"ref_inf": Workload("inference", seqs, L, 1.0),
+            "actor_train": Workload("train", seqs, L, 1.0, checkpointing=bool(cfg.actor.gradient_checkpointing))}
 
 
 def _uses_gpus(cfg) -> bool:

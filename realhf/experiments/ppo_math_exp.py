@@ -2,10 +2,14 @@
 
 DFG (keys infer the edges):
   actor_gen   (actor,  generate)   packed_prompts -> packed_input_ids, packed_logprobs, prompt_mask, seq_no_eos_mask
-  rew_inf     (reward, inference)  packed_input_ids, prompt_mask -> rewards   (+ seq_no_eos_mask: reward_unfinished_as_wrong)
+  rew_inf     (reward, inference)  packed_input_ids, prompt_mask -> rewards   (+ seq_no_eos_mask: reward.unfinished_as_wrong)
+              [reward.type=model: a reward model scores packed_input_ids (realhf.experiments.rw_exp)]
   ref_inf     (ref,    inference)  packed_input_ids, prompt_mask -> packed_ref_logprobs        [KL on]
   critic_inf  (critic, inference)  packed_input_ids, prompt_mask -> values                     [critic on]
+  actor_inf   (actor,  inference)  packed_input_ids, prompt_mask -> proximal_logprobs          [ppo.mismatch_correction]
   actor_train (actor,  train_step) all of the above
+With ppo.dynamic_sampling the master runs actor_gen and rew_inf again over new prompts until the batch holds
+dataset.train_bs_n_seqs prompts whose answers' rewards differ (realhf.system.dynamic_sampling).
 
 With a decoupled allocation (``vllm.d2m1p1+d1m1p1``, ``sglang.``, ``gen.``) actor_gen is served by generation
 servers on the generation devices (``realhf.gen_server``): its replica ``actor@1`` is a client on worker 0, the
@@ -28,13 +32,14 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 from realhf.api.core.dfg import MFCDef
-from realhf.api.core.system_api import DatasetSpec, ExperimentSpec, RolloutSpec
+from realhf.api.core.system_api import DatasetSpec, DynamicSamplingSpec, ExperimentSpec, RolloutSpec
 from realhf.api.quickstart.async_config import AsyncPPOMathConfig
 from realhf.api.quickstart.config import PPOMathConfig
 from realhf.experiments import register_experiment
 from realhf.base.topology import ParallelDims
 from realhf.experiments.common import (check_model_fits, experiment_spec, gen_servers_spec, model_replicas,
                                        replica_specs)
+from realhf.experiments.rw_exp import check_reward_model, reward_model_mfc
 
 GEN_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask")
 
@@ -57,6 +62,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     served = None
     if mode.kind == "decoupled":  # actor_gen is served by generation servers on the generation devices
         served = gen_servers_spec(cfg, sum(seqlen.values()), cfg.actor.dtype)
+    check_algorithm(cfg, is_async)
     use_ref = cfg.use_ref()
     use_critic = cfg.use_critic
     roles: Dict[str, List[Tuple[str, bool]]] = {"actor": [("actor_gen", False), ("actor_train", True)],
@@ -88,6 +94,8 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
             # every model reads whole sequences; the actor's tokenizer serves all of them
             check_model_fits(paths[role], dims, f"{role}.path (replica {name!r})", seqlen=seqlen,
                              tokenizer=name == "actor")
+    if cfg.reward.uses_model():  # a reward model scores in rew_inf: it fits, has a scalar head, the policy's tokenizer
+        check_reward_model(cfg, replicas["reward"], seqlen)
     n_samples = validate_jsonl(cfg.dataset.path, MATH_REQUIRED, MATH_OPTIONAL)
     bs = cfg.dataset.train_bs_n_seqs
     # as the workers' EpochIterator: training drops an epoch's last partial batch (see build_sft)
@@ -108,36 +116,39 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
     models += replica_specs("critic", replicas.get("critic", {}), cfg.critic_path(), cfg.critic,
                             optimizer=cfg.critic.optimizer, total_train_steps=train_steps, is_critic=True,
                             tokenizer_path=tok)
-    if not is_async:
-        models += replica_specs("reward", replicas["reward"], "", tokenizer_path=tok)
+    if not is_async:  # the grader holds no weights (only the tokenizer); a reward model is a critic-style model
+        rm = cfg.reward.model if cfg.reward.uses_model() else None
+        models += replica_specs("reward", replicas["reward"], rm.path if rm else "", rm, is_critic=rm is not None,
+                                tokenizer_path=tok)
 
     # the interfaces take the validated config sections as they are (see realhf/impl/model/interface/ppo_interface.py)
     actor_args = dict(ppo=p, group_size=cfg.group_size, use_critic=use_critic, seed=cfg.seed)
     if is_async and cfg.async_rl.prox_logp == "loglinear":
         actor_args["prox_logp"] = "loglinear"
     train_inputs = list(GEN_KEYS) + ["rewards"]
+    grader_keys = ("packed_input_ids", "prompt_mask") + (("seq_no_eos_mask",) if cfg.reward.unfinished_as_wrong else ())
     mfcs = [] if is_async else [
         MFCDef("actor_gen", model_of["actor_gen"], "generate", "ppo_actor", actor_args, input_keys=("packed_prompts",),
                output_keys=GEN_KEYS + (("packed_versions",) if served is not None else ()), mb_spec=cfg.actor_gen.mb_spec.to_spec()),
+        reward_model_mfc(cfg, model_of["rew_inf"], grader_keys) if cfg.reward.uses_model() else
         MFCDef("rew_inf", model_of["rew_inf"], "inference", "rw-math",
-               dict(correct_reward=cfg.correct_reward, wrong_reward=cfg.wrong_reward,
-                    reward_output_scaling=p.reward_output_scaling, reward_output_bias=p.reward_output_bias,
-                    timeout_secs=cfg.reward_timeout_secs, allow_last_number=cfg.reward_allow_last_number,
-                    unfinished_as_wrong=cfg.reward_unfinished_as_wrong),
-               input_keys=("packed_input_ids", "prompt_mask") + (("seq_no_eos_mask",) if cfg.reward_unfinished_as_wrong
-                                                                 else ()), output_keys=("rewards",)),
+               dict(cfg.reward.grader_args(), reward_output_scaling=p.reward_output_scaling,
+                    reward_output_bias=p.reward_output_bias), input_keys=grader_keys, output_keys=("rewards",)),
     ]
     if is_async:
         train_inputs.append("packed_versions")
-        if cfg.async_rl.prox_logp == "recompute":
-            # with skip_zero_advantage, actor_inf finds the samples actor_train will train (from the rewards, as
-            # train_step does) and recomputes their log-probs only
-            inf_keys = ("packed_input_ids", "prompt_mask") + (("packed_logprobs", "seq_no_eos_mask", "rewards")
-                                                              if p.skip_zero_advantage else ())
-            mfcs.append(MFCDef("actor_inf", model_of["actor_inf"], "inference", "ppo_actor", dict(actor_args, proximal=True),
-                               input_keys=inf_keys, output_keys=("logprobs",),
-                               output_key_remap={"logprobs": "proximal_logprobs"}, mb_spec=cfg.actor_inf.mb_spec.to_spec()))
-            train_inputs.append("proximal_logprobs")
+    if (cfg.async_rl.prox_logp == "recompute") if is_async else p.mismatch_correction != "none":
+        # the proximal log-probs: of decoupled PPO (async), or the trainer's own log-probs of the generated tokens for
+        # ppo.mismatch_correction (sync: on actor_train's replica, with its micro-batches). With skip_zero_advantage,
+        # actor_inf finds the samples actor_train will train (from the rewards, as train_step does) and recomputes
+        # their log-probs only
+        inf_keys = ("packed_input_ids", "prompt_mask") + (("packed_logprobs", "seq_no_eos_mask", "rewards")
+                                                          if p.skip_zero_advantage else ())
+        mb = cfg.actor_inf.mb_spec if is_async else cfg.actor_train.mb_spec
+        mfcs.append(MFCDef("actor_inf", model_of.get("actor_inf", model_of["actor_train"]), "inference", "ppo_actor",
+                           dict(actor_args, proximal=True), input_keys=inf_keys, output_keys=("logprobs",),
+                           output_key_remap={"logprobs": "proximal_logprobs"}, mb_spec=mb.to_spec()))
+        train_inputs.append("proximal_logprobs")
     if use_ref:
         mfcs.append(MFCDef("ref_inf", model_of["ref_inf"], "inference", "ppo_actor", actor_args,
                            input_keys=("packed_input_ids", "prompt_mask"),
@@ -163,8 +174,26 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
         ds = DatasetSpec(kind="trajectory_stream", batch_size=bs, holder_model="actor",
                          args=dict(steps_per_epoch=max(1, epoch_steps(n_samples, bs, drop_last=True)),
                                    n_prompts=n_samples))
+    # ppo.dynamic_sampling: the master refills a synchronous run's batch (async: the rollout workers, async_rollout_spec)
+    dyn = DynamicSamplingSpec(key="rewards") if p.dynamic_sampling and not is_async else None
     return experiment_spec(cfg, n_workers=n_workers, models=models, mfcs=mfcs, dataset=ds, auto_eval=cfg.auto_eval,
-                           param_realloc=cfg.param_realloc, rollout=rollout)
+                           param_realloc=cfg.param_realloc, rollout=rollout, dynamic_sampling=dyn)
+
+
+def check_algorithm(cfg: PPOMathConfig, is_async: bool) -> None:
+    """The ``ppo.*`` algorithm options that depend on other sections: ValueError naming the keys."""
+    p = cfg.ppo
+    if cfg.use_critic and p.adv_estimator != "grpo":
+        raise ValueError(f"ppo.adv_estimator={p.adv_estimator} is a critic-free estimator; with use_critic=true the "
+                         "advantages are GAE's: set use_critic=false, or leave ppo.adv_estimator=grpo")
+    for on, key in ((p.adv_estimator == "rloo", "ppo.adv_estimator=rloo"), (p.dynamic_sampling, "ppo.dynamic_sampling")):
+        if on and cfg.group_size < 2:
+            raise ValueError(f"{key} compares the answers to one prompt: it needs group_size >= 2, got "
+                             f"group_size={cfg.group_size}")
+    if is_async and p.mismatch_correction != "none" and cfg.async_rl.prox_logp == "behaviour":
+        raise ValueError(f"ppo.mismatch_correction={p.mismatch_correction} weighs the generator's log-probs against "
+                         "the trainer's; async_rl.prox_logp=behaviour has no trainer log-probs: use "
+                         "async_rl.prox_logp=recompute (or loglinear)")
 
 
 def async_workflow(cfg: AsyncPPOMathConfig):
@@ -188,9 +217,6 @@ def async_rollout_spec(cfg: AsyncPPOMathConfig, prompts: DatasetSpec, n_samples:
     import dataclasses
 
     a = cfg.async_rl
-    reward_args = dict(correct_reward=cfg.correct_reward, wrong_reward=cfg.wrong_reward,
-                       timeout_secs=cfg.reward_timeout_secs, allow_last_number=cfg.reward_allow_last_number,
-                       unfinished_as_wrong=cfg.reward_unfinished_as_wrong)
     return RolloutSpec(
         n_workers=a.n_rollout_workers, batch_size=cfg.dataset.train_bs_n_seqs, dp_size=dp, total_batches=steps,
         n_prompts=n_samples, max_head_offpolicyness=a.max_head_offpolicyness,
@@ -198,9 +224,9 @@ def async_rollout_spec(cfg: AsyncPPOMathConfig, prompts: DatasetSpec, n_samples:
         workflow=a.workflow, workflow_args=a.workflow_args_dict(),
         gconfig={**dataclasses.asdict(cfg.ppo.gen), "n": cfg.group_size, "seed": cfg.seed if cfg.ppo.gen.seed is None
                  else cfg.ppo.gen.seed},
-        reward_fn=a.reward_fn, reward_args=reward_args, reward_output_scaling=cfg.ppo.reward_output_scaling,
+        reward_fn=a.reward_fn, reward_args=cfg.reward.grader_args(), reward_output_scaling=cfg.ppo.reward_output_scaling,
         reward_output_bias=cfg.ppo.reward_output_bias, tokenizer_path=cfg.actor.path,
-        dynamic_filtering=a.dynamic_filtering, shuffle=True, seed=cfg.seed, episode_timeout_secs=a.episode_timeout_secs,
+        dynamic_filtering=a.dynamic_filtering or cfg.ppo.dynamic_sampling, shuffle=True, seed=cfg.seed, episode_timeout_secs=a.episode_timeout_secs,
         max_episode_retries=a.max_episode_retries, weight_update=a.weight_update, max_seq_len=max_seq_len,
         use_chat_template=cfg.use_chat_template)
 

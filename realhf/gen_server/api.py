@@ -1,4 +1,4 @@
-"""The generation-server interface: what a request and a result hold, and what every engine implements.
+"""The generation-server interface: what every engine implements, and how weights reach it.
 
 A *generation server* is one process per data-parallel replica of the generation layout (its tensor/pipeline
 ranks inside it) that serves HTTP/JSON (``realhf.gen_server.server``). Behind the HTTP layer sits one
@@ -6,19 +6,13 @@ ranks inside it) that serves HTTP/JSON (``realhf.gen_server.server``). Behind th
 not wrapped: it is a server of its own, spoken to in its native endpoints by the client
 (``realhf.gen_server.sglang``).
 
-Conventions every engine keeps:
-
-* Token ids in, token ids out; no text. The ``n`` samples of a request are sample ``j = 0..n-1``; with a
-  request ``seed`` sample ``j`` draws from the random stream seeded by :func:`sample_seed` ``(seed, j)``
-  (the same rule as ``realhf.impl.model.nn.generation.generate(seeds=...)``), so a seed gives the same
-  samples whatever else the server runs at the same time.
-* Log-probs are those of the sampled token under ``log_softmax(logits / temperature)`` (temperature 1 for
-  greedy), before top-k/top-p truncation: the quantity a training forward pass computes.
-* ``versions[i]`` is the weight version that produced output token ``i`` (a weight update may land while a
-  request runs: later tokens then carry the new version).
-* Weight updates take Hugging Face tensor names and layouts (``model.embed_tokens.weight`` ...): from an HF
-  folder on disk, or as named tensors broadcast over a torch.distributed group the trainer joins
-  (:mod:`realhf.gen_server.weight_group`).
+What a request and a result hold (:class:`SamplingParams`, :class:`GenerateRequest`, :class:`GenerateResult`,
+:class:`SampleOutput` with the weight version behind every token, :class:`RequestError`) is the generation
+contract of ``realhf.api.core.generation``, with the conventions every engine keeps (token ids in and out, a
+sample's random stream from :func:`sample_seed`, log-probs before truncation, per-token versions); it is
+re-exported here. Weight updates take Hugging Face tensor names and layouts (``model.embed_tokens.weight`` ...):
+from an HF folder on disk, or as named tensors broadcast over a torch.distributed group the trainer joins
+(:mod:`realhf.gen_server.weight_group`).
 """
 from __future__ import annotations
 
@@ -26,107 +20,15 @@ import abc
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
-from realhf.api.core.sampling_checks import SamplingValueError, check_sampling
-
-FINISH_REASONS = ("stop", "length", "abort")
-
-
-def sample_seed(seed: int, j: int) -> int:
-    """Seed of sample ``j`` of a request with ``seed`` (as ``generate(seeds=...)`` derives its row seeds)."""
-    return int(seed) * 1000003 + int(j)
-
-
-class RequestError(ValueError):
-    """A request that is malformed or cannot be served (the server answers 400 with this message)."""
-
-
-def _int_list(v: Any, what: str) -> List[int]:
-    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise RequestError(f"{what} must be a list of integers")
-    return [int(x) for x in v]
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    n: int = 1
-    greedy: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k
-    min_new_tokens: int = 0
-    max_new_tokens: int = 256
-    stop_token_ids: List[int] = dataclasses.field(default_factory=list)
-    seed: Optional[int] = None  # per request; None: the engine's own random stream
-
-    def validate(self) -> "SamplingParams":
-        """Refuse what cannot be sampled, by the rule in-process generation options follow too
-        (``realhf.api.core.sampling_checks``); a ``RequestError`` names the field, the value and what is allowed.
-        A server also refuses, at admission, a stop list that covers its whole vocabulary while
-        ``min_new_tokens`` > 0 (``check_stop_coverage``)."""
-        try:
-            check_sampling(self, prefix="sampling.")
-        except SamplingValueError as e:
-            raise RequestError(str(e)) from None
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        return self
-
-    @classmethod
-    def from_dict(cls, d: Optional[Dict[str, Any]]) -> "SamplingParams":
-        d = dict(d or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise RequestError(f"unknown sampling keys {unknown}; allowed: {sorted(names)}")
-        return cls(**d).validate()
-
-    def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class GenerateRequest:
-    rid: str
-    input_ids: List[int]
-    sampling: SamplingParams
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "GenerateRequest":
-        if not isinstance(d, dict):
-            raise RequestError("the body must be a JSON object")
-        rid = d.get("rid")
-        if not isinstance(rid, str) or not rid or len(rid) > 200:
-            raise RequestError("rid must be a non-empty string of at most 200 characters")
-        ids = _int_list(d.get("input_ids"), "input_ids")
-        if not ids:
-            raise RequestError("input_ids must not be empty")
-        return cls(rid=rid, input_ids=ids, sampling=SamplingParams.from_dict(d.get("sampling")))
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"rid": self.rid, "input_ids": list(self.input_ids), "sampling": self.sampling.to_dict()}
-
-
-@dataclasses.dataclass
-class SampleOutput:
-    output_ids: List[int]  # generated ids (the stop token included when it ended the sample)
-    logprobs: List[float]  # one per output id
-    versions: List[int]  # weight version behind each output id
-    finish_reason: str  # "stop" | "length" | "abort"
-
-    def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class GenerateResult:
-    rid: str
-    outputs: List[SampleOutput]  # n of them, sample j at index j
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"rid": self.rid, "outputs": [o.to_dict() for o in self.outputs]}
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "GenerateResult":
-        return cls(rid=d["rid"], outputs=[SampleOutput(**o) for o in d["outputs"]])
+from realhf.api.core.generation import (  # noqa: F401 (the generation contract, re-exported for the engines)
+    FINISH_REASONS,
+    GenerateRequest,
+    GenerateResult,
+    RequestError,
+    SampleOutput,
+    SamplingParams,
+    sample_seed,
+)
 
 
 @dataclasses.dataclass

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from realhf.base import logging, network
 from realhf.base.name_resolve import names
-from realhf.gen_server.api import GenerateRequest, SamplingParams, WeightGroupSpec
+from realhf.gen_server.api import GenerateRequest, WeightGroupSpec
 from realhf.gen_server.client import SyncGenClient, dialect_options
 
 logger = logging.getLogger(__name__)
@@ -82,10 +82,7 @@ class ServedEngine:
         base = uuid.uuid4().hex[:12]
         reqs = []
         for i, p in enumerate(prompts):
-            sp = SamplingParams(n=gconfig.n, greedy=gconfig.greedy, temperature=gconfig.temperature,
-                                top_p=gconfig.top_p, top_k=gconfig.top_k, min_new_tokens=gconfig.min_new_tokens,
-                                max_new_tokens=gconfig.max_new_tokens, stop_token_ids=stop,
-                                seed=None if seeds is None or gconfig.greedy else int(seeds[i]))
+            sp = gconfig.sampling(stop_token_ids=stop, seed=None if seeds is None or gconfig.greedy else int(seeds[i]))
             reqs.append(GenerateRequest(rid=f"{base}-{i}", input_ids=[int(t) for t in p], sampling=sp))
         t0 = time.perf_counter()
         results = self.client.generate_many(reqs)

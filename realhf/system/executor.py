@@ -9,7 +9,7 @@ Nothing here knows about workers or sockets: it is tested with plain functions.
 from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Callable, Dict, List
+from typing import Callable, Dict, Iterable, List, Optional
 
 from realhf.api.core.dfg import DataflowGraph, MFCDef
 from realhf.system.buffer import SampleBuffer
@@ -23,9 +23,11 @@ class DFGExecutor:
     def __init__(self, graph: DataflowGraph, buffer: SampleBuffer, run_mfc: Callable[[MFCDef, List[str]], dict]):
         self.graph, self.buffer, self.run_mfc = graph, buffer, run_mfc
 
-    def run(self, ids: List[str]) -> Dict[str, dict]:
-        """Run every MFC of the graph once over ``ids``; returns {MFC name: what run_mfc returned}."""
-        order = self.graph.topological_order()
+    def run(self, ids: List[str], only: Optional[Iterable[str]] = None) -> Dict[str, dict]:
+        """Run every MFC of the graph (or of ``only``, a part whose other inputs the buffer holds) once over ``ids``;
+        returns {MFC name: what run_mfc returned}."""
+        part = None if only is None else set(only)
+        order = [n for n in self.graph.topological_order() if part is None or n in part]
         pending = list(order)
         running: Dict[Future, str] = {}
         results: Dict[str, dict] = {}

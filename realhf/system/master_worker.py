@@ -31,6 +31,7 @@ from realhf.base.topology import ProcessTopology
 from realhf.system.buffer import SampleBuffer
 from realhf.system.cadence import Cadence
 from realhf.system.data_manager import plan_transfers
+from realhf.system.dynamic_sampling import fill_batch
 from realhf.system.evaluator import make_evaluator
 from realhf.system.executor import DFGExecutor
 from realhf.system.hooks import OffloadHook, ParamReallocHook, ParamVersionHook, PublishAfterTrainHook
@@ -210,11 +211,45 @@ class MasterWorker:
                 graph = build_graph([m for m in self.spec.mfcs if not m.is_evaluate], dataset_keys)
                 logger.info("dataflow graph:\n" + graph.describe())
                 executor = DFGExecutor(graph, self.buffer, self._run_mfc)
-            return executor, ids, info, executor.run(ids)
+            if self.spec.dynamic_sampling is None:
+                return executor, ids, info, executor.run(ids)
+            return (executor,) + self._dynamic_batch(executor, ids, info)
         except Exception:
             if self.resume_info is not None and self.step == self.resume_info["global_step"] + 1:
                 logger.error(self._resume_context())
             raise
+
+    def _dynamic_batch(self, executor: DFGExecutor, ids: List[str], info: dict):
+        """Dynamic sampling (``spec.dynamic_sampling``): the rollout part of the graph over as many batches as it takes
+        to hold a full batch of samples whose rewards differ, then the rest of the graph over that batch. Returns
+        (every sample id fetched, the epoch info, the MFCs' stats)."""
+        ds, graph = self.spec.dynamic_sampling, executor.graph
+        producer = graph.producer_of(ds.key)
+        if producer is None:
+            raise ValueError(f"dynamic sampling reads {ds.key!r}, which no MFC of the graph produces")
+        rollout = graph.ancestors(producer) | {producer}
+        first = [(ids, info)]
+
+        def fetch():
+            return first.pop() if first else self._fetch()[:2]
+
+        got = fill_batch(fetch, lambda i: executor.run(i, only=rollout), lambda i: self._values(i, ds.key),
+                         ds.max_rounds)
+        mfc_stats = dict(got.mfc_stats)
+        mfc_stats.update(executor.run(got.kept, only=set(graph.topological_order()) - rollout))
+        info = dict(got.info, stats={**got.info.get("stats", {}), **got.stats})
+        return got.all_ids, info, mfc_stats
+
+    def _values(self, ids: List[str], key: str) -> Dict[str, list]:
+        """The values of ``key`` (a small per-sample key, e.g. the rewards) of ``ids``, from the workers that hold them."""
+        by_rank: Dict[int, List[str]] = {}
+        with self.buffer.lock:
+            for sid in ids:
+                by_rank.setdefault(self.buffer.owners[sid][key], []).append(sid)
+        out: Dict[str, list] = {}
+        for rep in self._call_ranks("values", {r: {"ids": s, "key": key} for r, s in by_rank.items()}).values():
+            out.update(rep.data["values"])
+        return out
 
     def _resume_context(self) -> str:
         """Where a resumed run's state came from: the recover checkpoint and the weight files of its trained models."""

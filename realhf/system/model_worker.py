@@ -472,6 +472,12 @@ class ModelWorker:
                 m.engine.offload()
         return {}, []
 
+    def _h_values(self, data):
+        """The values of a small per-sample key (e.g. one reward per answer) of samples this worker holds, for the
+        master's decisions over the data (dynamic sampling)."""
+        key = data["key"]
+        return {"values": {str(i): self.data.get([i], [key]).data[key].flatten().tolist() for i in data["ids"]}}, []
+
     def _h_clear(self, data):
         self.data.drop(data["ids"])
         return {}, []

@@ -48,7 +48,7 @@ class Notices:
         timeouts = stats.get("n_verify_timeout")
         if isinstance(timeouts, float) and timeouts > 0:
             self.add("grading_timeout", f"step {step}: grading timed out on {timeouts:.0f} answers (scored as wrong); "
-                                        "raise reward_timeout_secs if such answers are legitimate")
+                                        "raise reward.timeout_secs if such answers are legitimate")
         for key, value in stats.items():
             if key.endswith("skipped_nonfinite") and isinstance(value, float) and value > self._last.get(key, 0.0):
                 self._last[key] = value

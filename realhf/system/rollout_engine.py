@@ -28,8 +28,8 @@ import inspect
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from realhf.api.core.generation import GenerateRequest, GenerateResult, SampleOutput, SamplingParams
 from realhf.base import logging
-from realhf.gen_server.api import GenerateRequest, GenerateResult, SampleOutput, SamplingParams
 from realhf.gen_server.client import GenClient, GenServerError
 
 logger = logging.getLogger("realhf.system.rollout_engine")

@@ -1,10 +1,17 @@
-"""Model-level abstractions: the ReaLModel config, generation options and the HF-family registry."""
+"""Model-level abstractions: the ReaLModel config, the HF-family registry, model interfaces and backends. The
+generation options (:class:`GenerationHyperparameters`) are the generation contract's (``realhf.api.core.generation``),
+re-exported here."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from realhf.api.core.sampling_checks import check_sampling
+from realhf.api.core.generation import (  # noqa: F401 (the generation contract's options, re-exported)
+    KV_CACHE_DTYPES,
+    GenerationHyperparameters,
+    check_kv_cache_dtype,
+    kv_cache_torch_dtype,
+)
 
 
 @dataclasses.dataclass
@@ -90,57 +97,6 @@ def kv_head_partition(n_kv_heads: int, tp: int) -> List[Tuple[int, int]]:
 def stage_layer_range(n_layers: int, pp: int, stage: int) -> Tuple[int, int]:
     """[start, end) of the blocks held by pipeline stage ``stage`` (earlier stages take the remainder)."""
     return even_range(n_layers, pp, stage)
-
-
-@dataclasses.dataclass
-class GenerationHyperparameters:
-    """Options of one generation call; the sampling ones are checked by ``sampling_checks.check_sampling``, the rule
-    the generation servers apply to each request."""
-
-    max_new_tokens: int = 256
-    min_new_tokens: int = 0
-    greedy: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k
-    stop_token_ids: Tuple[int, ...] = ()
-    n: int = 1  # samples per prompt
-    seed: Optional[int] = None
-    # decode with one compiled graph per step (torch.compile; see realhf/impl/model/nn/compiled_decode.py):
-    # much faster for small models, at a one-off compile cost; single-stage, tp = 1 replicas only
-    compile_decode: bool = False
-    # on CUDA, replay the decode step as a CUDA graph (see realhf/impl/model/nn/graph_decode.py); single-stage,
-    # tp = 1 replicas; ignored on CPU and under compile_decode
-    cuda_graph: bool = True
-    # the KV cache's dtype: "auto" (the model's) or "float16" (for an fp32 model on CPU it halves the bytes attention
-    # reads a step, at fp16 rounding of the cached keys/values; the arithmetic stays in the model's dtype)
-    kv_cache_dtype: str = "auto"
-
-    def __post_init__(self):
-        check_kv_cache_dtype(self.kv_cache_dtype)
-        check_sampling(self)  # the same rule as a generation server's requests
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-
-    def cache_dtype(self, model_dtype):
-        """The KV cache's torch dtype for a model of ``model_dtype``."""
-        return kv_cache_torch_dtype(self.kv_cache_dtype, model_dtype)
-
-
-# the KV cache dtypes generation takes (GenerationHyperparameters.kv_cache_dtype, the gen server's backend option)
-KV_CACHE_DTYPES = ("auto", "float16")
-
-
-def check_kv_cache_dtype(name: str, what: str = "kv_cache_dtype") -> None:
-    """Refuse a KV cache dtype outside :data:`KV_CACHE_DTYPES`; the message begins with ``what``."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"{what} must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-
-
-def kv_cache_torch_dtype(name: str, model_dtype):
-    """The torch dtype of a KV cache named ``name`` ("auto": the model's) for a model of ``model_dtype``."""
-    import torch
-
-    return model_dtype if name == "auto" else getattr(torch, name)
 
 
 # ---------------------------------------------------------------------------------------------------

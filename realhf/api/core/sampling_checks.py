@@ -1,8 +1,9 @@
 """The one rule for sampling parameters: what can be sampled and what cannot.
 
-Every place that takes sampling parameters applies it: the in-process generation options
-(:class:`~realhf.api.core.model_api.GenerationHyperparameters`, and through them the experiments' ``gen`` sections)
-at config time, and the generation servers' per-request ``SamplingParams`` when a request arrives. A value it
+Every place that takes sampling parameters (the generation contract, :mod:`realhf.api.core.generation`) applies
+it: the in-process generation options (``GenerationHyperparameters``, which the experiments' ``gen`` and ``ppo.gen``
+sections are) when they are built, at config time, and a generation server's per-request ``SamplingParams`` when
+a request arrives (``SamplingParams.validate``). A value it
 refuses fails with :class:`SamplingValueError`, whose message names the field, the value and what is allowed.
 
 What it refuses, and why:

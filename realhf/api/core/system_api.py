@@ -126,6 +126,17 @@ class RolloutSpec:
 
 
 @dataclasses.dataclass
+class DynamicSamplingSpec:
+    """DAPO's dynamic sampling in a synchronous run: once the MFCs that produce ``key`` (one value per answer) have run
+    over a fetched batch, the master drops the samples whose values are all equal (a prompt whose answers all got
+    one reward) and fetches and generates more batches until the batch is full again, at most ``max_rounds`` batches
+    per step (then the batch is filled up with dropped samples)."""
+
+    key: str = "rewards"
+    max_rounds: int = 10
+
+
+@dataclasses.dataclass
 class ExperimentSpec:
     experiment_name: str
     trial_name: str
@@ -162,6 +173,8 @@ class ExperimentSpec:
     auto_eval: Optional[Any] = None
     # asynchronous RL: the rollout manager and workers that feed the trainer (None: a synchronous run)
     rollout: Optional[RolloutSpec] = None
+    # synchronous runs: refill the batch after dropping samples without signal (None: off)
+    dynamic_sampling: Optional[DynamicSamplingSpec] = None
 
     def device_slots(self) -> int:
         """Device slots the launcher provides: one per model worker, ``tp`` per generation server."""

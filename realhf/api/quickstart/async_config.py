@@ -29,8 +29,8 @@ class AsyncRLConfig:
     workflow_args: str = option("{}", "extra keyword arguments of the workflow as a JSON object, e.g. "
                                       "'{\"max_turns\": 3}' for multi_turn")
     reward_fn: str = option("realhf.impl.workflow.rewards:MathReward",
-                            "the reward of an answer: import path of a class (built with correct_reward, wrong_reward, "
-                            "reward_timeout_secs, reward_allow_last_number) or of an async callable (text, data)")
+                            "the reward of an answer: import path of a class (built with the reward.* options it takes: "
+                            "correct_reward, wrong_reward, timeout_secs, ...) or of an async callable (text, data)")
     dynamic_filtering: bool = option(False, "drop (and replace with new prompts) groups whose answers all got the "
                                             "same reward: they carry no GRPO signal")
     prox_logp: str = option(

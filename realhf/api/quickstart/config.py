@@ -13,9 +13,11 @@ defaults; the experiment config that needs them says so when they are empty.
 
 Every option is read by the code it is for: an experiment has only the options it uses (``gen`` has no
 checkpoint or evaluation options), and ``tests/test_option_reach.py`` sets each option of each experiment
-to a non-default value and checks that the value arrives where it is used. The sampling and PPO sections
-live in :mod:`realhf.api.quickstart.ppo_config`, the others in :mod:`realhf.api.quickstart.sections` (both re-exported
-here).
+to a non-default value and checks that the value arrives where it is used. The sampling section is the generation
+contract's (``realhf.api.core.generation``; ``ppo.gen`` in :mod:`realhf.api.quickstart.ppo_config`, with the PPO
+section), the reward section is in :mod:`realhf.api.quickstart.reward_config`, the others in
+:mod:`realhf.api.quickstart.sections` (re-exported here). A renamed option keeps its old name as a deprecated alias
+(an experiment config's ``DEPRECATED_KEYS``: old dotted key -> new), which the loader maps with a warning.
 """
 import dataclasses
 import os
@@ -23,6 +25,7 @@ import re
 from typing import List, Optional, Tuple, Union
 
 from realhf.api.core.config import check_finite
+from realhf.api.core.generation import GenerationHyperparameters
 from realhf.api.quickstart.allocation import (
     AllocationError,
     AllocationMode,
@@ -48,6 +51,7 @@ from realhf.api.quickstart.sections import (  # noqa: F401 (the sections, re-exp
 )
 from realhf.api.quickstart.slurm_config import SlurmConfig
 from realhf.api.quickstart.ppo_config import GenConfig, PPOHyperparameters, SamplingConfig  # noqa: F401 (re-exported)
+from realhf.api.quickstart.reward_config import RENAMED_REWARD_KEYS, RewardConfig
 from realhf.base import logging
 from realhf.base.topology import ParallelDims
 
@@ -185,7 +189,8 @@ class BaseExperimentConfig:
                 key, v = prefix + f.name, getattr(obj, f.name)
                 # micro-batch budgets (set by hand, or by the launcher's memory plan for auto) cut the same
                 # computation differently: a run may resume under others
-                if key in self.RESUME_NEUTRAL_KEYS or key.endswith("mb_spec") or key == "gen_server.max_num_seqs":
+                if not f.init or key in self.RESUME_NEUTRAL_KEYS or key.endswith("mb_spec") \
+                        or key == "gen_server.max_num_seqs":  # (not f.init: set by the experiment, not an option)
                     continue
                 if dataclasses.is_dataclass(v):
                     walk(v, key + ".")
@@ -385,7 +390,7 @@ class GenerationExpConfig(BaseExperimentConfig):
     exp_ctrl: RunControl = option(help="stopping early (gen saves no checkpoints)", factory=RunControl)
     model: ModelConfig = option(help="the model that generates", factory=ModelConfig)
     dataset: PromptOnlyDatasetConfig = option(help="prompts", factory=PromptOnlyDatasetConfig)
-    gen: GenConfig = option(help="sampling options", factory=GenConfig)
+    gen: GenerationHyperparameters = option(help="sampling options", factory=GenerationHyperparameters)
     mb_spec: MicroBatchConfig = option(help="micro-batching of generation (max_tokens_per_mb counts prompt tokens)",
                                        factory=MicroBatchConfig)
     output_file: Optional[str] = option(None, "output JSONL (null = <log_dir>/generated.jsonl)")
@@ -410,6 +415,7 @@ class GenerationExpConfig(BaseExperimentConfig):
 class PPOMathConfig(BaseExperimentConfig):
     """PPO (or GRPO with use_critic=false) on math prompts with a rule-based correctness reward."""
 
+    DEPRECATED_KEYS = RENAMED_REWARD_KEYS  # old option names the loader maps to their new ones, with a warning
     decoupled_loss = False  # class attribute, not an option: True where samples may come from older weights (async)
     param_realloc: str = option("memory", "how parameters move between the layouts of one model (e.g. actor_train -> "
                                           "actor_gen) or reach generation servers: memory (point-to-point, or a "
@@ -430,22 +436,17 @@ class PPOMathConfig(BaseExperimentConfig):
     use_chat_template: bool = option(True, "wrap each prompt in the tokenizer's chat template")
     prompt_template: str = option("{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
                                   "text around each prompt before the chat template; '{prompt}' is replaced")
-    reward_allow_last_number: bool = option(False, "grade the last number of an answer when it has no \\boxed{} "
-                                                   "or 'The answer is' (a lenient format for small models)")
-    reward_unfinished_as_wrong: bool = option(False, "an answer cut by ppo.gen.max_new_tokens before it ends (no EOS/"
-                                                     "stop token) scores wrong_reward, whatever it states")
     group_size: int = option(1, "answers generated per prompt")
     ppo: PPOHyperparameters = option(help="PPO hyperparameters", factory=PPOHyperparameters)
     actor_gen: MFCConfig = option(help="actor generation MFC", factory=MFCConfig)
     actor_train: MFCConfig = option(help="actor training MFC", factory=MFCConfig)
     ref_inf: MFCConfig = option(help="reference log-prob MFC", factory=MFCConfig)
-    rew_inf: MFCPlacement = option(help="reward MFC (rule-based: grades whole batches, no micro-batches)",
-                                   factory=MFCPlacement)
+    rew_inf: MFCConfig = option(help="reward MFC: the grader scores whole batches (no micro-batches); a reward model "
+                                     "(reward.type=model) runs with this layout and micro-batches", factory=MFCConfig)
     critic_inf: MFCConfig = option(help="critic value MFC", factory=MFCConfig)
     critic_train: MFCConfig = option(help="critic training MFC", factory=MFCConfig)
-    correct_reward: float = option(5.0, "reward of a correct final answer")
-    wrong_reward: float = option(-5.0, "reward of a wrong or missing final answer")
-    reward_timeout_secs: float = option(5.0, "time limit of grading one answer (a timeout counts as wrong)")
+    reward: RewardConfig = option(help="how answers are scored (rew_inf; the rollout workflows' reward)",
+                                  factory=RewardConfig)
 
     def __post_init__(self):
         super().__post_init__()
@@ -460,12 +461,10 @@ class PPOMathConfig(BaseExperimentConfig):
         if self.ppo.group_adv_norm and self.group_size < 2:
             raise ValueError("ppo.group_adv_norm=True needs group_size >= 2 (a group of one has no spread); "
                              f"got group_size={self.group_size}")
-        check_number("reward_timeout_secs", self.reward_timeout_secs, lo=0, lo_open=True)
         if self.ppo.behav_imp_weight_cap is not None and not self.decoupled_loss:
             raise ValueError(f"ppo.behav_imp_weight_cap={self.ppo.behav_imp_weight_cap!r} has no use in ppo-math: its "
                              "samples come from the trained weights (it caps the decoupled loss of async-ppo-math)")
-        check_number("correct_reward", self.correct_reward)
-        check_number("wrong_reward", self.wrong_reward)
+        self._check_reward_model()
         bs = self.dataset.train_bs_n_seqs
         self._check_bs("dataset.train_bs_n_seqs", bs, "actor_gen", what="prompt")
         n_seqs = bs * self.group_size
@@ -475,6 +474,32 @@ class PPOMathConfig(BaseExperimentConfig):
                 continue
             per_rank = self.ppo.ppo_n_minibatches if name.endswith("_train") else 1
             self._check_bs(key, n_seqs, name, per_rank=per_rank)
+
+    def _check_reward_model(self) -> None:
+        """reward.type against the options it makes unused; a reward model scores in rew_inf (the rollout workers of
+        async-ppo-math score with async_rl.reward_fn), with rew_inf's micro-batches."""
+        r = self.reward
+        if r.type == "grader":  # the reward model's options
+            unused = [(f"reward.model.{f.name}", getattr(r.model, f.name), f.default) for f in dataclasses.fields(r.model)]
+            unused += [(f"rew_inf.mb_spec.{f.name}", getattr(self.rew_inf.mb_spec, f.name), f.default)
+                       for f in dataclasses.fields(MicroBatchConfig)]
+        elif r.type == "model":  # the grader's options
+            unused = [(f"reward.{f.name}", getattr(r, f.name), f.default) for f in dataclasses.fields(r)
+                      if f.name in r.grader_args()]
+        else:
+            unused = []
+        for key, value, default in unused:
+            if value != default:
+                why = ("the grader scores whole batches with no model; set reward.type=model (or model+grader) to "
+                       "score with a reward model" if r.type == "grader" else
+                       "the reward model scores alone; reward.type=model+grader adds the grader's grade")
+                raise ValueError(f"{key}={value!r} has no use with reward.type={r.type}: {why}")
+        if r.uses_model() and "rew_inf" not in self.mfc_names():
+            raise ValueError(f"reward.type={r.type} scores in the rew_inf MFC, which this experiment does not have "
+                             "(its rollout workers score with async_rl.reward_fn); use reward.type=grader")
+        if r.uses_model() and not r.model.path:
+            raise ValueError(f"reward.model.path is required with reward.type={r.type}: set reward.model.path=<the "
+                             "reward model's Hugging Face folder, e.g. a checkpoint of the rw experiment>")
 
     def use_ref(self) -> bool:
         """A reference model is needed when a KL term is on."""

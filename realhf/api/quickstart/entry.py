@@ -12,6 +12,11 @@ back into the dataclasses so every ``__post_init__`` check runs. Unknown keys, v
 type and failed checks raise :class:`ConfigError` whose one-paragraph message names the key, the
 value and what is allowed; :func:`main` prints it and returns 2 (no traceback).
 
+A renamed option keeps its old name as a deprecated alias: a config class lists them in ``DEPRECATED_KEYS`` (old
+dotted key -> new dotted key); in a YAML file or an override the old name sets the new option, and the loader says
+so once, in one warning naming every old name it met (:func:`deprecated_keys`). A file that sets both names of one
+option is refused.
+
 Override values are read with Hydra's override grammar (``1e-4``, ``true``, ``null``, ``[1,2]``,
 quoted strings), except for string-typed keys, which take the text after ``=`` verbatim (so
 ``allocation_mode=actor_gen:d2m1p1,*:d1m2p1`` needs no quoting); ``key=null`` still means None for
@@ -184,6 +189,10 @@ def help_text(name: Optional[str] = None) -> str:
         exp = _EXPERIMENTS[name]
         parts.append(f"options of {name!r} ({exp.config_cls.__name__}); set them in YAML or as key=value:")
         parts.append(format_options(exp.config_cls, _name_default(exp)))
+        renames = deprecated_keys(exp.config_cls)
+        if renames:
+            parts.append("deprecated option names (still accepted, with a warning):")
+            parts.extend(f"  {old} -> {new}" for old, new in renames.items())
     return "\n".join(parts) + "\n"
 
 
@@ -243,6 +252,45 @@ def _resolve_key(key: str, root: type, source: str):
         t = typing.get_type_hints(cls)[part]
         cls = sub
     return t
+
+
+# ----------------------------------------------------------------------------- deprecated names
+def deprecated_keys(cls: type) -> Dict[str, str]:
+    """Old dotted option names of the config class ``cls`` -> their names now (its ``DEPRECATED_KEYS``)."""
+    return dict(getattr(cls, "DEPRECATED_KEYS", None) or {})
+
+
+def _rename_in_mapping(data: dict, renames: Dict[str, str], source: str) -> List[str]:
+    """Move the value of each old key found in the nested mapping ``data`` (a YAML file's) to its new key; returns
+    the old keys found."""
+    used = []
+    for old, new in renames.items():
+        *path, last = old.split(".")
+        d = data
+        for part in path:
+            d = d.get(part) if isinstance(d, dict) else None
+        if not isinstance(d, dict) or last not in d:
+            continue
+        value = d.pop(last)
+        *path, last = new.split(".")
+        d = data
+        for part in path:
+            if d.get(part) is None:
+                d[part] = {}
+            d = d[part]
+            if not isinstance(d, dict):
+                raise ConfigError(f"{source} sets {old!r} (now {new!r}), but {part!r} there is a value, not a section")
+        if last in d:
+            raise ConfigError(f"{source} sets both {new!r} and its deprecated old name {old!r}; keep {new!r} only")
+        d[last] = value
+        used.append(old)
+    return used
+
+
+def _warn_deprecated(used: List[str], renames: Dict[str, str]) -> None:
+    if used:
+        names = ", ".join(f"{old} -> {renames[old]}" for old in dict.fromkeys(used))
+        logger.warning(f"deprecated option names (they still work, but use the new ones): {names}")
 
 
 # ----------------------------------------------------------------------------- building
@@ -335,6 +383,8 @@ def load_config(cls: type, config_files: Sequence[str] = (), overrides: Sequence
     except (OmegaConfBaseException, ValueError) as e:
         raise ConfigError(_one_line(f"the defaults of {cls.__name__} are not valid: {e}")) from None
 
+    renames = deprecated_keys(cls)
+    used: List[str] = []
     for path in config_files:
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist")
@@ -347,6 +397,7 @@ def load_config(cls: type, config_files: Sequence[str] = (), overrides: Sequence
             continue
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path!r} must hold a mapping of keys to values, got {type(data).__name__}")
+        used += _rename_in_mapping(data, renames, f"config file {path!r}")
         _check_mapping_keys(data, cls, cls, "", path)
         try:
             cfg = OmegaConf.merge(cfg, data)
@@ -361,6 +412,10 @@ def load_config(cls: type, config_files: Sequence[str] = (), overrides: Sequence
             raise ConfigError(f"cannot read override {item!r}: expected key=value, e.g. model.optimizer.lr=1e-4")
         if key[0] in "+~":
             raise ConfigError(f"override {item!r}: only plain key=value overrides are supported (no '+'/'~' prefixes)")
+        if key in renames:
+            used.append(key)
+            key = renames[key]
+            item = f"{key}={raw}"
         t = _resolve_key(key, cls, "the command line")
         value = _override_value(item, key, raw, t, parser)
         try:
@@ -372,6 +427,7 @@ def load_config(cls: type, config_files: Sequence[str] = (), overrides: Sequence
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
         raise _omegaconf_error(e, "the config", cls) from None
+    _warn_deprecated(used, renames)
     return _build(cls, data)
 
 

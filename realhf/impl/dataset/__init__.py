@@ -1,4 +1,4 @@
-"""Datasets read from JSONL files (prompt/answer, prompt-only, math) and synthetic arithmetic data."""
+"""Datasets read from JSONL files (prompt/answer, prompt-only, math, preference pairs) and synthetic arithmetic data."""
 from realhf.impl.dataset.arithmetic import make_arithmetic_problems
 from realhf.impl.dataset.jsonl import (
     DatasetError,
@@ -12,3 +12,4 @@ from realhf.impl.dataset.jsonl import (
     validate_jsonl,
 )
 from realhf.impl.dataset.math import MathPromptDataset, load_gsm8k, write_math_jsonl
+from realhf.impl.dataset.preference import PreferenceDataset, validate_preference_jsonl

@@ -23,9 +23,9 @@ import asyncio
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
+from realhf.api.core.generation import SampleOutput
 from realhf.api.core.workflow_api import RolloutWorkflow, Trajectory, register_workflow
 from realhf.base import logging
-from realhf.gen_server.api import SampleOutput
 from realhf.impl.workflow.rewards import call_reward, load_reward_fn
 from realhf.impl.workflow.rlvr import (SequenceBuilder, decode, episode_seed, new_rid, prompt_ids, sampling_params,
                                        sub_seed)

@@ -1,9 +1,12 @@
 """Rewards of rollout workflows: ``await reward_fn(completion_text, data) -> float``.
 
-:class:`MathReward` (the default, :data:`DEFAULT_REWARD_FN`) grades a math answer as a synchronous run's
-``rw-math`` does (``realhf.reward``: extraction, then a comparison with the row's ``solutions`` that is bounded
-by ``timeout_secs`` and runs symbolic work in isolated worker processes); the grading runs in a thread of its
-own executor, so the rollout worker's event loop never waits on it.
+:class:`MathReward` (the default, :data:`DEFAULT_REWARD_FN`) is the one grader of math answers: a synchronous
+run's ``rw-math`` interface grades its batches with it (:meth:`MathReward.grade_many`), a rollout workflow awaits
+it per answer. Both are built from the experiment's ``reward`` section
+(``realhf.api.quickstart.reward_config.RewardConfig.grader_args``). Grading is ``realhf.reward``'s: extraction,
+then a comparison with the row's ``solutions`` that is bounded by ``timeout_secs`` and runs symbolic work in
+isolated worker processes; awaited, it runs in a thread of its own executor, so the rollout worker's event loop
+never waits on it.
 
 A workflow that knows how an answer ended passes it to :func:`call_reward` (``finish_reason``: "stop" when a stop
 token ended it, "length" when max_new_tokens cut it); the reward then sees ``data["finish_reason"]``. With
@@ -21,7 +24,7 @@ import inspect
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from realhf.api.core.workflow_api import import_object
 from realhf.base import logging
@@ -77,32 +80,51 @@ class MathReward:
         """Counts of graded answers: total, ok, timeout, error, correct; and unfinished (scored wrong ungraded)."""
         return {**self.verifier.stats, "unfinished": self.n_unfinished}
 
-    def grade(self, completion_text: str, data: Dict[str, Any]) -> float:
-        """The reward, computed in the calling thread (blocking: at most about ``timeout_secs``)."""
+    def _graded_text(self, text: str) -> str:
+        """The text the verifier reads: with ``allow_last_number``, an answer that states none is its last number."""
         from realhf.reward import extract_answer
 
+        text = text or ""
+        if self.allow_last_number and extract_answer(text) is None:
+            a = extract_answer(text, allow_last_number=True)
+            if a:
+                return f"\\boxed{{{a}}}"
+        return text
+
+    def grade_many(self, texts: Sequence[str], solutions: Sequence[Sequence[Any]],
+                   unfinished: Optional[Sequence[bool]] = None) -> List[Tuple[float, str]]:
+        """``(reward, status)`` of each answer against its own solutions, graded in the calling thread (blocking).
+        ``status``: the verifier's ``"ok"``, ``"timeout"`` or ``"error"`` (the last two score ``wrong_reward``), or
+        ``"unfinished"``: with ``unfinished_as_wrong`` an answer whose ``unfinished`` entry is true (cut before it
+        ended) scores ``wrong_reward`` ungraded."""
+        cut = [bool(u) and self.unfinished_as_wrong for u in (unfinished or [False] * len(texts))]
+        graded = [i for i, c in enumerate(cut) if not c]
+        out: List[Tuple[float, str]] = [(self.wrong_reward, "unfinished")] * len(texts)
+        results = self.verifier.verify_batch([self._graded_text(texts[i]) for i in graded],
+                                             [[str(s) for s in solutions[i]] for i in graded],
+                                             timeout=self.timeout_secs) if graded else []
+        for i, (ok, status) in zip(graded, results):
+            out[i] = (self.correct_reward if ok else self.wrong_reward, status)
+        if any(cut):
+            with self._lock:
+                self.n_unfinished += sum(cut)
+        return out
+
+    def grade(self, completion_text: str, data: Dict[str, Any]) -> float:
+        """The reward, computed in the calling thread (blocking: at most about ``timeout_secs``)."""
         sols = data.get("solutions")
         if not sols:
             raise KeyError(f"MathReward needs data['solutions'] (the reference answers) for query "
                            f"{data.get('query_id')!r}; a math prompt dataset provides them")
-        if self.unfinished_as_wrong:
-            if "finish_reason" not in data:
-                raise KeyError(f"MathReward(unfinished_as_wrong=True) needs data['finish_reason'] for query "
-                               f"{data.get('query_id')!r}: the workflow must say how each answer ended "
-                               "(call_reward(..., finish_reason=...)), as rlvr does")
-            if data["finish_reason"] != "stop":
-                with self._lock:
-                    self.n_unfinished += 1
-                return self.wrong_reward
-        text = completion_text or ""
-        if self.allow_last_number and extract_answer(text) is None:  # lenient: the last number is the answer
-            a = extract_answer(text, allow_last_number=True)
-            if a:
-                text = f"\\boxed{{{a}}}"
-        ok, status = self.verifier.verify(text, [str(s) for s in sols], timeout=self.timeout_secs)
-        if status != "ok":
+        if self.unfinished_as_wrong and "finish_reason" not in data:
+            raise KeyError(f"MathReward(unfinished_as_wrong=True) needs data['finish_reason'] for query "
+                           f"{data.get('query_id')!r}: the workflow must say how each answer ended "
+                           "(call_reward(..., finish_reason=...)), as rlvr does")
+        unfinished = self.unfinished_as_wrong and data["finish_reason"] != "stop"
+        [(reward, status)] = self.grade_many([completion_text], [sols], [unfinished])
+        if status not in ("ok", "unfinished"):
             logger.info("math reward of query %r: verification %s, scored as wrong", data.get("query_id"), status)
-        return self.correct_reward if ok else self.wrong_reward
+        return reward
 
     async def __call__(self, completion_text: str, data: Dict[str, Any]) -> float:
         _, executor = self._start()

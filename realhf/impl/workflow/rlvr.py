@@ -2,8 +2,9 @@
 
 The request holds the ``n`` samples (the servers prefill the prompt once and keep the group on one server); each
 answer is decoded and scored by the reward function; the episode's :class:`Trajectory` holds the group. The
-sampling options (``gconfig``) are the fields of ``SamplingConfig`` (``realhf.api.quickstart.ppo_config``) plus
-``n``; the tokenizer's EOS is always a stop token.
+sampling options (``gconfig``) are the fields of the generation contract's ``GenerationHyperparameters``
+(``realhf.api.core.generation``: the experiment's ``ppo.gen`` section, with ``n``); the tokenizer's EOS is always
+a stop token.
 
 Shared with ``multi_turn``: :func:`sampling_params` (gconfig -> SamplingParams), :func:`episode_seed` and
 :class:`SequenceBuilder` (the token-aligned lists of one sequence).
@@ -17,17 +18,17 @@ import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from realhf.api.core.workflow_api import AnswerSample, RolloutWorkflow, Trajectory, register_workflow
-from realhf.gen_server.api import SampleOutput, SamplingParams
+from realhf.api.core.generation import GenerationHyperparameters, SampleOutput, SamplingParams
 from realhf.impl.workflow.rewards import call_reward, load_reward_fn
 
-# gconfig keys: SamplingConfig's fields (compile_decode, cuda_graph and kv_cache_dtype are the servers' business) plus n
-_SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-GCONFIG_KEYS = tuple(sorted(set(_SAMPLING_KEYS) | {"compile_decode", "cuda_graph", "kv_cache_dtype"}))
+# gconfig keys: the sampling section's (its decode options are the servers' business: not sent with a request)
+_SAMPLING_KEYS = tuple(SamplingParams.request_fields())
+GCONFIG_KEYS = tuple(sorted(f.name for f in dataclasses.fields(GenerationHyperparameters)))
 
 
 def sampling_params(gconfig: Union[Dict[str, Any], Any], tokenizer) -> Tuple[SamplingParams, Optional[int]]:
-    """``(SamplingParams without a seed, the base seed)`` of ``gconfig`` (a dict of ``SamplingConfig`` fields plus
-    ``n``, or such a dataclass); EOS of ``tokenizer`` joins the stop tokens."""
+    """``(SamplingParams without a seed, the base seed)`` of ``gconfig`` (a dict of ``GenerationHyperparameters``
+    fields, or such a dataclass); EOS of ``tokenizer`` joins the stop tokens."""
     if dataclasses.is_dataclass(gconfig) and not isinstance(gconfig, type):
         gconfig = dataclasses.asdict(gconfig)
     if not isinstance(gconfig, dict):

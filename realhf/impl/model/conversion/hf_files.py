@@ -133,3 +133,45 @@ def check_tokenizer(path: str) -> None:
         raise ValueError(f"the tokenizer in {path!r} encodes text to no tokens: the folder lacks the tokenizer "
                          f"files (tokenizer.json, or vocab.json + merges.txt, or tokenizer.model); it has {present}")
     note_checked(key, path)
+
+
+# the files that decide how text becomes token ids (the vocabulary, merges, added and special tokens)
+_VOCAB_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                "special_tokens_map.json", "tokenizer_config.json")
+_PROBE_TEXTS = ("Hello world, 1+1=2.", "The answer is \\boxed{42}; 3.14159 * 17 = 53.40703",
+                "  Leading spaces,\ttabs and\nnew lines; unicode: café, naïve, 数学, 😀")
+
+
+def tokenizer_difference(path: str, other: str) -> Optional[str]:
+    """None when the folders ``path`` and ``other`` hold the same tokenizer, else what differs (for a message).
+
+    Equal bytes of every vocabulary file present in either folder are the same tokenizer (no transformers import);
+    otherwise both are loaded and compared: their vocabularies (token -> id) and the ids of a few probe texts."""
+    present = [f for f in _VOCAB_FILES if os.path.isfile(os.path.join(path, f)) or os.path.isfile(os.path.join(other, f))]
+    if not any(os.path.isfile(os.path.join(other, f)) for f in present):
+        return f"{other!r} has no tokenizer files (none of {list(_VOCAB_FILES)})"
+
+    def content(folder, name):
+        p = os.path.join(folder, name)
+        if not os.path.isfile(p):
+            return None
+        with open(p, "rb") as f:
+            return f.read()
+
+    if all(content(path, f) == content(other, f) for f in present):
+        return None
+    from realhf.base.hf_tokenizer import load_tokenizer
+
+    a, b = load_tokenizer(path), load_tokenizer(other)
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        diff = sorted(set(va.items()) ^ set(vb.items()), key=lambda kv: kv[1])
+        tok = diff[0][0] if diff else "?"
+        return (f"their vocabularies differ ({len(va)} and {len(vb)} tokens; e.g. token {tok!r} is id "
+                f"{va.get(tok)} in one and {vb.get(tok)} in the other)")
+    for text in _PROBE_TEXTS:
+        ia = a(text, add_special_tokens=True)["input_ids"]
+        ib = b(text, add_special_tokens=True)["input_ids"]
+        if list(ia) != list(ib):
+            return f"they encode {text!r} differently ({list(ia)[:12]} and {list(ib)[:12]})"
+    return None

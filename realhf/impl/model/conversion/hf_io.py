@@ -216,6 +216,8 @@ def _write_hf(hf_sd, cfg, path, tokenizer_src, dtype, *, pp, stage, writer, grid
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": sum(s for _, _, s in all_names)}, "weight_map": wm}, f, indent=1)
         hf_cfg = fam.config_to_hf(cfg)
+        if cfg.is_critic:
+            hf_cfg = scalar_head_hf_config(hf_cfg)
         if dtype is not None:
             hf_cfg["torch_dtype"] = str(dtype).replace("torch.", "")
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -227,6 +229,16 @@ def _write_hf(hf_sd, cfg, path, tokenizer_src, dtype, *, pp, stage, writer, grid
         failpoint.hit("save_hf.before_rename")
         _publish(tmp, path, old)
     _barrier(group)  # the folder is at its final name when save_hf returns on any rank
+
+
+def scalar_head_hf_config(hf_cfg: dict) -> dict:
+    """The config.json of a model with a scalar head (a critic or a reward model, whose head is saved as
+    ``score.weight``): transformers' ``*ForSequenceClassification`` of the family with one label, so that
+    ``AutoModelForSequenceClassification.from_pretrained`` loads it (it scores a sequence at its last token that is
+    not the pad token)."""
+    archs = [a.replace("ForCausalLM", "ForSequenceClassification").replace("LMHeadModel", "ForSequenceClassification")
+             for a in hf_cfg.get("architectures") or []]
+    return {**hf_cfg, "architectures": archs, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
 
 
 def copy_tokenizer(src: str, dst: str):

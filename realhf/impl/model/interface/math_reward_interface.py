@@ -4,11 +4,11 @@ Input: ``packed_input_ids`` + ``prompt_mask`` (several answers per prompt sample
 metadata ``solutions``; with ``unfinished_as_wrong`` also ``seq_no_eos_mask`` (actor_gen's: the answer was cut
 by max_new_tokens before a stop token). Output: ``rewards``, one float per answer:
 ``((correct_reward if correct else wrong_reward) + reward_output_bias) * reward_output_scaling``.
-Verification timeouts and errors score as wrong and are counted in the stats; with ``unfinished_as_wrong`` an
-unfinished answer scores ``wrong_reward`` whatever it states (not graded; counted as ``n_unfinished``). The
-options are the experiment's (``correct_reward``, ``wrong_reward``, ``reward_timeout_secs``,
-``reward_allow_last_number``, ``reward_unfinished_as_wrong``, ``ppo.reward_output_scaling``,
-``ppo.reward_output_bias``) and have no defaults here, so none can be left out.
+The grading is the rollout workflows' (:class:`realhf.impl.workflow.rewards.MathReward`, built from the same
+options): verification timeouts and errors score as wrong and are counted in the stats; with
+``unfinished_as_wrong`` an unfinished answer scores ``wrong_reward`` whatever it states (not graded; counted as
+``n_unfinished``). The options are the experiment's ``reward`` section (``RewardConfig.grader_args``) and
+``ppo.reward_output_scaling``, ``ppo.reward_output_bias``, and have no defaults here, so none can be left out.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface, register_interface
 from realhf.base import logging
+from realhf.impl.workflow.rewards import MathReward
 
 logger = logging.getLogger(__name__)
 
@@ -28,21 +29,27 @@ class MathRewardInterface(ModelInterface):
     def __init__(self, *, correct_reward: float, wrong_reward: float, reward_output_scaling: float,
                  reward_output_bias: float, timeout_secs: float, allow_last_number: bool, unfinished_as_wrong: bool,
                  max_workers: int = 2):
-        self.correct_reward, self.wrong_reward = correct_reward, wrong_reward
+        # max_workers: grading processes (not an option: grading is cheap next to generation)
+        self.grader = MathReward(correct_reward=correct_reward, wrong_reward=wrong_reward, timeout_secs=timeout_secs,
+                                 allow_last_number=allow_last_number, unfinished_as_wrong=unfinished_as_wrong,
+                                 max_workers=max_workers)
         self.reward_output_scaling, self.reward_output_bias = reward_output_scaling, reward_output_bias
-        self.timeout_secs = timeout_secs
-        self.allow_last_number = allow_last_number
-        self.unfinished_as_wrong = unfinished_as_wrong
-        self.max_workers = max_workers  # grading processes (not an option: grading is cheap next to generation)
-        self._verifier = None
+
+    # the grader's options, as it holds them
+    correct_reward = property(lambda self: self.grader.correct_reward)
+    wrong_reward = property(lambda self: self.grader.wrong_reward)
+    timeout_secs = property(lambda self: self.grader.timeout_secs)
+    allow_last_number = property(lambda self: self.grader.allow_last_number)
+    unfinished_as_wrong = property(lambda self: self.grader.unfinished_as_wrong)
 
     @property
     def verifier(self):
-        if self._verifier is None:
-            from realhf.reward import MathVerifier
+        return self.grader.verifier
 
-            self._verifier = MathVerifier(timeout=self.timeout_secs, max_workers=self.max_workers)
-        return self._verifier
+    @property
+    def _verifier(self):
+        """The grader's verifier, None until something was graded (to close it)."""
+        return self.grader._verifier
 
     def warmup(self, model: Model) -> None:
         """Start the grading processes now (their imports take about a second) rather than inside the first
@@ -73,8 +80,6 @@ class MathRewardInterface(ModelInterface):
 
     @torch.no_grad()
     def inference(self, model: Model, data: SequenceSample, mb_spec) -> SequenceSample:
-        from realhf.reward import extract_answer
-
         texts = self.answers(model, data)
         sols = data.metadata.get("solutions")
         if sols is None:
@@ -82,16 +87,8 @@ class MathRewardInterface(ModelInterface):
         per_sample = [len(x) for x in data.seqlens["packed_input_ids"]]
         sol_per_answer = [s for s, k in zip(sols, per_sample) for _ in range(k)]
         cut = self.unfinished(data, len(texts))
-        if self.allow_last_number:  # lenient format: the last number counts as the answer
-            texts = [t if extract_answer(t) is not None else (f"\\boxed{{{a}}}" if (a := extract_answer(t, allow_last_number=True)) else t)
-                     for t in texts]
-        graded = [i for i, c in enumerate(cut) if not c]  # an unfinished answer is wrong: no need to grade it
-        results = [(False, "unfinished")] * len(texts)
-        for i, r in zip(graded, self.verifier.verify_batch([texts[i] for i in graded],
-                                                           [list(map(str, sol_per_answer[i])) for i in graded],
-                                                           timeout=self.timeout_secs)):
-            results[i] = r
-        raw = torch.tensor([self.correct_reward if ok else self.wrong_reward for ok, _ in results], dtype=torch.float32)
+        results = self.grader.grade_many(texts, sol_per_answer, cut)  # an unfinished answer is wrong, ungraded
+        raw = torch.tensor([r for r, _ in results], dtype=torch.float32)
         rewards = (raw + self.reward_output_bias) * self.reward_output_scaling
         n_to = sum(1 for _, st in results if st == "timeout")
         n_err = sum(1 for _, st in results if st == "error")

@@ -52,6 +52,25 @@ def _per_token(sample: SequenceSample, tensors: Dict[str, torch.Tensor]) -> Sequ
     return out
 
 
+# the policy loss's stats, logged as (name in the step's stats: name in the loss's stats)
+LOSS_STATS = {"actor_loss": "loss", "importance_weight": "importance_weight", "actor_clip_ratio": "clip_ratio",
+              "ppo_approx_kl": "approx_kl", "behave_imp_weight": "behave_imp_weight",
+              "behave_capped_ratio": "behave_capped_ratio", "behave_logp_abs_diff": "behave_logp_abs_diff"}
+
+
+def loss_rows(mb: SequenceSample) -> torch.Tensor:
+    """The packed positions of ``mb`` in the loss (their next token is a trained answer token): the output head runs
+    on these rows only."""
+    return mb.data["loss_mask"].nonzero().squeeze(-1)
+
+
+def answer_of_rows(mb: SequenceSample, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """The answer (sequence of ``mb``) of every packed position in ``rows`` (None: of every position)."""
+    cu = mb.cu_seqlens("packed_input_ids")
+    sid, _ = F.seq_ids(cu, int(cu[-1]), mb.data["loss_mask"].device)
+    return sid if rows is None else sid[rows.to(sid.device)]
+
+
 def _nonzero_advantage_samples(sample: SequenceSample, grid, device) -> Tuple[Optional[List[int]], Dict[str, float]]:
     """Indices of the samples (a prompt and its answers) of ``sample`` with an answer whose advantage is nonzero at
     some loss token (with no KL loss or entropy bonus the others add nothing to the policy gradient: the clipped PPO
@@ -115,47 +134,85 @@ def compute_advantages(sample: SequenceSample, cfg: PPOHyperparameters, grid, us
     if cfg.mask_too_long:
         mask = F.length_limit_mask(no_eos, cu, mask)
     rewards = sample.data["rewards"].float().reshape(-1)
+    stats = {}
+    if cfg.overlong_tokens > 0:  # DAPO's overlong reward shaping
+        penalty = F.overlong_penalty(answer_lengths(sample), cfg.gen.max_new_tokens, cfg.overlong_tokens,
+                                     cfg.overlong_penalty_factor).to(rewards.device)
+        rewards = rewards + penalty
+        stats["overlong_penalty"] = float(penalty.mean())
     old_lp = sample.data["packed_logprobs"].float()
     ref_lp = sample.data.get("packed_ref_logprobs")
-    stats = {}
-    if ref_lp is not None and cfg.kl_ctl > 0:
-        token_rewards, kl_rewards = F.kl_reward_shaping(rewards, old_lp, ref_lp.float(), cfg.kl_ctl, cu, mask,
-                                                        cfg.max_reward_clip)
-    else:  # no KL penalty: the task reward alone, at the last answer token
-        token_rewards, kl_rewards = F.kl_reward_shaping(rewards, old_lp, old_lp, 0.0, cu, mask, cfg.max_reward_clip)
+    kl_on = ref_lp is not None and cfg.kl_ctl > 0
+    # with kl_ctl = 0: the task reward alone, at the last answer token
+    token_rewards, kl_rewards = F.kl_reward_shaping(rewards, old_lp, ref_lp.float() if kl_on else old_lp,
+                                                    cfg.kl_ctl if kl_on else 0.0, cu, mask, cfg.max_reward_clip,
+                                                    estimator=cfg.kl_estimator)
     n_valid = float(mask.sum())
     stats["kl_reward"] = float((kl_rewards * mask).sum()) / max(n_valid, 1.0)
     stats["final_reward"] = float((token_rewards * mask).sum()) / max(1, rewards.numel())
     if use_critic:
-        values = sample.data["values"].float()
-        # GAE over answer positions: rewards at t in [P-1, L-2], values at t in [P-1, L-1] (bootstrap last)
-        r_list, v_list, seg = [], [], []
-        lens = (cu[1:] - cu[:-1]).tolist()
-        pm = sample.data["prompt_mask"].bool()
-        for i, (s, L) in enumerate(zip(cu[:-1].tolist(), lens)):
-            P = int(pm[s : s + L].sum())
-            a, b = s + P - 1, s + L - 1
-            r_list.append(token_rewards[a:b])
-            v_list.append(values[a : b + 1])
-            seg.append((a, b))
-        seqlens = torch.tensor([b - a for a, b in seg])
-        gcu = torch.zeros(len(seg) + 1, dtype=torch.int32)
-        gcu[1:] = torch.cumsum(seqlens, 0)
-        adv_s, ret_s = gae_packed(torch.cat(r_list), torch.cat(v_list), gcu, no_eos, cfg.discount, cfg.gae_lambda)
-        adv = torch.zeros_like(old_lp)
-        ret = torch.zeros_like(old_lp)
-        for (a, b), lo, hi in zip(seg, gcu[:-1].tolist(), gcu[1:].tolist()):
-            adv[a:b] = adv_s[lo:hi]
-            ret[a:b] = ret_s[lo:hi]
+        adv, ret = _gae_advantages(sample, cfg, token_rewards, cu, no_eos)
     else:
-        seq_adv = F.group_normalized_advantages(rewards, group_size, std_norm=cfg.group_adv_norm) \
-            if group_size > 1 else rewards - rewards.mean()
-        adv = F.broadcast_sequence_advantages(seq_adv, cu, mask)
+        adv = critic_free_advantages(cfg, rewards, token_rewards, kl_rewards if kl_on else None, cu, mask, group_size)
         ret = torch.zeros_like(old_lp)
     if cfg.adv_norm and normalize:
         adv = F.masked_normalization(adv, mask, all_reduce_group=grid.dp_group if grid is not None else None)
     stats["advantage"] = float((adv * mask).sum()) / max(n_valid, 1.0)
     return mask, adv * mask, ret, stats
+
+
+def answer_lengths(sample: SequenceSample) -> torch.Tensor:
+    """``[n]``: the answer (non-prompt) tokens of every sequence."""
+    pm = sample.data["prompt_mask"].bool()
+    sid, lens = F.seq_ids(sample.cu_seqlens("packed_input_ids"), pm.numel(), pm.device)
+    return F.per_seq_sum((~pm).float(), torch.ones_like(pm), sid, lens.numel())
+
+
+def critic_free_advantages(cfg: PPOHyperparameters, rewards: torch.Tensor, token_rewards: torch.Tensor,
+                           kl_rewards: Optional[torch.Tensor], cu: torch.Tensor, mask: torch.Tensor,
+                           group_size: int) -> torch.Tensor:
+    """Per-token advantages without a critic, by ``cfg.adv_estimator``. ``kl_rewards`` (the per-token KL penalty,
+    when ``kl_ctl`` > 0): REINFORCE++ sums the token rewards from each token on; the group estimators lower each
+    answer's reward by its summed KL penalty before the baseline (as veRL does with a KL-shaped reward)."""
+    if cfg.adv_estimator == "reinforce++":
+        return F.reinforce_returns(token_rewards, cu, mask, cfg.discount)
+    score = rewards
+    if kl_rewards is not None:
+        sid, lens = F.seq_ids(cu, mask.numel(), mask.device)
+        score = rewards + F.per_seq_sum(kl_rewards, mask, sid, lens.numel()).to(rewards.dtype)
+    if cfg.adv_estimator == "rloo":
+        seq_adv = F.rloo_advantages(score, group_size)
+    elif group_size > 1:
+        seq_adv = F.group_normalized_advantages(score, group_size, std_norm=cfg.group_adv_norm)
+    else:
+        seq_adv = score - score.mean()
+    return F.broadcast_sequence_advantages(seq_adv, cu, mask)
+
+
+def _gae_advantages(sample: SequenceSample, cfg: PPOHyperparameters, token_rewards: torch.Tensor, cu: torch.Tensor,
+                    no_eos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) per token by GAE with the critic's ``values``."""
+    values = sample.data["values"].float()
+    # GAE over answer positions: rewards at t in [P-1, L-2], values at t in [P-1, L-1] (bootstrap last)
+    r_list, v_list, seg = [], [], []
+    lens = (cu[1:] - cu[:-1]).tolist()
+    pm = sample.data["prompt_mask"].bool()
+    for i, (s, L) in enumerate(zip(cu[:-1].tolist(), lens)):
+        P = int(pm[s : s + L].sum())
+        a, b = s + P - 1, s + L - 1
+        r_list.append(token_rewards[a:b])
+        v_list.append(values[a : b + 1])
+        seg.append((a, b))
+    seqlens = torch.tensor([b - a for a, b in seg])
+    gcu = torch.zeros(len(seg) + 1, dtype=torch.int32)
+    gcu[1:] = torch.cumsum(seqlens, 0)
+    adv_s, ret_s = gae_packed(torch.cat(r_list), torch.cat(v_list), gcu, no_eos, cfg.discount, cfg.gae_lambda)
+    adv = torch.zeros_like(token_rewards)
+    ret = torch.zeros_like(token_rewards)
+    for (a, b), lo, hi in zip(seg, gcu[:-1].tolist(), gcu[1:].tolist()):
+        adv[a:b] = adv_s[lo:hi]
+        ret[a:b] = ret_s[lo:hi]
+    return adv, ret
 
 
 def version_lag_stats(data: SequenceSample, version: int, grid, device) -> Dict[str, float]:
@@ -269,11 +326,57 @@ class PPOActorInterface(GenerationInterface):
         return SequenceSample(keys={"logprobs"}, ids=list(data.ids), seqlens={"logprobs": seqlens},
                               trailing_shapes={"logprobs": ()}, dtypes={"logprobs": torch.float32}, data={"logprobs": lp})
 
+    def _loss_fn(self, model: Model, use_ref: bool, loglinear: bool, progress: List[float]):
+        """The loss of one micro-batch (the policy loss of ``ppo.policy_loss``, the entropy bonus, the KL loss term,
+        aggregated by ``ppo.loss_agg_mode``) and its stats (sums over its loss tokens). The output head runs only on
+        the loss rows (:func:`loss_rows`)."""
+        cfg, tp, temp = self.cfg, model.module.tp_group, self.temperature
+        agg, norm_const = cfg.loss_aggregation(), float(cfg.gen.max_new_tokens)
+        cap, weight_mode = cfg.behaviour_weight()
+        policy_loss = F.POLICY_LOSSES[cfg.policy_loss]
+        kw = dict(proximal_logprobs=None, behav_imp_weight_cap=cap, eps_clip_higher=cfg.eps_clip_higher,
+                  behav_imp_weight_mode=weight_mode, loss_agg_mode=agg, loss_norm_const=norm_const)
+        if cfg.policy_loss == "ppo":
+            kw["c_clip"] = cfg.c_clip
+
+        def loss_fn(out, mb):
+            rows = loss_rows(mb)
+            want_ent = cfg.entropy_coef > 0
+            lp = logprobs_at(out, mb.data["packed_input_ids"], rows, tp, temp, entropy=want_ent)
+            if want_ent:
+                lp, ent = lp
+            m = torch.ones_like(lp, dtype=torch.bool)
+            sid = answer_of_rows(mb, rows).to(lp.device)
+            at = {k: mb.data[k][rows].float().to(lp.device)
+                  for k in ("packed_logprobs", "advantages", "packed_ref_logprobs", "proximal_logprobs") if k in mb.data}
+            # decoupled PPO when actor_inf recomputed the proximal log-probs (asynchronous runs, or the mismatch
+            # correction), or interpolated here (asynchronous runs)
+            prox = at.get("proximal_logprobs")
+            if loglinear:
+                # version of the token each loss row predicts: packed_versions is aligned with the tokens, the
+                # log-probs with the position before them
+                lag = model.version - mb.data["packed_versions"][rows.to(mb.data["packed_versions"].device) + 1]
+                prox = F.loglinear_proximal_logprobs(at["packed_logprobs"], lp, lag.to(lp.device), progress[0])
+            loss, st = policy_loss(lp, at["packed_logprobs"], at["advantages"], cfg.eps_clip, m, seq_of_token=sid,
+                                   **dict(kw, proximal_logprobs=prox))
+            if want_ent:
+                loss = loss - cfg.entropy_coef * F.aggregate_loss(ent, m, agg, sid, norm_const)
+            if use_ref:
+                kl = F.kl_estimator(cfg.kl_loss_estimator)(lp, at["packed_ref_logprobs"])
+                loss = loss + cfg.kl_loss_coef * F.aggregate_loss(kl, m, agg, sid, norm_const)
+            n = float(m.sum())
+            return loss, {**{k: float(st[s]) * n for k, s in LOSS_STATS.items()}, "n_loss_tokens": n}
+
+        def weight_fn(mb):
+            m = mb.data["loss_mask"].bool()
+            return F.loss_weight(m, agg, None if agg == "token-mean" else answer_of_rows(mb, None))
+
+        return loss_fn, weight_fn
+
     def train_step(self, model: Model, data: SequenceSample, mb_spec) -> Dict[str, float]:
-        cfg, grid, temp = self.cfg, model.grid, self.temperature
+        cfg, grid = self.cfg, model.grid
         mask, adv, _, adv_stats = compute_advantages(data, cfg, grid, self.use_critic, self.group_size)
         sample = _per_token(data, {"advantages": adv.float(), "loss_mask": mask})
-        tp = model.module.tp_group
         use_ref = cfg.kl_loss_coef > 0 and "packed_ref_logprobs" in sample.keys
         kept_stats = {}
         if cfg.skip_zero_advantage:
@@ -283,40 +386,7 @@ class PPOActorInterface(GenerationInterface):
             raise ValueError("prox_logp=loglinear needs packed_versions (the weight version of every generated token): "
                              "train on trajectories from generation servers (async-ppo-math)")
         progress = [0.0]  # m / M at the m-th of the step's M optimizer updates (loglinear proximal log-probs)
-
-        # the output head runs only on the loss positions (their next token is a trained answer token)
-        def rows_fn(mb):
-            return mb.data["loss_mask"].nonzero().squeeze(-1)
-
-        def loss_fn(out, mb):
-            rows = rows_fn(mb)
-            want_ent = cfg.entropy_coef > 0
-            lp = logprobs_at(out, mb.data["packed_input_ids"], rows, tp, temp, entropy=want_ent)
-            if want_ent:
-                lp, ent = lp
-            m = torch.ones_like(lp, dtype=torch.bool)
-            at = {k: mb.data[k][rows].float().to(lp.device)
-                  for k in ("packed_logprobs", "advantages", "packed_ref_logprobs", "proximal_logprobs") if k in mb.data}
-            # decoupled PPO when actor_inf recomputed the proximal log-probs, or interpolated here (asynchronous runs)
-            prox = at.get("proximal_logprobs")
-            if loglinear:
-                # version of the token each loss row predicts: packed_versions is aligned with the tokens, the
-                # log-probs with the position before them
-                lag = model.version - mb.data["packed_versions"][rows.to(mb.data["packed_versions"].device) + 1]
-                prox = F.loglinear_proximal_logprobs(at["packed_logprobs"], lp, lag.to(lp.device), progress[0])
-            loss, st = F.actor_loss(lp, at["packed_logprobs"], at["advantages"], cfg.eps_clip, m, cfg.c_clip,
-                                    proximal_logprobs=prox, behav_imp_weight_cap=cfg.behav_imp_weight_cap)
-            if want_ent:
-                loss = loss - cfg.entropy_coef * F.entropy_bonus(ent, m)
-            if use_ref:
-                kl = F.kl_k3(lp, at["packed_ref_logprobs"])
-                loss = loss + cfg.kl_loss_coef * F.masked_mean(kl, m)
-            return loss, {"actor_loss": float(st["loss"]) * float(m.sum()), "importance_weight": float(st["importance_weight"]) * float(m.sum()),
-                          "actor_clip_ratio": float(st["clip_ratio"]) * float(m.sum()), "ppo_approx_kl": float(st["approx_kl"]) * float(m.sum()),
-                          "behave_imp_weight": float(st["behave_imp_weight"]) * float(m.sum()),
-                          "behave_capped_ratio": float(st["behave_capped_ratio"]) * float(m.sum()),
-                          "n_loss_tokens": float(m.sum())}
-
+        loss_fn, weight_fn = self._loss_fn(model, use_ref, loglinear, progress)
         sums: Dict[str, float] = {}
         grad_norms = []
         # no sample (skip_zero_advantage, and no answer on any rank has an advantage): no update on any rank
@@ -324,20 +394,24 @@ class PPOActorInterface(GenerationInterface):
                                                                       model.module.device))
         for i, part in enumerate(parts):
             progress[0] = i / len(parts)
-            st = model.engine.train_batch(part, loss_fn, lambda mb: float(mb.data["loss_mask"].sum()),
-                                          max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs,
-                                          head_rows_fn=rows_fn, defer_head=True)
+            st = model.engine.train_batch(part, loss_fn, weight_fn, max_tokens_per_mb=mb_spec.max_tokens_per_mb,
+                                          n_mbs=mb_spec.n_mbs, head_rows_fn=loss_rows, defer_head=True)
             grad_norms.append(st.grad_norm)
             for k, v in st.extra.items():
                 sums[k] = sums.get(k, 0.0) + v
         n_tok = max(sums.get("n_loss_tokens", 0.0), 1.0)
         keys = ["actor_loss", "importance_weight", "actor_clip_ratio", "ppo_approx_kl"]
         if "proximal_logprobs" in data.keys or loglinear:
-            keys += ["behave_imp_weight", "behave_capped_ratio"]
+            keys += ["behave_imp_weight", "behave_capped_ratio", "behave_logp_abs_diff"]
         stats = {k: sums.get(k, 0.0) / n_tok for k in keys}
         stats["actor_grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         stats.update(kept_stats)
-        # batch statistics (data-parallel averages)
+        stats.update(self._batch_stats(model, data, mask, adv_stats))
+        return stats
+
+    def _batch_stats(self, model: Model, data: SequenceSample, mask: torch.Tensor, adv_stats: dict) -> Dict[str, float]:
+        """Statistics of the trained batch (data-parallel averages), its versions, the learning rate."""
+        grid = model.grid
         lens = data.flat_seqlens("packed_input_ids")
         n = len(lens)
         n_prompt = float(data.data["prompt_mask"].float().sum())
@@ -348,7 +422,7 @@ class PPOActorInterface(GenerationInterface):
                          {"n_tokens": float(sum(lens)), "n_valid_tokens": float(mask.sum())}, n, grid, model.module.device)
         # the spread of the rewards over the whole batch (0: every answer got the same reward)
         out["task_reward_std"] = max(out.pop("task_reward_sq") - out["task_reward"] ** 2, 0.0) ** 0.5
-        stats.update(out)
+        stats = dict(out)
         if "packed_versions" in data.keys:
             stats.update(version_lag_stats(data, model.version, grid, model.module.device))
         stats["actor_lr"] = model.engine.optimizer.param_groups[0]["lr"]
