@@ -66,7 +66,7 @@ SLIP, CAREFUL_BELOW = 0.85, 2
 MODEL = dict(family="qwen2", seed=1, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, intermediate_size=256, tie_word_embeddings=True, max_position_embeddings=64)
 # Greedy evaluation: answers are at most 3 digits + EOS; the last number counts as the answer, as in
-# the RL reward (reward_allow_last_number: true).
+# the RL reward (reward.allow_last_number: true).
 EVAL = dict(max_new_tokens=4, prompt_template="{prompt}", use_chat_template=False, allow_last_number=True,
             batch_size=200)
 
