@@ -45,98 +45,66 @@ GEN_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_ma
 
 
 def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
-    from realhf.impl.dataset import validate_jsonl
+    """The spec of a ``ppo-math`` or ``async-ppo-math`` run: the placement of the models, the rollout part of the DFG
+    (synchronous: :func:`rollout_mfcs`; asynchronous: the rollout workers of :func:`async_rollout_spec`) and the
+    trainer part both share (:func:`trainer_mfcs`)."""
     from realhf.impl.dataset.jsonl import epoch_steps
-    from realhf.impl.dataset.math import MATH_OPTIONAL, MATH_REQUIRED
 
-    mode = cfg.allocation()
     is_async = isinstance(cfg, AsyncPPOMathConfig)
-    seqlen = {"dataset.max_prompt_len": cfg.dataset.max_prompt_len, "ppo.gen.max_new_tokens": cfg.ppo.gen.max_new_tokens}
-    if is_async:  # the workflow may build longer sequences (several turns, inserted feedback)
-        budget = async_workflow(cfg).seq_len_budget(cfg.dataset.max_prompt_len, cfg.ppo.gen.max_new_tokens,
-                                                    **cfg.async_rl.workflow_args_dict())
-        if budget != sum(seqlen.values()):
-            seqlen = {"dataset.max_prompt_len": cfg.dataset.max_prompt_len,
-                      f"the rest of the sequence budget of async_rl.workflow={cfg.async_rl.workflow}":
-                      budget - cfg.dataset.max_prompt_len}
+    seqlen = _seqlen(cfg, is_async)
     served = None
-    if mode.kind == "decoupled":  # actor_gen is served by generation servers on the generation devices
+    if cfg.allocation().kind == "decoupled":  # actor_gen is served by generation servers on the generation devices
         served = gen_servers_spec(cfg, sum(seqlen.values()), cfg.actor.dtype)
     check_algorithm(cfg, is_async)
-    use_ref = cfg.use_ref()
-    use_critic = cfg.use_critic
-    roles: Dict[str, List[Tuple[str, bool]]] = {"actor": [("actor_gen", False), ("actor_train", True)],
-                                                "reward": [("rew_inf", False)]}
-    if is_async:  # the workflows reward the answers; the trainer may recompute the proximal log-probs
-        del roles["reward"]
-        if cfg.async_rl.prox_logp == "recompute":
-            roles["actor"].append(("actor_inf", False))
-    if use_ref:
-        roles["ref"] = [("ref_inf", False)]
-    if use_critic:
-        roles["critic"] = [("critic_inf", False), ("critic_train", True)]
-    model_of: Dict[str, str] = {}
-    replicas = {}
-    for role, mfc_list in roles.items():
-        of, replicas[role] = model_replicas(cfg, role, mfc_list)
-        model_of.update(of)
-    if served is not None:  # the served replica is a client on worker 0; the servers hold the generation devices
-        replicas["actor"][model_of["actor_gen"]] = (ParallelDims(1, 1, 1), (0,))
-    if use_critic and cfg.ppo.value_norm and model_of["critic_inf"] != model_of["critic_train"]:
-        raise ValueError("ppo.value_norm=true needs critic_inf and critic_train on one layout and device mesh: the "
-                         "running value statistics that training updates are the ones inference denormalises with")
-    paths = {"actor": cfg.actor.path, "ref": cfg.ref_path(), "critic": cfg.critic_path()}
-    if served is not None:
-        check_model_fits(cfg.actor.path, mode.gen, f"actor.path (generation servers {cfg.allocation_mode!r})",
-                         seqlen=seqlen, tokenizer=True)
-    for role in ("actor", "ref", "critic"):
-        for name, (dims, _) in replicas.get(role, {}).items():
-            # every model reads whole sequences; the actor's tokenizer serves all of them
-            check_model_fits(paths[role], dims, f"{role}.path (replica {name!r})", seqlen=seqlen,
-                             tokenizer=name == "actor")
-    if cfg.reward.uses_model():  # a reward model scores in rew_inf: it fits, has a scalar head, the policy's tokenizer
-        check_reward_model(cfg, replicas["reward"], seqlen)
-    n_samples = validate_jsonl(cfg.dataset.path, MATH_REQUIRED, MATH_OPTIONAL)
-    bs = cfg.dataset.train_bs_n_seqs
-    # as the workers' EpochIterator: training drops an epoch's last partial batch (see build_sft)
-    steps = max(1, epoch_steps(n_samples, bs, drop_last=True)) * cfg.exp_ctrl.total_train_epochs
-    if cfg.exp_ctrl.benchmark_steps:
-        steps = min(steps, cfg.exp_ctrl.benchmark_steps)
-    p = cfg.ppo
-    n_workers = 1 + max(r for reps in replicas.values() for _, ranks in reps.values() for r in ranks)
-    tok = cfg.actor.path
-    train_steps = steps * p.ppo_n_minibatches
-    models = replica_specs("actor", replicas["actor"], cfg.actor.path, cfg.actor, optimizer=cfg.actor.optimizer,
-                           total_train_steps=train_steps)
-    if served is not None:
-        for m in models:
-            if m.name == model_of["actor_gen"]:
-                m.gen_servers = served
-    models += replica_specs("ref", replicas.get("ref", {}), cfg.ref_path(), cfg.ref, tokenizer_path=tok)
-    models += replica_specs("critic", replicas.get("critic", {}), cfg.critic_path(), cfg.critic,
-                            optimizer=cfg.critic.optimizer, total_train_steps=train_steps, is_critic=True,
-                            tokenizer_path=tok)
-    if not is_async:  # the grader holds no weights (only the tokenizer); a reward model is a critic-style model
-        rm = cfg.reward.model if cfg.reward.uses_model() else None
-        models += replica_specs("reward", replicas["reward"], rm.path if rm else "", rm, is_critic=rm is not None,
-                                tokenizer_path=tok)
-
+    model_of, replicas = _placement(cfg, is_async, served is not None)
+    _check_models(cfg, replicas, served is not None, seqlen)
+    n_samples, steps = _steps(cfg)
+    models = _models(cfg, replicas, model_of, served, steps * cfg.ppo.ppo_n_minibatches, is_async)
     # the interfaces take the validated config sections as they are (see realhf/impl/model/interface/ppo_interface.py)
-    actor_args = dict(ppo=p, group_size=cfg.group_size, use_critic=use_critic, seed=cfg.seed)
+    actor_args = dict(ppo=cfg.ppo, group_size=cfg.group_size, use_critic=cfg.use_critic, seed=cfg.seed)
     if is_async and cfg.async_rl.prox_logp == "loglinear":
         actor_args["prox_logp"] = "loglinear"
-    train_inputs = list(GEN_KEYS) + ["rewards"]
+    mfcs = [] if is_async else rollout_mfcs(cfg, model_of, actor_args, served is not None)
+    mfcs += trainer_mfcs(cfg, model_of, actor_args, is_async)
+    bs = cfg.dataset.train_bs_n_seqs
+    ds = DatasetSpec(kind="math_prompt", args=dict(path=cfg.dataset.path, max_prompt_len=cfg.dataset.max_prompt_len,
+                                                   use_chat_template=cfg.use_chat_template, prompt_template=cfg.prompt_template),
+                     batch_size=bs, holder_model="actor")
+    rollout = None
+    if is_async:  # the prompts go to the rollout workers; the trainer's heads pull finished trajectories
+        rollout = async_rollout_spec(cfg, ds, n_samples, steps, dp=replicas["actor"]["actor"][0].dp,
+                                     max_seq_len=sum(seqlen.values()))
+        ds = DatasetSpec(kind="trajectory_stream", batch_size=bs, holder_model="actor",
+                         args=dict(steps_per_epoch=max(1, epoch_steps(n_samples, bs, drop_last=True)),
+                                   n_prompts=n_samples))
+    # ppo.dynamic_sampling: the master refills a synchronous run's batch (async: the rollout workers, async_rollout_spec)
+    dyn = DynamicSamplingSpec(key="rewards") if cfg.ppo.dynamic_sampling and not is_async else None
+    n_workers = 1 + max(r for reps in replicas.values() for _, ranks in reps.values() for r in ranks)
+    return experiment_spec(cfg, n_workers=n_workers, models=models, mfcs=mfcs, dataset=ds, auto_eval=cfg.auto_eval,
+                           param_realloc=cfg.param_realloc, rollout=rollout, dynamic_sampling=dyn)
+
+
+def rollout_mfcs(cfg: PPOMathConfig, model_of: Dict[str, str], actor_args: dict, served: bool) -> List[MFCDef]:
+    """The synchronous rollout: actor_gen generates the answers, rew_inf scores them (the grader, or a reward model
+    with ``reward.type=model``)."""
+    p = cfg.ppo
     grader_keys = ("packed_input_ids", "prompt_mask") + (("seq_no_eos_mask",) if cfg.reward.unfinished_as_wrong else ())
-    mfcs = [] if is_async else [
-        MFCDef("actor_gen", model_of["actor_gen"], "generate", "ppo_actor", actor_args, input_keys=("packed_prompts",),
-               output_keys=GEN_KEYS + (("packed_versions",) if served is not None else ()), mb_spec=cfg.actor_gen.mb_spec.to_spec()),
-        reward_model_mfc(cfg, model_of["rew_inf"], grader_keys) if cfg.reward.uses_model() else
-        MFCDef("rew_inf", model_of["rew_inf"], "inference", "rw-math",
-               dict(cfg.reward.grader_args(), reward_output_scaling=p.reward_output_scaling,
-                    reward_output_bias=p.reward_output_bias), input_keys=grader_keys, output_keys=("rewards",)),
-    ]
-    if is_async:
-        train_inputs.append("packed_versions")
+    gen = MFCDef("actor_gen", model_of["actor_gen"], "generate", "ppo_actor", actor_args, input_keys=("packed_prompts",),
+                 output_keys=GEN_KEYS + (("packed_versions",) if served else ()), mb_spec=cfg.actor_gen.mb_spec.to_spec())
+    if cfg.reward.uses_model():
+        return [gen, reward_model_mfc(cfg, model_of["rew_inf"], grader_keys)]
+    return [gen, MFCDef("rew_inf", model_of["rew_inf"], "inference", "rw-math",
+                        dict(cfg.reward.grader_args(), reward_output_scaling=p.reward_output_scaling,
+                             reward_output_bias=p.reward_output_bias), input_keys=grader_keys, output_keys=("rewards",))]
+
+
+def trainer_mfcs(cfg: PPOMathConfig, model_of: Dict[str, str], actor_args: dict, is_async: bool) -> List[MFCDef]:
+    """The trainer, shared by synchronous and asynchronous runs: over the answers and their rewards, the proximal
+    log-probs (actor_inf), the reference's (ref_inf) and the values (critic_inf) where the options need them, then
+    critic_train and actor_train."""
+    p = cfg.ppo
+    train_inputs = list(GEN_KEYS) + ["rewards"] + (["packed_versions"] if is_async else [])
+    mfcs = []
     if (cfg.async_rl.prox_logp == "recompute") if is_async else p.mismatch_correction != "none":
         # the proximal log-probs: of decoupled PPO (async), or the trainer's own log-probs of the generated tokens for
         # ppo.mismatch_correction (sync: on actor_train's replica, with its micro-batches). With skip_zero_advantage,
@@ -149,13 +117,13 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
                            dict(actor_args, proximal=True), input_keys=inf_keys, output_keys=("logprobs",),
                            output_key_remap={"logprobs": "proximal_logprobs"}, mb_spec=mb.to_spec()))
         train_inputs.append("proximal_logprobs")
-    if use_ref:
+    if cfg.use_ref():
         mfcs.append(MFCDef("ref_inf", model_of["ref_inf"], "inference", "ppo_actor", actor_args,
                            input_keys=("packed_input_ids", "prompt_mask"),
                            output_keys=("logprobs",), output_key_remap={"logprobs": "packed_ref_logprobs"},
                            mb_spec=cfg.ref_inf.mb_spec.to_spec()))
         train_inputs.append("packed_ref_logprobs")
-    if use_critic:
+    if cfg.use_critic:
         mfcs.append(MFCDef("critic_inf", model_of["critic_inf"], "inference", "ppo_critic", dict(ppo=p),
                            input_keys=("packed_input_ids",), output_keys=("values",),
                            mb_spec=cfg.critic_inf.mb_spec.to_spec()))
@@ -164,20 +132,96 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentSpec:
                            input_keys=tuple(train_inputs), mb_spec=cfg.critic_train.mb_spec.to_spec()))
     mfcs.append(MFCDef("actor_train", model_of["actor_train"], "train_step", "ppo_actor", actor_args,
                        input_keys=tuple(train_inputs), mb_spec=cfg.actor_train.mb_spec.to_spec()))
-    ds = DatasetSpec(kind="math_prompt", args=dict(path=cfg.dataset.path, max_prompt_len=cfg.dataset.max_prompt_len,
-                                                   use_chat_template=cfg.use_chat_template, prompt_template=cfg.prompt_template),
-                     batch_size=bs, holder_model="actor")
-    rollout = None
-    if is_async:  # the prompts go to the rollout workers; the trainer's heads pull finished trajectories
-        rollout = async_rollout_spec(cfg, ds, n_samples, steps, dp=replicas["actor"]["actor"][0].dp,
-                                     max_seq_len=sum(seqlen.values()))
-        ds = DatasetSpec(kind="trajectory_stream", batch_size=bs, holder_model="actor",
-                         args=dict(steps_per_epoch=max(1, epoch_steps(n_samples, bs, drop_last=True)),
-                                   n_prompts=n_samples))
-    # ppo.dynamic_sampling: the master refills a synchronous run's batch (async: the rollout workers, async_rollout_spec)
-    dyn = DynamicSamplingSpec(key="rewards") if p.dynamic_sampling and not is_async else None
-    return experiment_spec(cfg, n_workers=n_workers, models=models, mfcs=mfcs, dataset=ds, auto_eval=cfg.auto_eval,
-                           param_realloc=cfg.param_realloc, rollout=rollout, dynamic_sampling=dyn)
+    return mfcs
+
+
+def _seqlen(cfg: PPOMathConfig, is_async: bool) -> Dict[str, int]:
+    """The sequence budget of every model, by the options that make it (for the fit checks' messages)."""
+    seqlen = {"dataset.max_prompt_len": cfg.dataset.max_prompt_len, "ppo.gen.max_new_tokens": cfg.ppo.gen.max_new_tokens}
+    if is_async:  # the workflow may build longer sequences (several turns, inserted feedback)
+        budget = async_workflow(cfg).seq_len_budget(cfg.dataset.max_prompt_len, cfg.ppo.gen.max_new_tokens,
+                                                    **cfg.async_rl.workflow_args_dict())
+        if budget != sum(seqlen.values()):
+            seqlen = {"dataset.max_prompt_len": cfg.dataset.max_prompt_len,
+                      f"the rest of the sequence budget of async_rl.workflow={cfg.async_rl.workflow}":
+                      budget - cfg.dataset.max_prompt_len}
+    return seqlen
+
+
+def _placement(cfg: PPOMathConfig, is_async: bool, served: bool) -> Tuple[Dict[str, str], Dict[str, dict]]:
+    """({MFC: the model replica that runs it}, {role: {replica: (dims, ranks)}}) of the models each role's MFCs
+    need."""
+    roles: Dict[str, List[Tuple[str, bool]]] = {"actor": [("actor_gen", False), ("actor_train", True)],
+                                                "reward": [("rew_inf", False)]}
+    if is_async:  # the workflows reward the answers; the trainer may recompute the proximal log-probs
+        del roles["reward"]
+        if cfg.async_rl.prox_logp == "recompute":
+            roles["actor"].append(("actor_inf", False))
+    if cfg.use_ref():
+        roles["ref"] = [("ref_inf", False)]
+    if cfg.use_critic:
+        roles["critic"] = [("critic_inf", False), ("critic_train", True)]
+    model_of: Dict[str, str] = {}
+    replicas = {}
+    for role, mfc_list in roles.items():
+        of, replicas[role] = model_replicas(cfg, role, mfc_list)
+        model_of.update(of)
+    if served:  # the served replica is a client on worker 0; the servers hold the generation devices
+        replicas["actor"][model_of["actor_gen"]] = (ParallelDims(1, 1, 1), (0,))
+    if cfg.use_critic and cfg.ppo.value_norm and model_of["critic_inf"] != model_of["critic_train"]:
+        raise ValueError("ppo.value_norm=true needs critic_inf and critic_train on one layout and device mesh: the "
+                         "running value statistics that training updates are the ones inference denormalises with")
+    return model_of, replicas
+
+
+def _check_models(cfg: PPOMathConfig, replicas: Dict[str, dict], served: bool, seqlen: Dict[str, int]) -> None:
+    """Every model folder fits its layouts and reads whole sequences (the actor's tokenizer serves all of them)."""
+    paths = {"actor": cfg.actor.path, "ref": cfg.ref_path(), "critic": cfg.critic_path()}
+    if served:
+        check_model_fits(cfg.actor.path, cfg.allocation().gen, f"actor.path (generation servers "
+                         f"{cfg.allocation_mode!r})", seqlen=seqlen, tokenizer=True)
+    for role in ("actor", "ref", "critic"):
+        for name, (dims, _) in replicas.get(role, {}).items():
+            check_model_fits(paths[role], dims, f"{role}.path (replica {name!r})", seqlen=seqlen,
+                             tokenizer=name == "actor")
+    if cfg.reward.uses_model():  # a reward model scores in rew_inf: it fits, has a scalar head, the policy's tokenizer
+        check_reward_model(cfg, replicas["reward"], seqlen)
+
+
+def _steps(cfg: PPOMathConfig) -> Tuple[int, int]:
+    """(prompts in the dataset, training steps of the run); every row of the dataset is checked here."""
+    from realhf.impl.dataset import validate_jsonl
+    from realhf.impl.dataset.jsonl import epoch_steps
+    from realhf.impl.dataset.math import MATH_OPTIONAL, MATH_REQUIRED
+
+    n_samples = validate_jsonl(cfg.dataset.path, MATH_REQUIRED, MATH_OPTIONAL)
+    # as the workers' EpochIterator: training drops an epoch's last partial batch (see build_sft)
+    steps = max(1, epoch_steps(n_samples, cfg.dataset.train_bs_n_seqs, drop_last=True)) * cfg.exp_ctrl.total_train_epochs
+    if cfg.exp_ctrl.benchmark_steps:
+        steps = min(steps, cfg.exp_ctrl.benchmark_steps)
+    return n_samples, steps
+
+
+def _models(cfg: PPOMathConfig, replicas: Dict[str, dict], model_of: Dict[str, str], served, train_steps: int,
+            is_async: bool) -> list:
+    """The model replicas' specs: actor (its generation replica a client of the servers when served), reference,
+    critic, and the reward MFC's holder (the grader: only the tokenizer; a reward model: a critic-style model)."""
+    tok = cfg.actor.path
+    models = replica_specs("actor", replicas["actor"], cfg.actor.path, cfg.actor, optimizer=cfg.actor.optimizer,
+                           total_train_steps=train_steps)
+    if served is not None:
+        for m in models:
+            if m.name == model_of["actor_gen"]:
+                m.gen_servers = served
+    models += replica_specs("ref", replicas.get("ref", {}), cfg.ref_path(), cfg.ref, tokenizer_path=tok)
+    models += replica_specs("critic", replicas.get("critic", {}), cfg.critic_path(), cfg.critic,
+                            optimizer=cfg.critic.optimizer, total_train_steps=train_steps, is_critic=True,
+                            tokenizer_path=tok)
+    if not is_async:
+        rm = cfg.reward.model if cfg.reward.uses_model() else None
+        models += replica_specs("reward", replicas["reward"], rm.path if rm else "", rm, is_critic=rm is not None,
+                                tokenizer_path=tok)
+    return models
 
 
 def check_algorithm(cfg: PPOMathConfig, is_async: bool) -> None:
