@@ -69,7 +69,7 @@ def _commit() -> str:
     return head + ("+changes" if dirty else "")
 
 
-def main(argv=None) -> int:
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default outputs/main_job/seed<seed>)")
     ap.add_argument("--seed", type=int, default=1, help="the run's seed (sampling, shuffling); the data stay the same")
@@ -87,10 +87,29 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="extra ppo-math key=value overrides")
     a = ap.parse_args(argv)
     a.out = a.out or os.path.join(ROOT, "outputs", "main_job", f"seed{a.seed}")
+    a.steps = a.steps or (16 if a.task == "mix" else 14)
+    a.n_test = a.n_test or (96 if a.task == "mix" else 64)
+    return a
+
+
+def _overrides(a, model: str, max_new: int, strict: bool) -> list:
+    """The ppo-math options of the run (the user's extra overrides last)."""
+    return [
+        f"actor.path={model}", f"dataset.path={a.out}/train.jsonl", f"fileroot={a.out}/runs", "experiment_name=grpo-smollm2",
+        "trial_name=main", "allocation_mode=d1m1p1", "n_devices_per_node=1", f"cpus_per_worker={os.cpu_count()}",
+        "use_critic=false", "ppo.kl_ctl=0", "group_size=8", f"dataset.train_bs_n_seqs={a.prompts or (8 if strict else 4)}", "dataset.max_prompt_len=128",
+        f"prompt_template={PROMPT_TEMPLATE}", f"reward.allow_last_number={str(not strict).lower()}",
+        f"reward.unfinished_as_wrong={str(strict).lower()}", "use_chat_template=true", f"ppo.gen.max_new_tokens={max_new}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2",
+        "ppo.adv_norm=false", "ppo.group_adv_norm=true", "ppo.eps_clip=0.2", f"ppo.skip_zero_advantage={str(strict).lower()}",
+        "actor.optimizer.lr=3e-5", "actor.optimizer.gradient_clipping=1.0", "actor.optimizer.weight_decay=0.0",
+        f"exp_ctrl.benchmark_steps={a.steps}", "exp_ctrl.save_freq_steps=1000000", f"seed={a.seed}",
+    ] + list(a.overrides)
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
     t_start = time.time()
     strict = a.task == "mix"
-    a.steps = a.steps or (16 if strict else 14)
-    a.n_test = a.n_test or (96 if strict else 64)
     os.makedirs(a.out, exist_ok=True)
     from realhf.base import logging
     from realhf.experiments.math_eval import math_accuracy
@@ -109,16 +128,7 @@ def main(argv=None) -> int:
     from realhf.api.quickstart.entry import load_config
     from realhf.apps.main import run_experiment
 
-    overrides = [
-        f"actor.path={model}", f"dataset.path={a.out}/train.jsonl", f"fileroot={a.out}/runs", "experiment_name=grpo-smollm2",
-        "trial_name=main", "allocation_mode=d1m1p1", "n_devices_per_node=1", f"cpus_per_worker={os.cpu_count()}",
-        "use_critic=false", "ppo.kl_ctl=0", "group_size=8", f"dataset.train_bs_n_seqs={a.prompts or (8 if strict else 4)}", "dataset.max_prompt_len=128",
-        f"prompt_template={PROMPT_TEMPLATE}", f"reward.allow_last_number={str(not strict).lower()}",
-        f"reward.unfinished_as_wrong={str(strict).lower()}", "use_chat_template=true", f"ppo.gen.max_new_tokens={max_new}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2",
-        "ppo.adv_norm=false", "ppo.group_adv_norm=true", "ppo.eps_clip=0.2", f"ppo.skip_zero_advantage={str(strict).lower()}",
-        "actor.optimizer.lr=3e-5", "actor.optimizer.gradient_clipping=1.0", "actor.optimizer.weight_decay=0.0",
-        f"exp_ctrl.benchmark_steps={a.steps}", "exp_ctrl.save_freq_steps=1000000", f"seed={a.seed}",
-    ] + list(a.overrides)
+    overrides = _overrides(a, model, max_new, strict)
     cfg = load_config(PPOMathConfig, overrides=overrides, defaults={"experiment_name": "grpo-smollm2"})
     t0 = time.time()
     rc = run_experiment("ppo-math", cfg)
