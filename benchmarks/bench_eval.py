@@ -34,7 +34,7 @@ def _prompts(path: str, n: int):
     import transformers
 
     sys.path.insert(0, ROOT)
-    from evaluation import data_loader, prompts
+    from realhf.evaluation import data_loader, prompts
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
     probs = data_loader.load_problems("gsm8k")[:n]
@@ -46,7 +46,7 @@ def _worker(impl: str, path: str, n: int, new_tokens: int, batch_size: int, thre
 
     torch.set_num_threads(threads)
     sys.path.insert(0, ROOT)
-    from evaluation.engine import stop_token_ids
+    from realhf.evaluation.engine import stop_token_ids
 
     prompts, tok = _prompts(path, n)
     stops = stop_token_ids(path, tok)
@@ -71,7 +71,7 @@ def _worker(impl: str, path: str, n: int, new_tokens: int, batch_size: int, thre
                 n_tok += k
             return texts, n_tok
     else:
-        from evaluation import engine as E
+        from realhf.evaluation import engine as E
         from realhf.api.core.generation import SamplingParams
 
         E._worker_init(path, threads, "float32", "cpu")

@@ -48,7 +48,7 @@ def _stamps(path: str, pattern: str) -> list:
 
 
 def _command(exp: str, model: str, data: str, root: str) -> list:
-    from realhf.base.testing import sft_cmd
+    from realhf.testing import sft_cmd
 
     if exp == "sft":
         return sft_cmd(model, data, root, "b", "model.optimizer.lr=1e-3", "allocation_mode=d2m1p1",
@@ -92,7 +92,7 @@ def main():
     a = ap.parse_args()
     import realhf
     from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
-    from realhf.base.testing import write_sum_rows
+    from realhf.testing import write_sum_rows
     from realhf.impl.model.tiny import ensure_tiny_model
 
     work = tempfile.mkdtemp(prefix="bench_launch-")

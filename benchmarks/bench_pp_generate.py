@@ -84,7 +84,7 @@ def main():
     ap.add_argument("--groups", default="", help="extra pipeline_groups values to time on pp=2, e.g. 4,8")
     a = ap.parse_args()
 
-    from realhf.base.testing import run_distributed
+    from realhf.testing import run_distributed
 
     path = _model_path()
     extra = [int(x) for x in a.groups.split(",") if x]

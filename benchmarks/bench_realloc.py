@@ -88,7 +88,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
-    from realhf.base.testing import run_distributed
+    from realhf.testing import run_distributed
 
     cfg = smollm2_config()
     pairs = a.pairs.split(",")

@@ -34,7 +34,8 @@ def _serve(name, secret, q):
 
 
 def bench_round_trip(n_workers: int, n_calls: int):
-    from realhf.system.request_reply_stream import MasterClient, new_run_secret
+    from realhf.base.run_secret import new_run_secret
+    from realhf.system.request_reply_stream import MasterClient
 
     secret = new_run_secret()
     ctx = mp.get_context("spawn")
@@ -96,7 +97,7 @@ def main():
     a = ap.parse_args()
     med, p95 = bench_round_trip(a.workers, a.calls)
     _emit(bench="empty_mfc_round_trip", workers=a.workers, median_ms=round(med * 1e3, 3), p95_ms=round(p95 * 1e3, 3))
-    from realhf.base.testing import run_distributed
+    from realhf.testing import run_distributed
 
     for mb in [int(x) for x in a.mb.split(",")]:
         t = run_distributed(_transfer, 2, mb, a.reps)[0]

@@ -9,19 +9,17 @@ with ``realhf.reward``, and prints ``dataset | num_questions | greedy_length | s
 greedy_acc | sample_pass@1 | pass@8 | pass@16 | maj@n | pass@32`` ('-' where k > n_sampling).
 Outputs (per-problem jsonl per dataset and pass, ``aggregate.json``, ``table.txt``) go to
 ``--output_path``; a re-run with the same arguments reuses them (``--overwrite`` regenerates).
-See ``evaluation/runner.py`` for the details. Exit code 2 on a user error.
+The pipeline is ``realhf.evaluation`` (see ``realhf/evaluation/runner.py``); this file is its command line.
+Exit code 2 on a user error.
 """
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-# import the helpers as the ``evaluation`` package, not as top-level modules of this folder
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-if _ROOT not in sys.path:
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # the source tree this file belongs to, installed or not
     sys.path.insert(0, _ROOT)
 
-from evaluation.runner import EvalError, build_parser, evaluate_checkpoint, main, run_evaluation  # noqa: E402
+from realhf.evaluation.runner import EvalError, build_parser, evaluate_checkpoint, main, run_evaluation  # noqa: E402
 
 __all__ = ["EvalError", "build_parser", "evaluate_checkpoint", "main", "run_evaluation"]
 

@@ -32,7 +32,7 @@ def tiny_math_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_sft(tmp_path_factory):
     """(a tiny tied Qwen2 model, a folder holding train.jsonl with 16 one-digit additions) for short sft runs."""
-    from realhf.base.testing import write_sum_rows
+    from realhf.testing import write_sum_rows
     from realhf.impl.model.tiny import ensure_tiny_model
 
     d = tmp_path_factory.mktemp("sft")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.tiny import ensure_tiny_model
 from realhf.impl.model.utils import ppo_functional as F
 

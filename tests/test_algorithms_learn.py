@@ -7,7 +7,7 @@ that the variant acted (its stats); marked ``slow``, each variant's full run (40
 at least 70% held-out and 30 points above the start."""
 import pytest
 
-from realhf.base.testing import tiny_arith_recipe
+from realhf.testing import tiny_arith_recipe
 
 # the full runs (slow): one per variant; the train-inference mismatch corrections ride along (TIS with GSPO, MIS with
 # Dr. GRPO: here the generator is the trainer's own engine, so they must not get in the way)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from realhf.base.testing import read_stats, start_quickstart, wait_for_steps
+from realhf.testing import read_stats, start_quickstart, wait_for_steps
 
 STEPS = 3  # default run length of these tests
 
@@ -51,7 +51,7 @@ def test_a_killed_generation_server_and_rollout_worker_do_not_stop_the_run(tiny_
     after the second: the server's requests go to the other, the worker's running episodes are re-issued to the other
     worker, and every slot of every batch is trained once, with the prompts of the synchronous order."""
     model, d = tiny_math_run
-    from realhf.base.testing import run_processes
+    from realhf.testing import run_processes
 
     steps, exp = 4, "async-kill-server"
     proc = start_quickstart(_args(model, d, exp, 3, "gen.d2m1p1+d1m1p1", f"exp_ctrl.benchmark_steps={steps}",
@@ -150,7 +150,7 @@ def test_killed_manager_is_named_and_the_resumed_run_keeps_the_bound(tiny_math_r
     until the servers hold the resumed weights; every step is trained once and no sample is staler than the bound,
     before or after the crash."""
     model, d = tiny_math_run
-    from realhf.base.testing import run_processes, wait_until_gone
+    from realhf.testing import run_processes, wait_until_gone
 
     exp, steps = "async-recover", 6
     proc = start_quickstart(_args(model, d, exp, 2, "gen.d1m1p1+d1m1p1", "async_rl.max_head_offpolicyness=1",
@@ -175,7 +175,7 @@ def test_killed_manager_is_named_and_the_resumed_run_keeps_the_bound(tiny_math_r
     assert all(0 <= s["version_lag_max"] <= 1 for s in stats), [s["version_lag_max"] for s in stats]
     assert any(s["version_lag_max"] == 1 for s in stats), "no sample was ever off-policy: the bound was never tested"
     assert all("behave_imp_weight" in s for s in stats)  # the decoupled loss ran (proximal log-probs recomputed)
-    # the single-process trainer published its weights behind training (realhf.gen_server.served), and the bound
+    # the single-process trainer published its weights behind training (realhf.system.served), and the bound
     # held all the same (below)
     with open(os.path.join(str(d), exp, "trial0", "logs", "model_worker_0.log")) as f:
         assert "behind training" in f.read()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from realhf.base.process import env_with_source_path, source_root
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.tiny import ensure_tiny_model
 
 # Saves the tiny model (weights perturbed with ``seed`` unless it is negative) to ``dst``. With ``crash_in``

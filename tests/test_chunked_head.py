@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from realhf.base.mem_peak import peak_bytes
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.nn.chunked_head import HeadOutput, chunk_rows, head_logprobs
 from realhf.impl.model.parallelism.tensor_parallel import ColumnParallelLinear
 

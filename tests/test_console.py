@@ -16,7 +16,7 @@ from PIL import Image
 
 from realhf.base.process import env_with_source_path, source_root
 from realhf.base.progress import read_progress
-from realhf.base.testing import read_stats, run_quickstart, sft_cmd, start_quickstart, wait_for_steps
+from realhf.testing import read_stats, run_quickstart, sft_cmd, start_quickstart, wait_for_steps
 
 
 def _run_in_pty(args, sized=True):

@@ -21,7 +21,7 @@ import types
 import pytest
 
 from realhf.api.core.workflow_api import RolloutWorkflow
-from realhf.base.testing import start_quickstart, wait_until_gone
+from realhf.testing import start_quickstart, wait_until_gone
 
 HANGING_REWARD = '''
 import time
@@ -70,7 +70,7 @@ def test_a_prompt_that_keeps_timing_out_stops_the_rollout_manager(tiny_math_run,
     from realhf.base import name_resolve
     from realhf.base.name_resolve import names
     from realhf.system import rollout_manager
-    from realhf.system.request_reply_stream import new_run_secret
+    from realhf.base.run_secret import new_run_secret
     from realhf.system.rollout_worker import RolloutWorker
 
     model, d = tiny_math_run

@@ -10,10 +10,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from evaluation import data_loader, prompts  # noqa: E402
-from evaluation.engine import Completion  # noqa: E402
-from evaluation.metrics import majority_vote, pass_at_k  # noqa: E402
-from evaluation.runner import evaluate_checkpoint, main, problem_seed, run_evaluation, parse_args  # noqa: E402
+from realhf.evaluation import data_loader, prompts  # noqa: E402
+from realhf.evaluation.engine import Completion  # noqa: E402
+from realhf.evaluation.metrics import majority_vote, pass_at_k  # noqa: E402
+from realhf.evaluation.runner import evaluate_checkpoint, main, problem_seed, run_evaluation, parse_args  # noqa: E402
 from realhf.impl.model.tiny import ensure_tiny_model  # noqa: E402
 
 
@@ -125,7 +125,7 @@ def test_prompt_types(tiny):
 
 
 def test_grader_allow_last_number():
-    from evaluation.runner import Grader
+    from realhf.evaluation.runner import Grader
 
     texts = ["so we get 42 apples", "\\boxed{41} but maybe 42", "no number here"]
     sols = [["42"], ["42"], ["42"]]
@@ -247,7 +247,7 @@ def test_end_to_end_tiny_model_and_reuse(tiny, tmp_path, capsys):
     assert _mtimes(out) == before
 
     # --overwrite regenerates (2 data-parallel workers, batches of 1): the same seeded samples
-    from evaluation.engine import RealhfEngine
+    from realhf.evaluation.engine import RealhfEngine
 
     eng = RealhfEngine(tiny, n_workers=2, threads_per_worker=1, batch_size=1)
     try:
@@ -312,7 +312,7 @@ def test_max_gen_tokens_clamped_to_model_positions(tiny, tmp_path):
 def test_max_gen_tokens_clamped_per_prompt(tiny, tmp_path):
     """Only prompts that would run past the model's positions get fewer new tokens; a prompt that fills the
     context alone is not generated and scores 0; the budget of a prompt does not depend on the others."""
-    from evaluation.runner import token_budgets
+    from realhf.evaluation.runner import token_budgets
 
     assert token_budgets([10, 400, 497, 500, 511, 512, 900], 16, 512) == [16, 16, 15, 12, 1, 0, 0]
     assert token_budgets([100, 835, 4095], 32768, 4096) == [3840, 3072, 1]
@@ -374,8 +374,8 @@ def test_vllm_missing_is_a_clear_error(tiny, tmp_path, capsys):
 def test_realhf_math_rows_and_chat_prompt(tmp_path):
     """A dataset of realhf math rows {query_id, prompt, solutions} (e.g. the main job's held-out file) loads,
     and prompt_type 'chat' puts the bare question in the chat template, as the main job trains."""
-    from evaluation.data_loader import load_problems
-    from evaluation.prompts import build_prompt
+    from realhf.evaluation.data_loader import load_problems
+    from realhf.evaluation.prompts import build_prompt
     from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
     from realhf.impl.model.tiny import tiny_tokenizer
 

@@ -9,7 +9,7 @@ import pytest
 
 from realhf.api.quickstart.eval_config import EvaluatorConfig
 from realhf.base.stats import StatsLogger
-from realhf.base.testing import run_quickstart
+from realhf.testing import run_quickstart
 from realhf.impl.model.tiny import ensure_tiny_model
 from realhf.system.evaluator import AutoEvaluator, flatten_metrics, policy_model
 

@@ -116,7 +116,7 @@ def _sender(spec_kw, folder, q):
 
 
 def test_update_weights_from_group(path, perturbed):
-    from realhf.base.testing import free_port
+    from realhf.testing import free_port
     from realhf.gen_server.weight_group import metas_of
 
     seqs = _prompts(lens=[9, 5, 12], seed=9)

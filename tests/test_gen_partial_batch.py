@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from realhf.base.testing import run_quickstart
+from realhf.testing import run_quickstart
 from realhf.impl.model.tiny import ensure_tiny_model
 
 

@@ -18,10 +18,10 @@ import time
 import pytest
 import torch
 
-from realhf.base.testing import perturbed_model, sequence_logprobs
+from realhf.testing import perturbed_model, sequence_logprobs
 from realhf.gen_server.api import GenerateRequest, SamplingParams, sample_seed
 from realhf.gen_server.client import GenClient, GenServerError
-from realhf.system.request_reply_stream import new_run_secret
+from realhf.base.run_secret import new_run_secret
 
 SECRET = new_run_secret()
 
@@ -188,7 +188,7 @@ def test_weight_update_over_a_weight_group_matches_the_trainer(server, tiny, tmp
     import dataclasses
     import threading
 
-    from realhf.base.testing import free_port
+    from realhf.testing import free_port
     from realhf.gen_server.api import WeightGroupSpec
     from realhf.gen_server.weight_group import WeightGroup, metas_of, send
     from realhf.impl.model.conversion.hf_io import stage_hf_state
@@ -276,7 +276,7 @@ def test_served_generation_keeps_every_tokens_weight_version(server, tiny, tmp_p
     from realhf.api.core.dfg import MicroBatchSpec
     from realhf.api.core.model_api import GenerationHyperparameters, Model
     from realhf.gen_server.client import SyncGenClient
-    from realhf.gen_server.served import ServedEngine
+    from realhf.system.served import ServedEngine
     from realhf.impl.model.backend.engine import InferenceEngine
     from realhf.impl.model.interface.gen_interface import GenerationInterface
 

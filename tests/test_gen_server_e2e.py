@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from realhf.base.testing import (read_stats, run_processes, run_quickstart, start_quickstart, wait_for_steps,
+from realhf.testing import (read_stats, run_processes, run_quickstart, start_quickstart, wait_for_steps,
                                  wait_until_gone)
 
 STEPS = 3

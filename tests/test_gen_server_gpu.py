@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from realhf.base.testing import perturbed_model, read_stats, run_quickstart, sequence_logprobs
+from realhf.testing import perturbed_model, read_stats, run_quickstart, sequence_logprobs
 from realhf.gen_server.api import GenerateRequest, SamplingParams, WeightGroupSpec
 from realhf.impl.model.tiny import ensure_tiny_model
 

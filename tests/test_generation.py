@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from realhf.api.core.model_api import GenerationHyperparameters
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.tiny import ensure_tiny_model
 
 PROMPT_LENS = [5, 11, 3, 8, 6]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from realhf.base.runtime_env import detect, flash_attn_importable, select
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.gpu

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from realhf.base.testing import tiny_arith_recipe
+from realhf.testing import tiny_arith_recipe
 
 
 

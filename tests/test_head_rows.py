@@ -6,7 +6,7 @@ tensor and pipeline parallelism too."""
 import pytest
 import torch
 
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.tiny import ensure_tiny_model
 
 PROMPTS = [5, 7, 4]  # prompt lengths; 3 prompts x 2 answers

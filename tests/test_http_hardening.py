@@ -26,7 +26,7 @@ import urllib.request
 import pytest
 
 from realhf.gen_server.auth import sign
-from realhf.system.request_reply_stream import new_run_secret
+from realhf.base.run_secret import new_run_secret
 
 SECRET = new_run_secret()
 HEADER_TIMEOUT, BODY_TIMEOUT, MAX_CONNECTIONS = 1.5, 1.5, 512
@@ -37,7 +37,7 @@ APP = textwrap.dedent(f"""
     from aiohttp import web
     from realhf.base import logging
     from realhf.gen_server.auth import RequestVerifier, serve_app, signed_route
-    from realhf.system.wire import RejectionLog
+    from realhf.base.wire import RejectionLog
 
     async def echo(d):
         return {{"keys": sorted(d)}}
@@ -282,7 +282,7 @@ def _sign_with_time(path: str, body: bytes, ts: str) -> dict:
 
 
 def test_non_finite_times_and_too_deep_json_are_refused(gen_server):
-    from realhf.system.wire import Payload, RejectedMessage, ReplayGuard
+    from realhf.base.wire import Payload, RejectedMessage, ReplayGuard
 
     _, addr = gen_server
     for ts in ("nan", "NaN", "inf", "-inf"):

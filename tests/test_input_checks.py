@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from realhf.base.testing import run_quickstart
+from realhf.testing import run_quickstart
 from realhf.impl.model.tiny import ensure_tiny_model
 
 

@@ -10,7 +10,7 @@ import signal
 import psutil
 import pytest
 
-from realhf.base.testing import run_processes, sft_cmd, start_quickstart, wait_for_steps, wait_until_gone
+from realhf.testing import run_processes, sft_cmd, start_quickstart, wait_for_steps, wait_until_gone
 
 
 def long_run(setup, root, *extra):

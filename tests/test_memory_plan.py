@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from realhf.api.core.model_api import ReaLModelConfig
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.plan import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -392,7 +392,7 @@ SMOLLM2_LAYOUTS = ("d1m1p1", "d2m1p1", "d1m2p1", "d1m1p2")
 def smollm2_step(path, data, root, layout):
     """One GRPO step of the real SmolLM2 under ``layout`` through the launcher, every call's live bytes counted
     (REALHF_MEM_TRACE=1): its stats."""
-    from realhf.base.testing import read_stats, run_quickstart
+    from realhf.testing import read_stats, run_quickstart
 
     n = 1
     for c in layout[1:].replace("m", " ").replace("p", " ").split():

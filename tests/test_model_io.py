@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.tiny import ensure_tiny_model
 
 LENS = [6, 9, 4]
@@ -100,7 +100,7 @@ def _build_worker(path, dims):
 
 
 def test_layout_that_does_not_divide_says_which():
-    from realhf.base.testing import DistributedError
+    from realhf.testing import DistributedError
 
     path = ensure_tiny_model("qwen2")  # 4 heads, 2 kv heads, 4 layers, vocab 1008
     with pytest.raises(DistributedError, match=r"2 key/value heads cannot be split over tensor parallel size 4"):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from realhf.api.core.data_api import SequenceSample
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.tiny import FAMILIES, ensure_tiny_model
 
 LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 1), (1, 2, 2), (2, 2, 1)]

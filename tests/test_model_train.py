@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from realhf.api.core.data_api import SequenceSample
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.tiny import ensure_tiny_model
 
 LENS = [7, 3, 12, 5, 9, 4, 6, 10]

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from realhf.base.testing import run_distributed, run_quickstart
+from realhf.testing import run_distributed, run_quickstart
 from realhf.impl.model.tiny import ensure_tiny_model
 
 LENS = [7, 3, 12, 5, 9, 4]

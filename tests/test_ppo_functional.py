@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.utils import ppo_functional as F
 
 

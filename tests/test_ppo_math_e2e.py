@@ -1,5 +1,5 @@
 """ppo-math end to end on a tiny model: PPO (critic + KL to a reference) and GRPO through the launcher."""
-from realhf.base.testing import read_stats, run_quickstart
+from realhf.testing import read_stats, run_quickstart
 
 STAT_KEYS = ("task_reward", "importance_weight", "actor_clip_ratio", "actor_loss", "ppo_approx_kl", "kl_reward",
              "final_reward", "advantage", "avg_seq_len", "avg_prompt_len", "n_tokens", "n_valid_tokens", "n_seqs",

@@ -8,7 +8,7 @@ the current version exactly as plain PPO against the behaviour log-probs does.""
 import pytest
 import torch
 
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.tiny import ensure_tiny_model
 from realhf.impl.model.utils import ppo_functional as F
 

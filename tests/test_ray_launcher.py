@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from realhf.base.testing import read_stats, run_quickstart  # noqa: E402
+from realhf.testing import read_stats, run_quickstart  # noqa: E402
 from realhf.impl.model.tiny import ensure_tiny_model  # noqa: E402
 
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from realhf.base.testing import (read_stats, run_quickstart, start_quickstart, wait_for_steps,  # noqa: E402
+from realhf.testing import (read_stats, run_quickstart, start_quickstart, wait_for_steps,  # noqa: E402
                                  wait_until_gone)
 from realhf.impl.model.tiny import ensure_tiny_model  # noqa: E402
 from realhf.scheduler.local import JobFailure  # noqa: E402

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.base.topology import ParallelDims, ProcessTopology
 from realhf.impl.model.tiny import ensure_tiny_model
 

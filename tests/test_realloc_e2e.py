@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from realhf.base.testing import read_stats, run_quickstart
+from realhf.testing import read_stats, run_quickstart
 
 STEPS = 3
 EXACT = ("n_tokens", "n_valid_tokens", "n_seqs", "avg_seq_len", "no_eos_ratio", "task_reward")

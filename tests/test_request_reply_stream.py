@@ -12,16 +12,14 @@ import zmq
 
 from realhf.base.name_resolve import FileNameResolve, names
 from realhf.system.heartbeat import HeartbeatMonitor, HeartbeatSender, _encode_beat
+from realhf.base.run_secret import new_run_secret, run_secret_from_env
+from realhf.base.wire import MAGIC, encode_payload
 from realhf.system.request_reply_stream import (
-    MAGIC,
     MasterClient,
     Payload,
     WorkerError,
     WorkerLostError,
     WorkerServer,
-    encode_payload,
-    new_run_secret,
-    run_secret_from_env,
 )
 
 EXP, TRIAL = "test-rrs", "t0"
@@ -304,7 +302,7 @@ def _dealer(cluster, worker, identity):
 
 def test_replayed_and_stale_requests_are_rejected(cluster):
     """A captured, correctly signed request sent again is not executed, nor is one sent long ago."""
-    from realhf.system.wire import REPLAY_WINDOW_SECS, decode_payload
+    from realhf.base.wire import REPLAY_WINDOW_SECS, decode_payload
 
     sock = _dealer(cluster, "w1", b"replayer")
     n0 = cluster.client.call("status", {"w1": {}}, timeout=30)["w1"].data["n_rejected"]
@@ -315,7 +313,7 @@ def test_replayed_and_stale_requests_are_rejected(cluster):
         old = encode_payload(cluster.secret, Payload("w1", "record", {"tag": "old"}))
         old_header = json.loads(bytes(old[2]))
         old_header["ts"] = header["ts"]
-        from realhf.system.wire import sign_frames
+        from realhf.base.wire import sign_frames
 
         stale = sign_frames(cluster.secret, [json.dumps(old_header).encode()])
         for frames in (captured, captured, stale, captured):
@@ -342,7 +340,7 @@ def test_replayed_and_stale_requests_are_rejected(cluster):
 
 def test_an_oversized_frame_is_dropped_before_it_is_buffered(cluster):
     """An unauthenticated 256 MiB frame does not grow the worker by its size; the worker keeps serving."""
-    from realhf.system.wire import MAX_FRAME_BYTES
+    from realhf.base.wire import MAX_FRAME_BYTES
 
     pid = cluster.client.call("status", {"w0": {}}, timeout=30)["w0"].data["pid"]
 

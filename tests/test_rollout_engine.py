@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from realhf.base.testing import perturbed_model, sequence_logprobs
+from realhf.testing import perturbed_model, sequence_logprobs
 from realhf.gen_server.api import SamplingParams
 from realhf.gen_server.client import GenClient
 from realhf.gen_server.fleet import LocalFleet

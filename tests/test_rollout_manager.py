@@ -18,7 +18,7 @@ import pytest
 
 from realhf.gen_server.api import GenerateRequest, SamplingParams
 from realhf.gen_server.auth import sign
-from realhf.system.request_reply_stream import new_run_secret
+from realhf.base.run_secret import new_run_secret
 from realhf.system.rollout_manager import RolloutManager
 
 from ticket_book_util import book_of, read_log
@@ -68,7 +68,7 @@ def fleet(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def perturbed(tiny, tmp_path_factory):
-    from realhf.base.testing import perturbed_model
+    from realhf.testing import perturbed_model
 
     return perturbed_model(tiny, str(tmp_path_factory.mktemp("ckpt")), seed=3)[1]
 

@@ -12,7 +12,7 @@ import signal
 import torch
 
 from realhf.base.recover import INFO, RecoverStore
-from realhf.base.testing import read_stats, run_quickstart, run_worker, sft_cmd, start_quickstart, wait_for_steps
+from realhf.testing import read_stats, run_quickstart, run_worker, sft_cmd, start_quickstart, wait_for_steps
 
 def sft(setup, root, exp, *extra, trial="trial0"):
     return sft_cmd(*setup, root, exp, "model.optimizer.lr=1e-3", f"trial_name={trial}", "allocation_mode=d2m1p1",

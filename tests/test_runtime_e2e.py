@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from realhf.base.testing import run_quickstart, run_worker, start_quickstart, wait_for_steps, wait_until_gone
+from realhf.testing import run_quickstart, run_worker, start_quickstart, wait_for_steps, wait_until_gone
 from realhf.impl.model.tiny import ensure_tiny_model
 
 

@@ -31,7 +31,7 @@ from realhf.base.runtime_env import (
     local_rank,
     select,
 )
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REALHF = os.path.join(REPO, "realhf") + os.sep
@@ -108,7 +108,7 @@ def test_cpu_memory_stats_see_an_allocation():
 
 def test_the_threaded_modules_name_no_device_or_backend():
     """No string literal 'cpu', 'gloo', 'nccl' or 'cuda...' in the modules that take them from the environment."""
-    files = ["realhf/base/topology.py", "realhf/base/testing.py", "realhf/system/model_worker.py",
+    files = ["realhf/base/topology.py", "realhf/testing.py", "realhf/system/model_worker.py",
              "realhf/system/data_manager.py", "realhf/apps/remote.py", "realhf/impl/model/conversion/hf_io.py"]
     for sub in ("backend", "nn", "parallelism"):
         d = os.path.join(REPO, "realhf/impl/model", sub)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from realhf.base.testing import read_stats, run_quickstart
+from realhf.testing import read_stats, run_quickstart
 from realhf.impl.model.tiny import ensure_tiny_model
 
 MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=256,
@@ -373,7 +373,7 @@ def test_ppo_math_learns_tiny_arithmetic_from_a_trained_reward_model(tmp_path_fa
     """The tiny arithmetic recipe (tests/test_grpo_learns.py) with the grader replaced by a reward model: rw trains it
     from the SFT checkpoint on right-vs-wrong answers to the RL prompts, then GRPO with reward.type=model raises the
     held-out greedy accuracy (graded by the rule-based grader, which the run never sees)."""
-    from realhf.base.testing import tiny_arith_recipe
+    from realhf.testing import tiny_arith_recipe
     from realhf.impl.dataset.preference import preference_rows_from_math
 
     recipe = tiny_arith_recipe()

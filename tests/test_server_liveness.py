@@ -40,7 +40,7 @@ def _health_server(stalled_s: float):
     import sys
     import urllib.request
 
-    from realhf.base.testing import free_port
+    from realhf.testing import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", _HEALTH_SERVER, str(port), str(stalled_s)])
@@ -152,7 +152,7 @@ def test_a_failed_publish_behind_training_is_reported_at_once(tmp_path):
 
     from realhf.api.core.system_api import GenServersSpec
     from realhf.base.topology import single_process_grid
-    from realhf.gen_server.served import WeightPublisher
+    from realhf.system.served import WeightPublisher
     from realhf.impl.model.conversion.hf_io import build_from_hf
     from realhf.impl.model.tiny import ensure_tiny_model
 
@@ -214,7 +214,7 @@ def test_a_server_stopped_at_start_stops_an_async_run_named(tiny_math_run):
     """SIGSTOP of the only server as soon as it serves: the launcher, which watches it from the moment it has started
     the run's processes, stops the run within gen_server.health_timeout_secs (5 s), naming the server, its address
     and log (today: the run waits for the server's answers for gen_server.request_timeout_secs, an hour)."""
-    from realhf.base.testing import run_processes, start_quickstart, wait_until_gone
+    from realhf.testing import run_processes, start_quickstart, wait_until_gone
 
     model, d = tiny_math_run
     exp = "stopped-server"
@@ -245,7 +245,7 @@ def test_a_stopped_server_stops_the_run_named_and_a_nan_checkpoint_fails_the_res
     from safetensors.torch import load_file, save_file
 
     from realhf.base.recover import RecoverStore
-    from realhf.base.testing import run_processes, start_quickstart, wait_for_steps, wait_until_gone
+    from realhf.testing import run_processes, start_quickstart, wait_for_steps, wait_until_gone
 
     model, d = tiny_math_run
     exp = "liveness"

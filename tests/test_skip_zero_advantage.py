@@ -5,7 +5,7 @@ no update; data-parallel ranks that keep different numbers (or none) still run t
 import pytest
 import torch
 
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 from realhf.impl.model.tiny import ensure_tiny_model
 
 from ppo_samples import grpo_sample

@@ -84,7 +84,7 @@ def test_gpu_config_dry_run_sizes_the_slurm_jobs(path, tmp_path):
 
 def test_dry_run_from_the_command_line(tmp_path):
     """``quickstart ... --dry-run``: the plan on stdout, exit 0, nothing started; the local launcher prints commands."""
-    from realhf.base.testing import run_quickstart, write_sum_rows
+    from realhf.testing import run_quickstart, write_sum_rows
 
     write_sum_rows(str(tmp_path / "train.jsonl"))
     model = ensure_tiny_model("qwen2", tie_word_embeddings=True)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from realhf.base.testing import (read_stats, run_processes, run_quickstart, run_worker, sft_cmd, start_quickstart,
+from realhf.testing import (read_stats, run_processes, run_quickstart, run_worker, sft_cmd, start_quickstart,
                                  wait_for_steps, wait_until_gone)
 
 SLURM_CPU = ["mode=slurm", "slurm.gpus_per_slot=0"]

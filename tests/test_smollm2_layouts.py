@@ -4,7 +4,7 @@ import importlib.util
 import pytest
 import torch
 
-from realhf.base.testing import run_distributed
+from realhf.testing import run_distributed
 
 pytestmark = [
     pytest.mark.slow,

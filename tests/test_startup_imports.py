@@ -106,7 +106,7 @@ print(json.dumps(dict(code=code, torch="torch" in sys.modules, transformers="tra
 def test_launcher_checks_a_run_without_importing_torch(tiny_sft, tiny_math_run, tmp_path):
     import shutil
 
-    from realhf.base.testing import sft_cmd
+    from realhf.testing import sft_cmd
 
     model, d = tiny_sft
     cache = tmp_path / "cache"  # a cache of its own: no tokenizer check kept from elsewhere
@@ -172,7 +172,7 @@ def _rank_view(name):
 def test_run_distributed_ranks_see_the_callers_environment_and_folder(monkeypatch, tmp_path):
     """The ranks of ``run_distributed`` start from a forkserver (torch imported once), yet each sees the caller's
     environment variables and working folder as they are at the call, as spawned processes would."""
-    from realhf.base.testing import run_distributed
+    from realhf.testing import run_distributed
 
     for value in ("first", "second"):  # the forkserver outlives the first call: the second value must still reach
         monkeypatch.setenv("REALHF_TEST_PROBE", value)

@@ -9,7 +9,7 @@ import pytest
 from realhf.api.core.workflow_api import AnswerSample, Trajectory
 from realhf.base import name_resolve
 from realhf.impl.dataset.jsonl import EpochIterator
-from realhf.system.request_reply_stream import new_run_secret
+from realhf.base.run_secret import new_run_secret
 from realhf.system.trajectory_stream import (TrajectoryPusher, TrajectoryStreamSource, head_slots, sample_id)
 
 

@@ -26,7 +26,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from realhf.base.testing import perturbed_model, sequence_logprobs  # noqa: E402
+from realhf.testing import perturbed_model, sequence_logprobs  # noqa: E402
 from realhf.gen_server.api import EngineConfig, GenerateRequest, SamplingParams, WeightGroupSpec  # noqa: E402
 
 TINY_KW = dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=1)  # head_dim 32
@@ -418,7 +418,7 @@ def _group_sender(spec, rounds, q):
 def _updates_over_group(engine, loop, tiny, tmp_path, seeds, check, n_server_ranks=1):
     """A sender process (trainer rank 0) and the engine's workers (ranks 1..) in one gloo group; one update per
     seed (a perturbed model), each followed by ``check(model, version)``."""
-    from realhf.base.testing import free_port
+    from realhf.testing import free_port
     from realhf.gen_server.weight_group import metas_of
     from realhf.impl.model.conversion.hf_io import stage_hf_state
 

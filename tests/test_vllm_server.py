@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from realhf.base.testing import tiny_arith_recipe
+from realhf.testing import tiny_arith_recipe
 
 pytest.importorskip("vllm")
 
@@ -52,7 +52,7 @@ def test_grpo_learns_through_a_vllm_server(recipe, start):
 
 @pytest.mark.slow
 def test_smollm2_ppo_math_with_a_vllm_server(tmp_path):
-    from realhf.base.testing import read_stats, run_quickstart
+    from realhf.testing import read_stats, run_quickstart
     from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
     from realhf.impl.model.smollm2 import ensure_smollm2
 

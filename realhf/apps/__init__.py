@@ -1,0 +1,1 @@
+"""Command lines: the quickstart CLI, launch and recovery (``main``), the worker entry (``remote``), cluster tools."""

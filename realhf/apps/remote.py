@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     from realhf.base import name_resolve
     from realhf.experiments import build_spec
     from realhf.experiments.common import tokenizers_checked_by_the_launcher
-    from realhf.system.request_reply_stream import run_secret_from_env
+    from realhf.base.run_secret import run_secret_from_env
 
     config = load_config(a.exp, a.config)
     tokenizers_checked_by_the_launcher()

@@ -1,5 +1,5 @@
 """The run secret: 32 random bytes made by the launcher, passed to every process of the run as hex in
-``$REALHF_RUN_SECRET``, and the key of every message's HMAC (``realhf.system.wire``). Kept apart from the wire format
+``$REALHF_RUN_SECRET``, and the key of every message's HMAC (``realhf.base.wire``). Kept apart from the wire format
 so that the launcher makes it without importing torch."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def run_secret_from_env(env: Optional[Dict[str, str]] = None) -> bytes:
     if not value:
         raise RuntimeError(
             f"${RUN_SECRET_ENV} is not set: the launcher must pass the run secret (hex) to every worker; "
-            f"generate one with realhf.system.request_reply_stream.new_run_secret().hex()"
+            f"generate one with realhf.base.run_secret.new_run_secret().hex()"
         )
     try:
         secret = bytes.fromhex(value.strip())

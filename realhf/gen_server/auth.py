@@ -32,7 +32,7 @@ from typing import Awaitable, Callable, Dict
 
 from realhf.base import logging
 from realhf.gen_server.http_guard import REQUEST_LIMITS, ConnectionGuard, HttpLimits, connection_cap
-from realhf.system.wire import REPLAY_WINDOW_SECS, RejectedMessage, ReplayGuard
+from realhf.base.wire import REPLAY_WINDOW_SECS, RejectedMessage, ReplayGuard
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@
 * broadcasts weight updates, pause/continue and abort to every server.
 
 Backends that are servers of their own (SGLang) are spoken to through a *dialect*
-(``realhf.gen_server.sglang.SGLangDialect``) with the same methods.
+(``realhf.gen_server.dialect``) with the same methods.
 
 Synchronous callers (model workers) use :class:`SyncGenClient`, which runs one ``GenClient`` on an event
 loop in a background thread.
@@ -21,7 +21,6 @@ loop in a background thread.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import json
 import threading
@@ -31,73 +30,12 @@ from typing import Any, List, Optional, Sequence
 from realhf.base import logging
 from realhf.gen_server.api import GenerateRequest, GenerateResult, TensorMeta, WeightGroupSpec
 from realhf.gen_server.auth import sign
+# the client's error and its view of a server live with the dialects; importers take them from here too
+from realhf.gen_server.dialect import GenServerError, RealhfDialect, ServerState, SGLangDialect, api_key_of
 
 logger = logging.getLogger("realhf.gen_server.client")
 
 ROUTINGS = ("round_robin", "least_requests", "least_tokens")
-
-
-class GenServerError(RuntimeError):
-    """A generation server failed, answered with an error, or cannot be reached."""
-
-    def __init__(self, server: str, msg: str, status: Optional[int] = None):
-        self.server, self.status = server, status
-        super().__init__(f"generation server {server}: {msg}")
-
-
-@dataclasses.dataclass
-class ServerState:
-    index: int
-    address: str  # host:port
-    in_flight: int = 0
-    tokens_in_flight: int = 0
-    failures: int = 0
-    down_until: float = 0.0  # monotonic time before which routing avoids it (after a connection failure)
-    version: int = 0  # the last version this client set on it
-
-    @property
-    def label(self) -> str:
-        return f"{self.index} ({self.address})"
-
-
-class RealhfDialect:
-    """realhf's own server protocol (``gen`` and ``vllm`` backends): see ``realhf.gen_server.server``."""
-
-    def __init__(self, client: "GenClient"):
-        self.c = client
-
-    async def generate(self, s: ServerState, req: GenerateRequest) -> GenerateResult:
-        return GenerateResult.from_dict(await self.c.post(s, "/generate", req.to_dict(), self.c.request_timeout))
-
-    async def logprobs(self, s: ServerState, seqs: List[List[int]]) -> List[List[float]]:
-        return (await self.c.post(s, "/logprobs", {"sequences": seqs}, self.c.request_timeout))["logprobs"]
-
-    async def update_weights_from_disk(self, s: ServerState, path: str, version: int) -> dict:
-        return await self.c.post(s, "/update_weights_from_disk", {"path": path, "version": version},
-                                 self.c.weight_timeout)
-
-    async def init_weight_group(self, s: ServerState, spec: WeightGroupSpec) -> dict:
-        return await self.c.post(s, "/init_weight_group", dataclasses.asdict(spec), self.c.weight_timeout)
-
-    async def update_weights_from_group(self, s: ServerState, metas: List[TensorMeta], version: int) -> dict:
-        return await self.c.post(s, "/update_weights_from_distributed",
-                                 {"tensors": [dataclasses.asdict(m) for m in metas], "version": version},
-                                 self.c.weight_timeout)
-
-    async def pause(self, s: ServerState) -> dict:
-        return await self.c.post(s, "/pause", {}, self.c.control_timeout)
-
-    async def resume(self, s: ServerState) -> dict:
-        return await self.c.post(s, "/continue", {}, self.c.control_timeout)
-
-    async def abort(self, s: ServerState, rids: Optional[List[str]]) -> int:
-        return (await self.c.post(s, "/abort", {"rids": rids}, self.c.control_timeout))["aborted"]
-
-    async def health(self, s: ServerState) -> dict:
-        return await self.c.get(s, "/health", self.c.control_timeout)
-
-    async def metrics(self, s: ServerState) -> dict:
-        return await self.c.get(s, "/metrics", self.c.control_timeout)
 
 
 class GenClient:
@@ -116,8 +54,6 @@ class GenClient:
         if dialect == "realhf":
             self.dialect = RealhfDialect(self)
         elif dialect == "sglang":
-            from realhf.gen_server.sglang import SGLangDialect
-
             self.dialect = SGLangDialect(self, api_key=api_key)
         else:
             raise ValueError(f"unknown server dialect {dialect!r}; allowed: realhf, sglang")
@@ -285,8 +221,6 @@ def dialect_options(backend: str, secret: bytes) -> dict:
     API key derived from the run secret)."""
     if backend != "sglang":
         return {"dialect": "realhf"}
-    from realhf.gen_server.sglang import api_key_of
-
     return {"dialect": "sglang", "api_key": api_key_of(secret)}
 
 

@@ -20,7 +20,7 @@ class LocalFleet:
                  device: str = "auto", max_model_len: int = 2048, max_num_seqs: int = 64, threads: int = 0,
                  extra: Optional[dict] = None, startup_timeout: float = 600.0, log_dir: Optional[str] = None,
                  gpus_per_server: Optional[List[List[int]]] = None):
-        from realhf.system.request_reply_stream import new_run_secret
+        from realhf.base.run_secret import new_run_secret
 
         self.backend, self.n = backend, n_servers
         self.secret = new_run_secret()

@@ -12,7 +12,7 @@ import resource
 from typing import Any, Dict, Optional
 
 from realhf.base import logging
-from realhf.system.wire import RejectionLog
+from realhf.base.wire import RejectionLog
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ class ServerWatch:
         self._probe_s = max(0.5, min(10.0, self.timeout_s / 3))
         self._headers = {}
         if backend == "sglang":  # SGLang's own server wants the run's API key
-            from realhf.gen_server.sglang import api_key_of
+            from realhf.gen_server.dialect import api_key_of
 
             self._headers = {"Authorization": f"Bearer {api_key_of(secret)}"}
         now, n = time.monotonic(), len(self.addresses)

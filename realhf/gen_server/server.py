@@ -38,7 +38,7 @@ from realhf.base import failpoint, logging
 from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerationEngine, RequestError, TensorMeta,
                                    WeightGroupSpec)
 from realhf.gen_server.auth import RequestVerifier
-from realhf.system.wire import MAX_FRAME_BYTES, RejectionLog
+from realhf.base.wire import MAX_FRAME_BYTES, RejectionLog
 
 logger = logging.getLogger("realhf.gen_server")
 
@@ -202,7 +202,7 @@ def parse_args(argv=None):
 async def serve(a) -> int:
     from realhf.base import network
     from realhf.gen_server import make_engine
-    from realhf.system.request_reply_stream import run_secret_from_env
+    from realhf.base.run_secret import run_secret_from_env
 
     secret = run_secret_from_env()
     try:

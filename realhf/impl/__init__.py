@@ -1,0 +1,1 @@
+"""Implementations: models (``model``), datasets (``dataset``) and rollout workflows (``workflow``)."""

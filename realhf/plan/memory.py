@@ -33,12 +33,11 @@ import dataclasses
 from typing import Dict, Iterable, Optional
 
 from realhf.api.core.model_api import ReaLModelConfig, kv_head_partition, stage_layer_range
+# the chunk of fp32 logits the output head works in (realhf.impl.model.nn.chunked_head), re-exported
+from realhf.base.logits_chunk import CHUNK_BYTES, CHUNK_ENV, chunk_bytes, chunk_rows  # noqa: F401
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# the chunk of fp32 logits the output head works in (realhf.impl.model.nn.chunked_head; REALHF_LOGITS_CHUNK_MB)
-CHUNK_BYTES = 1 << 30
-CHUNK_ENV = "REALHF_LOGITS_CHUNK_MB"
 # sequences of unequal lengths are right-padded into buckets of at most this many times their tokens (attention)
 PAD = 1.25
 # per token and block: index tensors of the padded attention and the norms' fp32 statistics
@@ -53,29 +52,6 @@ def dtype_bytes(name: str) -> int:
 
 def gib(n: float) -> float:
     return n / GiB
-
-
-def chunk_bytes() -> int:
-    """The fp32 bytes of one chunk of logits (``REALHF_LOGITS_CHUNK_MB`` or :data:`CHUNK_BYTES`)."""
-    import os
-
-    v = os.environ.get(CHUNK_ENV)
-    if not v:
-        return CHUNK_BYTES
-    try:
-        mb = float(v)
-    except ValueError:
-        raise ValueError(f"{CHUNK_ENV}={v!r}: expected a positive number of MiB") from None
-    if not mb > 0:
-        raise ValueError(f"{CHUNK_ENV}={v!r}: expected a positive number of MiB")
-    return max(1, int(mb * (1 << 20)))
-
-
-def chunk_rows(vocab_local: int, budget_bytes: Optional[int] = None) -> int:
-    """Tokens per chunk of the output head for ``vocab_local`` outputs on a rank: as many as fit ``budget_bytes`` of
-    fp32 logits (default :func:`chunk_bytes`), at least 1."""
-    b = chunk_bytes() if budget_bytes is None else budget_bytes
-    return max(1, b // (4 * max(1, vocab_local)))
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@
 
 The master calls :meth:`AutoEvaluator.on_save` after each HF save. Each checkpoint becomes a job;
 jobs run one at a time, in order, each in its own subprocess (``python -m realhf.system.evaluator
-JOB.json``), which calls ``evaluation.runner.evaluate_checkpoint`` and writes its metrics to a result
+JOB.json``), which calls ``realhf.evaluation.runner.evaluate_checkpoint`` and writes its metrics to a result
 file. The subprocess ends itself when the master dies (``exit_when_parent_dies``) and stays in the
 master's process group, so the launcher's stop reaches it; training is never blocked by it and a
 failure there (an exception, a crash, a timeout) is reported — in the master's log with the tail of
@@ -294,10 +294,7 @@ def main(argv=None) -> int:
 
     if opts.get("threads_per_worker"):
         torch.set_num_threads(int(opts["threads_per_worker"]))
-    root = source_root()
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from evaluation.runner import EvalError, evaluate_checkpoint
+    from realhf.evaluation.runner import EvalError, evaluate_checkpoint
 
     t0 = time.perf_counter()
     try:

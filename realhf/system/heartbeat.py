@@ -29,16 +29,10 @@ import zmq
 
 from realhf.base import logging
 from realhf.base.process import MASTER_LOST_EXIT
-from realhf.system.request_reply_stream import (
-    RejectedMessage,
-    RejectionLog,
-    bind_socket,
-    _check_secret,
-    _peer_address,
-    sign_frames,
-    verify_frames,
-)
-from realhf.system.wire import MAX_HEARTBEAT_BYTES
+from realhf.base.run_secret import _check_secret
+from realhf.base.wire import (MAX_HEARTBEAT_BYTES, RejectedMessage, RejectionLog, _peer_address, sign_frames,
+                              verify_frames)
+from realhf.system.request_reply_stream import bind_socket
 
 logger = logging.getLogger(__name__)
 

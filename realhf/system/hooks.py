@@ -13,7 +13,7 @@ cases inside the call path:
 
 A replica served by generation servers (``ModelSpec.gen_servers``) is brought up to date the same way, by
 publishing its source's weights to the servers (``publish_weights``: through disk or a weight group; see
-``realhf.gen_server.served``).
+``realhf.system.served``).
 """
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ class ModelWorker:
         self.data_iter = None
         self.valid_batches = None
         self._realloc_plans = {}
-        self._publishers = {}  # served replica name -> WeightPublisher (realhf.gen_server.served)
+        self._publishers = {}  # served replica name -> WeightPublisher (realhf.system.served)
 
     # ------------------------------------------------------------------ setup
     def setup(self):
@@ -182,7 +182,7 @@ class ModelWorker:
 
         if m.gen_servers is not None:  # served by generation servers: a client and the tokenizer
             from realhf.base.hf_tokenizer import load_tokenizer
-            from realhf.gen_server.served import ServedEngine, make_client
+            from realhf.system.served import ServedEngine, make_client
 
             tok = load_tokenizer(m.tokenizer_path or m.path)
             engine = ServedEngine(lambda: make_client(self.spec, m.gen_servers, self.secret, self.nr))
@@ -428,7 +428,7 @@ class ModelWorker:
     def _h_publish_weights(self, data):
         """Bring the parameters of trained replica ``src`` to the generation servers that serve replica ``dst``
         (collective over ``src``'s workers); ``dst``'s worker only records the version it now generates with."""
-        from realhf.gen_server.served import WeightPublisher
+        from realhf.system.served import WeightPublisher
 
         src, dst, version = data["src"], data["dst"], int(data["version"])
         out = {}

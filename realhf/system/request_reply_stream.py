@@ -32,29 +32,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import zmq
 
-from realhf.base.plain_json import check_plain_json  # noqa: F401  (re-exported)
-
 from realhf.base import logging
 from realhf.base.network import gethostip
-# the wire format lives in realhf.system.wire; its public names are re-exported here
-from realhf.system.wire import (  # noqa: F401
-    MAGIC,
+from realhf.base.run_secret import _check_secret
+# the wire format (realhf.base.wire); Payload and the errors are part of this stream's interface too
+from realhf.base.wire import (  # noqa: F401
     MAX_FRAME_BYTES,
+    Payload,
+    RejectedMessage,
     RejectionLog,
     ReplayGuard,
-    MIN_SECRET_BYTES,
-    Payload,
-    RUN_SECRET_ENV,
-    RejectedMessage,
-    SIGNATURE_BYTES,
-    _check_secret,
     _peer_address,
     decode_payload,
     encode_payload,
-    new_run_secret,
-    run_secret_from_env,
-    sign_frames,
-    verify_frames,
 )
 
 logger = logging.getLogger(__name__)

@@ -103,7 +103,7 @@ class RolloutManager:
                  notices: Optional[Notices] = None):
         from realhf.gen_server.auth import RequestVerifier
         from realhf.gen_server.client import GenClient, dialect_options
-        from realhf.system.wire import RejectionLog
+        from realhf.base.wire import RejectionLog
 
         self.book = book
         self.interrupt = interrupt
@@ -136,7 +136,7 @@ class RolloutManager:
     def app(self):
         from aiohttp import web
 
-        from realhf.system.wire import MAX_FRAME_BYTES
+        from realhf.base.wire import MAX_FRAME_BYTES
 
         app = web.Application(client_max_size=MAX_FRAME_BYTES)
         app.router.add_get("/health", self._health)

@@ -127,7 +127,7 @@ class RolloutWorker:
 
     async def run(self) -> int:
         from realhf.gen_server.client import GenClient, dialect_options
-        from realhf.gen_server.served import server_addresses
+        from realhf.system.served import server_addresses
         from realhf.system.manager_client import ManagerClient
         from realhf.system.rollout_engine import RolloutEngine
 

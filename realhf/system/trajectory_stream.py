@@ -3,7 +3,7 @@
 Every data-parallel head of the trainer binds one ZMQ PULL socket and registers it under
 ``names.trajectory_head(exp, trial, dp_rank)``; a rollout worker pushes each finished episode to the head its
 ticket names (the rollout manager assigns slots to heads as a synchronous run splits a batch, see
-``realhf.system.rollout_manager``). Messages use the run's wire format (``realhf.system.wire``): HMAC-signed
+``realhf.system.rollout_manager``). Messages use the run's wire format (``realhf.base.wire``): HMAC-signed
 frames with a plain-JSON header and raw tensor frames, never pickle; a message that fails the signature, is
 stale or replayed is dropped and counted.
 
@@ -24,7 +24,7 @@ import zmq
 from realhf.api.core.data_api import SequenceSample
 from realhf.base import logging
 from realhf.base.name_resolve import names
-from realhf.system.wire import (Payload, RejectedMessage, RejectionLog, ReplayGuard, decode_payload,
+from realhf.base.wire import (Payload, RejectedMessage, RejectionLog, ReplayGuard, decode_payload,
                                 encode_payload)
 
 logger = logging.getLogger(__name__)

@@ -26,23 +26,13 @@ import torch
 
 from realhf.base import logging
 from realhf.base.plain_json import check_plain_json
+# the dtypes that may travel: one allow-list for every wire format of a run
+from realhf.base.wire import DTYPE_NAMES as _DTYPE_NAMES
+from realhf.base.wire import DTYPES as _DTYPES
 from realhf.api.core.partition import _greedy_parts, balanced_partition, merge_by_partition  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-_DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
 # Keys preferred as the "main" key (the one whose tokens measure a sample's cost), in order.
 MAIN_KEY_PREFERENCE = ("packed_input_ids", "packed_seq", "packed_prompts", "input_ids")
 WIRE_FORMAT = "realhf.SequenceSample"

@@ -2,7 +2,7 @@
 
 When ``auto_eval.enabled=true``, each HF checkpoint the master saves (``exp_ctrl.save_freq_*``) of the
 trained policy (``actor`` in ppo-math, ``default`` in sft) is evaluated by
-``evaluation.runner.evaluate_checkpoint`` in a separate process (training goes on; a crash there is
+``realhf.evaluation.runner.evaluate_checkpoint`` in a separate process (training goes on; a crash there is
 reported, never fatal), one evaluation at a time, and ``<dataset>/<metric>`` (``gsm8k/greedy_acc``,
 ``gsm8k/sample_pass@1``, ``gsm8k/pass@4``, ``gsm8k/maj@4``, ``gsm8k/greedy_length``, ...; accuracies as
 fractions) is logged for the checkpoint's global step to ``stats.jsonl`` and TensorBoard. At the end
@@ -19,7 +19,7 @@ from typing import List, Optional
 
 from realhf.api.quickstart.options import option
 
-# mirrors evaluation.prompts.PROMPT_TYPES (realhf/api does not import the evaluation package)
+# mirrors realhf.evaluation.prompts.PROMPT_TYPES (realhf/api does not import the evaluation package)
 EVAL_PROMPT_TYPES = ("qwen-boxed", "r1-distill", "plain", "chat")
 
 
@@ -108,13 +108,11 @@ class EvaluatorConfig:
             self.check_datasets()
 
     def check_datasets(self):
-        """Fail before training starts when the evaluation package or a dataset is missing (the message
-        lists the available datasets)."""
-        ev = os.path.dirname(default_eval_data_dir())
-        if not os.path.isfile(os.path.join(ev, "runner.py")):
-            raise ValueError(f"auto_eval.enabled=true needs the evaluation/ package of the realhf source tree, "
-                             f"which is not at {ev}")
+        """Fail before training starts when a dataset is missing (the message lists the available datasets)."""
         d = os.path.expanduser(self.data_dir) if self.data_dir else default_eval_data_dir()
+        if not self.data_dir and not os.path.isdir(d):
+            raise ValueError(f"auto_eval.data_dir=null reads evaluation/data of the realhf source tree, which is not "
+                             f"at {d}; set auto_eval.data_dir to a folder holding <name>/test.jsonl")
         avail = sorted(n for n in (os.listdir(d) if os.path.isdir(d) else [])
                        if os.path.isfile(os.path.join(d, n, "test.jsonl")))
         missing = [n for n in self.data_names if n not in avail]
@@ -123,7 +121,7 @@ class EvaluatorConfig:
                              f"(<name>/test.jsonl) in {d}; available: {', '.join(avail) if avail else '(none)'}")
 
     def eval_kwargs(self) -> dict:
-        """Options of ``evaluation.runner.evaluate_checkpoint`` (CLI dest names)."""
+        """Options of ``realhf.evaluation.runner.evaluate_checkpoint`` (CLI dest names)."""
         return dict(data_dir=os.path.expanduser(self.data_dir) if self.data_dir else None,
                     max_problems=self.max_problems, n_sampling=self.n_sampling, max_gen_tokens=self.max_gen_tokens,
                     prompt_type=self.prompt_type, allow_last_number=self.allow_last_number,

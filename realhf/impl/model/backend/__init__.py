@@ -1,0 +1,1 @@
+"""Inference and training engines over a ReaLModel shard, and the optimizer."""

@@ -26,6 +26,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from realhf.base.logits_chunk import chunk_rows  # noqa: F401 (re-exported)
 from realhf.impl.model.nn import cpu_gemm
 from realhf.impl.model.parallelism.tensor_parallel import (
     ColumnParallelLinear,
@@ -33,10 +34,9 @@ from realhf.impl.model.parallelism.tensor_parallel import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
-from realhf.plan.memory import chunk_rows  # noqa: F401 (re-exported: the chunk's size is the memory model's)
 
-# The fp32 logits of one chunk stay within ``plan.memory.chunk_bytes()`` (1 GiB: 1,766 tokens of Qwen2.5's vocabulary,
-# 5,461 of SmolLM2's; ``REALHF_LOGITS_CHUNK_MB`` overrides it). A chunk's pass holds at most three such fp32 buffers
+# The fp32 logits of one chunk stay within ``realhf.base.logits_chunk.chunk_bytes()`` (1 GiB: 1,766 tokens of
+# Qwen2.5's vocabulary, 5,461 of SmolLM2's; ``REALHF_LOGITS_CHUNK_MB`` overrides it). A chunk's pass holds at most three such fp32 buffers
 # at once, plus the chunk's logits in the model's dtype where that is not fp32.
 
 

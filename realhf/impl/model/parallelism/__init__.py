@@ -1,0 +1,1 @@
+"""Tensor and pipeline parallelism of ReaLModel, and parameter reallocation between layouts."""

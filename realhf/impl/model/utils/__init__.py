@@ -1,0 +1,1 @@
+"""The algorithm as plain functions: advantages (GAE), losses, KL control, masked statistics."""

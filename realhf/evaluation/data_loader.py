@@ -24,12 +24,14 @@ import random
 from typing import Any, Dict, List, Optional, Tuple
 
 from realhf.base import logging
+from realhf.base.process import source_root
 from realhf.impl.dataset.jsonl import DatasetError, TypeSpec, read_jsonl
 from realhf.reward import gsm8k_answer, last_boxed
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+# the datasets stay in the source tree (evaluation/data), beside the command line users run
+DEFAULT_DATA_DIR = os.path.join(source_root(), "evaluation", "data")
 KNOWN_DATASETS = ("math_500", "aime24", "aime25", "amc23", "gsm8k")
 
 QUESTION_FIELDS = ("problem", "question", "prompt")  # the first one present is the question

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 from realhf.api.core.generation import SamplingParams
 from realhf.base import logging
 
-from evaluation import data_loader, engine as engines, metrics as M, prompts
+from realhf.evaluation import data_loader, engine as engines, metrics as M, prompts
 
 logger = logging.getLogger(__name__)
 

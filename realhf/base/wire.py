@@ -1,5 +1,6 @@
-"""Wire format of the request/reply stream: per-run secrets, HMAC-signed multipart frames and the
-payload codec (plain-JSON header + raw tensor frames; no pickle).
+"""Wire format of the request/reply stream (``realhf.system.request_reply_stream``) and of every other signed
+ZMQ message of a run (heartbeats, trajectories): per-run secrets, HMAC-signed multipart frames and the
+payload codec (plain-JSON header + raw tensor frames; no pickle). The secret itself is ``realhf.base.run_secret``'s.
 
 Frames: ``[MAGIC, signature, header JSON, tensor bytes ...]``; the signature is HMAC-SHA256 over the
 frame count and every following frame with an 8-byte length prefix, so frames cannot be re-split,
@@ -20,7 +21,6 @@ import hashlib
 import hmac
 import json
 import math
-import os
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
@@ -28,20 +28,29 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import zmq
 
-from realhf.api.core.data_api import _DTYPE_NAMES as DTYPE_NAMES
-from realhf.api.core.data_api import _DTYPES as DTYPES
 from realhf.base import logging
 from realhf.base.plain_json import check_plain_json
-# the run secret lives in a module without torch (the launcher makes it before any worker starts); re-exported here
-from realhf.base.run_secret import (MIN_SECRET_BYTES, RUN_SECRET_ENV, _check_secret, new_run_secret,  # noqa: F401
-                                    run_secret_from_env)
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"RHF1"
 SIGNATURE_BYTES = 32
 
-# one dtype allow-list for everything that travels: the SequenceSample wire format's
+# one dtype allow-list for everything that travels (this stream and the SequenceSample wire format,
+# ``realhf.api.core.data_api``)
+DTYPES: Dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+DTYPE_NAMES: Dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _DTYPES, _DTYPE_NAMES = DTYPES, DTYPE_NAMES
 _MAX_DIMS = 64
 # the largest frame a request/reply may carry (requests and replies are metadata: tensors move over
