@@ -1,3 +1,6 @@
-"""Models of an execution plan's cost, from the model's shape and the layout alone (no weights, no torch):
-``memory`` estimates what each rank holds and what each model function call adds on top, for the launcher's
-check before start, the token budgets of ``max_tokens_per_mb=auto`` and the per-call estimates in the stats."""
+"""Models of an execution plan's cost, from the model's shape and the layout alone (no weights): ``memory``
+estimates what each rank holds and what each model function call adds on top (the launcher's check before start,
+the token budgets of ``max_tokens_per_mb=auto``, the per-call estimates in the stats); ``shapes`` (model shapes from
+config.json or a table of real models), ``hardware`` (a device's rates: a sourced table of GPUs, or this machine's
+profile), ``profile`` (measuring this machine, cached), ``cost`` and ``comm_cost`` (the time of each computation and
+transfer of a step under a layout)."""

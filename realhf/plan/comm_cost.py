@@ -1,0 +1,195 @@
+"""Time of communication in an execution plan, from a device's link rates (:class:`realhf.plan.hardware.Hardware`):
+collectives and point-to-point sends, the gradient all-reduce over data parallelism, parameter reallocation between
+two layouts, data moved between model function calls, and weight publication to generation servers. Pure
+arithmetic, no torch (except :func:`realloc_exact`, which asks the reallocation planner). Every function returns
+seconds.
+
+* all-reduce (ring): ``2 (n - 1) / n * bytes / bw + 2 (n - 1) * latency``; a send: ``latency + bytes / bw``.
+* Ranks are placed in grid order (pipe, data, tensor; tensor innermost) from a mesh's first rank, ``devices_per_node``
+  to a node: a group is inside one node when the ranks it spans are.
+* Reallocation (:func:`realloc_traffic`): the planner's rule (``realhf.impl.model.parallelism.realloc``) at the
+  grain of (block ranges, embedding, head) x tensor slices: each destination rank takes a piece from itself when it
+  holds it in the source layout, otherwise from the least-loaded data-parallel replica of the source; a tied head is
+  read from the embedding. Tensor slices are taken as even (uneven key/value head splits differ by a head's share).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+from realhf.api.core.model_api import ReaLModelConfig, stage_layer_range
+from realhf.plan.hardware import Hardware
+
+
+def allreduce(hw: Hardware, nbytes: float, n: int, intra: bool = True) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = hw.link(intra)
+    return 2.0 * (n - 1) / n * nbytes / bw + 2.0 * (n - 1) * lat
+
+
+def send(hw: Hardware, nbytes: float, intra: bool = True) -> float:
+    if nbytes <= 0:
+        return 0.0
+    bw, lat = hw.link(intra)
+    return lat + nbytes / bw
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """A layout on devices: ``dp`` x ``tp`` x ``pp`` ranks from global rank ``first`` on, in grid order."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    first: int = 0
+
+    def __post_init__(self):
+        for k in ("dp", "tp", "pp"):
+            if not isinstance(getattr(self, k), int) or getattr(self, k) < 1:
+                raise ValueError(f"Mesh.{k} must be a positive integer, got {getattr(self, k)!r}")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def rank(self, pipe: int, data: int, tensor: int) -> int:
+        return self.first + (pipe * self.dp + data) * self.tp + tensor
+
+    def intra(self, span: int, hw: Hardware) -> bool:
+        """Whether a group of ``span`` consecutive ranks from this mesh's first lies inside one node."""
+        return self.first // hw.devices_per_node == (self.first + span - 1) // hw.devices_per_node
+
+
+def grad_allreduce(hw: Hardware, params_per_rank: float, grad_bytes: int, mesh: Mesh) -> float:
+    """The data-parallel all-reduce of a rank's gradients."""
+    return allreduce(hw, params_per_rank * grad_bytes, mesh.dp, mesh.intra(mesh.dp * mesh.tp, hw))
+
+
+def _units(cfg: ReaLModelConfig, pp: int, stage: int):
+    """(unit, first layer, end layer, elements) a stage holds: its blocks, the embedding (first stage), the head
+    (last stage; a tied head inside one stage is the embedding itself)."""
+    from realhf.plan.memory import Shard, params
+
+    H, V = cfg.hidden_dim, cfg.vocab_size
+    whole = params(Shard(cfg))
+    embed = V * H + (cfg.n_positions or 0) * H
+    head = 0 if cfg.is_critic else V * H
+    n_head = H if cfg.is_critic else (0 if cfg.tied_embedding else head)
+    per_layer = (whole - embed - n_head) / cfg.n_layers
+    s, e = stage_layer_range(cfg.n_layers, pp, stage)
+    out = [("blocks", s, e, per_layer)]
+    if stage == 0:
+        out.append(("embed", 0, 1, embed))
+    if stage == pp - 1 and not (cfg.tied_embedding and not cfg.is_critic and pp == 1):
+        out.append(("head", 0, 1, head if not cfg.is_critic else H))
+    return out
+
+
+def realloc_traffic(cfg: ReaLModelConfig, src: Mesh, dst: Mesh) -> Dict[int, Tuple[float, float, int]]:
+    """Per global rank, (elements sent, elements received, remote messages) to reallocate ``cfg``'s parameters from
+    ``src`` to ``dst``; local copies are not counted."""
+    load: Dict[int, float] = {}
+    recv: Dict[int, float] = {}
+    pairs = set()
+    src_units = {p: _units(cfg, src.pp, p) for p in range(src.pp)}
+    holders: Dict[int, Tuple[int, int]] = {}  # global rank -> (stage, tensor rank) in src
+    for p in range(src.pp):
+        for d in range(src.dp):
+            for t in range(src.tp):
+                holders[src.rank(p, d, t)] = (p, t)
+    for pd in range(dst.pp):
+        for dd in range(dst.dp):
+            for td in range(dst.tp):
+                gd = dst.rank(pd, dd, td)
+                lo_d, hi_d = td / dst.tp, (td + 1) / dst.tp
+                for name, s, e, n in _units(cfg, dst.pp, pd):
+                    sname = "embed" if (name == "head" and cfg.tied_embedding and not cfg.is_critic) else name
+                    for ps in range(src.pp):
+                        # how much of this unit stage ps of the source holds
+                        have = [u for u in src_units[ps] if u[0] == sname]
+                        if not have:
+                            continue
+                        layers = max(0, min(e, have[0][2]) - max(s, have[0][1])) if name == "blocks" else 1
+                        if layers == 0:
+                            continue
+                        for ts in range(src.tp):
+                            f = max(0.0, min(hi_d, (ts + 1) / src.tp) - max(lo_d, ts / src.tp))
+                            if f <= 0:
+                                continue
+                            numel = n * layers * f
+                            cands = [src.rank(ps, r, ts) for r in range(src.dp)]
+                            if gd in cands:
+                                continue
+                            gs = min(cands, key=lambda x: load.get(x, 0.0))
+                            load[gs] = load.get(gs, 0.0) + numel
+                            recv[gd] = recv.get(gd, 0.0) + numel
+                            pairs.add((gs, gd))
+    out: Dict[int, Tuple[float, float, int]] = {}
+    for r in set(load) | set(recv):
+        out[r] = (load.get(r, 0.0), recv.get(r, 0.0), sum(1 for a, b in pairs if r in (a, b)))
+    return out
+
+
+def realloc(hw: Hardware, cfg: ReaLModelConfig, src: Mesh, dst: Mesh, dtype_bytes: int,
+            traffic: Optional[Dict[int, Tuple[float, float, int]]] = None) -> float:
+    """Parameter reallocation from ``src`` to ``dst``: the busiest rank's bytes sent or received (all messages in one
+    batch, sending and receiving at once) plus a latency per message; 0 when every piece is local."""
+    t = realloc_traffic(cfg, src, dst) if traffic is None else traffic
+    if not t:
+        return 0.0
+    lo = min(src.first, dst.first)
+    hi = max(src.first + src.world, dst.first + dst.world) - 1
+    bw, lat = hw.link(lo // hw.devices_per_node == hi // hw.devices_per_node)
+    return max(max(s, r) * dtype_bytes / bw + m * lat for s, r, m in t.values())
+
+
+def realloc_exact(cfg: ReaLModelConfig, src: Mesh, dst: Mesh) -> Dict[int, Tuple[float, float, int]]:
+    """:func:`realloc_traffic` from the reallocation planner's own messages (torch; the model built on the meta
+    device), for checking the closed form and for plans worth the cost."""
+    from realhf.base.topology import ParallelDims
+    from realhf.impl.model.parallelism.realloc import Layout, make_plan
+
+    def lay(m: Mesh):
+        return Layout.of(ParallelDims(m.dp, m.tp, m.pp), range(m.first, m.first + m.world))
+
+    plan = make_plan(cfg, lay(src), lay(dst))
+    out: Dict[int, list] = {}
+    for msg in plan.messages:
+        if msg.src == msg.dst:
+            continue
+        out.setdefault(msg.src, [0.0, 0.0, 0])
+        out.setdefault(msg.dst, [0.0, 0.0, 0])
+        out[msg.src][0] += msg.numel
+        out[msg.dst][1] += msg.numel
+        out[msg.src][2] += 1
+        out[msg.dst][2] += 1
+    return {r: tuple(v) for r, v in out.items()}
+
+
+def data_transfer(hw: Hardware, tokens: float, bytes_per_token: float, src: Mesh, dst: Mesh) -> float:
+    """Moving ``tokens`` tokens of an MFC's outputs (``bytes_per_token``: e.g. 8 for token ids, 4 per fp32 value)
+    from ``src``'s data-parallel ranks to ``dst``'s: each destination rank receives its share, the sources sending
+    theirs at once; nothing moves when the two meshes are the same ranks with the same data split."""
+    if src.first == dst.first and src.dp == dst.dp and src.tp == dst.tp and src.pp == dst.pp:
+        return 0.0
+    per_rank = tokens * bytes_per_token / min(src.dp, dst.dp)
+    lo, hi = min(src.first, dst.first), max(src.first + src.world, dst.first + dst.world) - 1
+    return send(hw, per_rank, lo // hw.devices_per_node == hi // hw.devices_per_node)
+
+
+def publish_weights(hw: Hardware, params: float, dtype_bytes: int, servers: int, method: str = "disk",
+                    disk_bw: Optional[float] = None) -> float:
+    """Publishing a model's weights to ``servers`` generation servers: ``disk`` (one checkpoint written, then read by
+    every server at once from the shared file system: the reads share ``disk_bw``) or ``broadcast`` (a tree broadcast
+    from the trainer over the network: ``log2(servers + 1)`` rounds of the whole model)."""
+    nbytes = params * dtype_bytes
+    if method == "disk":
+        bw = disk_bw if disk_bw is not None else hw.disk_bw
+        return nbytes / bw + servers * nbytes / bw
+    if method == "broadcast":
+        import math
+
+        rounds = math.ceil(math.log2(servers + 1))
+        return rounds * send(hw, nbytes, intra=False)
+    raise ValueError(f"publish_weights: method={method!r}; allowed: 'disk', 'broadcast'")

@@ -1,0 +1,187 @@
+"""The measurements behind a profile of this machine (:mod:`realhf.plan.profile`): each runs the real kernels for a
+fraction of a second and returns plain numbers. The code path is chosen at run time: CPU (realhf's CPU GEMM kernel,
+its attention, gloo between two local processes) or CUDA (cuBLAS, SDPA / flash attention, NCCL between two GPUs).
+Only the CPU path has been run on the machine this was written on; the CUDA path follows the same steps with
+``torch.cuda.synchronize`` around each timing.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from realhf.base import logging
+
+logger = logging.getLogger("realhf.plan.probes")
+
+
+def _sync(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str, reps: int = 5, budget_s: float = 0.5) -> float:
+    """Least seconds of ``fn`` after two warm-up calls (the first calls pay one-off costs), over at most ``reps``
+    calls and about ``budget_s``: other work on the machine only ever adds time, so the least is the figure that
+    repeats (on a shared machine medians drifted by 2-5x between runs)."""
+    for _ in range(2):
+        fn()
+    _sync(device)
+    ts: List[float] = []
+    start = time.perf_counter()
+    while len(ts) < reps and (len(ts) < 2 or time.perf_counter() - start < budget_s):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def _linear_fn(device: str):
+    if device == "cpu":
+        from realhf.impl.model.nn import cpu_gemm
+
+        return cpu_gemm.linear  # the kernel every linear layer of ReaLModel runs on this CPU
+    return torch.nn.functional.linear
+
+
+def matmul_rows(shapes: Sequence[Tuple[int, int]], rows: Sequence[int], dtype: torch.dtype,
+                device: str) -> List[Tuple[int, float]]:
+    """FLOP/s of a sweep over the products ``[r, k] x [k, n]`` of ``shapes`` (a block's layers), for each ``r`` of
+    ``rows``: small-row products are bound by reading the weights, large ones by the arithmetic."""
+    lin = _linear_fn(device)
+    ws = [torch.randn(n, k, dtype=dtype, device=device) * 0.02 for k, n in shapes]
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            xs = {k: torch.randn(r, k, dtype=dtype, device=device) for k, _ in shapes}
+            s = timed(lambda: [lin(xs[w.shape[1]], w) for w in ws], device, reps=5, budget_s=0.4)
+            out.append((int(r), 2.0 * r * sum(k * n for k, n in shapes) / s))
+    return out
+
+
+def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> float:
+    """Bytes/s of a device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2.0 * nbytes / timed(lambda: dst.copy_(src), device, reps=5, budget_s=0.5)
+
+
+def attention_rate(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
+                   seq: int = 512, n_seqs: int = 2) -> float:
+    """FLOP/s of realhf's causal attention over ``n_seqs`` packed sequences of ``seq`` tokens (``2 d S^2`` per
+    sequence and query width ``d``: QK^T and AV, halved by the causal mask)."""
+    from realhf.base.runtime_env import for_device
+    from realhf.impl.model.nn.attention import varlen_causal_attention
+
+    kernel = for_device(device).attention
+    T = seq * n_seqs
+    q = torch.randn(T, heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(T, kv_heads, head_dim, dtype=dtype, device=device)
+    v = torch.randn(T, kv_heads, head_dim, dtype=dtype, device=device)
+    cu = torch.arange(0, T + 1, seq, dtype=torch.int32, device=device)
+    with torch.no_grad():
+        s = timed(lambda: varlen_causal_attention(q, k, v, cu, seq, head_dim**-0.5, kernel), device, reps=5)
+    return 2.0 * heads * head_dim * seq * seq * n_seqs / s
+
+
+def optimizer_seconds_per_param(dtype: torch.dtype, device: str, n: int = 4 << 20) -> float:
+    """Seconds per parameter of realhf's AdamW step (fp32 master weights and moments, as the train engine keeps)."""
+    from realhf.impl.model.backend.optim import OptimizerConfig, build_adamw
+
+    p = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32, device=device))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = build_adamw([("w", p)], OptimizerConfig(lr=1e-6))
+    return timed(opt.step, device, reps=5, budget_s=0.5) / n
+
+
+def disk_bandwidth(folder: str, nbytes: int = 64 << 20) -> float:
+    """Bytes/s of writing a checkpoint-sized file (flushed to disk) and reading it back, each counted once."""
+    data = os.urandom(1 << 20) * (nbytes >> 20)
+    fd, path = tempfile.mkstemp(dir=folder, prefix=".disk-probe-")
+    try:
+        t = time.perf_counter()
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(path, "rb") as f:
+            while f.read(16 << 20):
+                pass
+        return 2.0 * len(data) / (time.perf_counter() - t)
+    finally:
+        os.unlink(path)
+
+
+# ------------------------------------------------------------------------------------------------ communication
+
+
+def _comm_worker(rank: int, world: int, store_path: str, backend: str, sizes: Sequence[int], q) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    try:
+        dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+        res: Dict[str, List[Tuple[int, float]]] = {"allreduce": [], "sendrecv": []}
+        for n in sizes:
+            t = torch.ones(max(1, n // 4), dtype=torch.float32, device=device)
+            res["allreduce"].append((n, timed(lambda: dist.all_reduce(t), device, reps=7, budget_s=0.5)))
+
+            def pingpong():
+                if rank == 0:
+                    dist.send(t, 1)
+                    dist.recv(t, 1)
+                else:
+                    dist.recv(t, 0)
+                    dist.send(t, 0)
+
+            res["sendrecv"].append((n, timed(pingpong, device, reps=7, budget_s=0.5) / 2))
+        dist.destroy_process_group()
+        q.put((rank, res, None))
+    except Exception as e:  # reported to the parent, which decides
+        q.put((rank, None, f"{type(e).__name__}: {e}"))
+
+
+def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20), timeout: float = 120.0) -> Optional[Dict]:
+    """All-reduce and send/recv times between two local processes (gloo; NCCL between two GPUs) at ``sizes``
+    bytes, and the fitted link: latency from the smallest size, bandwidth from the difference. None where two
+    devices are not here (one GPU)."""
+    import multiprocessing as mp
+
+    backend = "gloo"
+    if device == "cuda":
+        if torch.cuda.device_count() < 2:
+            return None
+        backend = "nccl"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="realhf-comm-probe-") as d:
+        store = os.path.join(d, "store")
+        procs = [ctx.Process(target=_comm_worker, args=(r, 2, store, backend, list(sizes), q), daemon=True)
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        got = {}
+        try:
+            for _ in range(2):
+                rank, res, err = q.get(timeout=timeout)
+                if err is not None:
+                    raise RuntimeError(f"communication probe ({backend}, rank {rank}) failed: {err}")
+                got[rank] = res
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    res = got[0]
+    out = dict(backend=backend, allreduce=res["allreduce"], sendrecv=res["sendrecv"])
+    (n0, s0), (n1, s1) = res["sendrecv"][0], res["sendrecv"][-1]
+    out["lat"] = s0
+    out["bw"] = (n1 - n0) / max(s1 - s0, 1e-9)
+    return out

@@ -1,0 +1,324 @@
+"""Profile this machine for the cost model: ``python -m realhf.plan.profile --model smollm2-135m``.
+
+A few seconds of the real kernels at a model's shapes (:mod:`realhf.plan.probes`): the FLOP/s of the model's block
+products by number of rows, a copy's bandwidth, the attention kernel's rate, AdamW's step per parameter, writing and
+reading a checkpoint, all-reduce and send/recv between two local processes (gloo; NCCL between two GPUs); then a whole
+forward pass and a whole decode step of the model's blocks (1 and 3 of them, a 1,024-token vocabulary) timed, and what
+the products and attention do not explain fitted as a cost per block, per token x hidden element of a block, and per
+pass (:func:`fit_overheads`). On CPU, where a "device" is a worker process, the rates are those of this process's
+threads (``--threads``).
+
+The profile is cached as JSON under ``$REALHF_CACHE_DIR/plan_profiles/``, keyed by the machine (CPU model or GPU
+name), the device, the threads, the torch version, the dtype and the model's shape: a second call reads the file.
+:func:`hardware` turns a profile into the :class:`realhf.plan.hardware.Hardware` the cost model takes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import platform
+from typing import Dict, Optional, Sequence, Tuple
+
+from realhf.api.core.model_api import ReaLModelConfig
+from realhf.base import logging
+from realhf.base.cache_dir import realhf_cache_dir
+from realhf.plan.hardware import GB, Hardware
+from realhf.plan.shapes import model_config
+
+logger = logging.getLogger("realhf.plan.profile")
+
+PROFILE_VERSION = 1
+CPU_ROWS = (1, 4, 16, 64, 256, 1024)
+CUDA_ROWS = (1, 16, 128, 1024, 8192)
+FIT_VOCAB = 1024
+FIT_TOKENS = ((64, 1), (512, 2))  # (tokens, sequences) of the timed forward passes
+FIT_ROWS = (1, 16)  # rows of the timed decode steps
+FIT_PROMPT, FIT_STEPS = 32, (2, 18)  # prompt length; new tokens of the two timed generations (their difference)
+
+
+def machine_name(device: str) -> str:
+    """The CPU model (``/proc/cpuinfo``) or the GPU's name."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _shape_key(cfg: ReaLModelConfig) -> Dict:
+    return dict(hidden=cfg.hidden_dim, intermediate=cfg.intermediate_dim, heads=cfg.n_q_heads, kv_heads=cfg.n_kv_heads,
+                head_dim=cfg.head_dim, vocab=cfg.vocab_size, mlp=cfg.mlp_type, norm=cfg.layer_norm_type,
+                qk_norm=cfg.qk_layernorm, attn_bias=cfg.use_attention_bias)
+
+
+def profile_key(cfg: ReaLModelConfig, dtype: str, device: str, threads: int) -> Dict:
+    import torch
+
+    return dict(version=PROFILE_VERSION, machine=machine_name(device), device=device, threads=threads,
+                torch=torch.__version__, dtype=dtype, shape=_shape_key(cfg))
+
+
+def cache_path(key: Dict, cache_dir: Optional[str] = None) -> str:
+    """The profile's file: ``<cache_dir>/<hash of the key>.json``, by default under ``$REALHF_CACHE_DIR``."""
+    h = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir or os.path.join(realhf_cache_dir(), "plan_profiles"), f"{h}.json")
+
+
+def _write(path: str, data: Dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def _read(path: str, key: Dict) -> Optional[Dict]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning(f"profile cache {path} is unreadable ({e}); measuring again")
+        return None
+    return data if data.get("key") == key else None
+
+
+def _memory_bytes(device: str) -> float:
+    if device == "cuda":
+        import torch
+
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def hardware(p: Dict) -> Hardware:
+    """The cost model's view of a profiled machine: the measured rates, no derating."""
+    dt = p["key"]["dtype"]
+    link = p.get("comm") or {}
+    bw, lat = link.get("bw"), link.get("lat")
+    src = f"profiled {p['measured_at']} ({p['key']['machine']}, {p['key']['device']}, {p['key']['threads']} threads)"
+    if bw is None:  # one GPU: no link was measured; a copy's rate stands in (stated in sources)
+        bw, lat = p["copy_bw"] / 2, 10e-6
+    o = p["overheads"]
+    return Hardware(
+        name=f"{p['key']['machine']} ({p['key']['device']}, {p['key']['threads']} threads)",
+        matmul_flops={dt: max(r for _, r in p["matmul_rows"])}, memory_bw=p["copy_bw"],
+        memory_bytes=p["memory_bytes"], intra_bw=bw, intra_lat=lat, inter_bw=bw, inter_lat=lat,
+        devices_per_node=1 << 20 if p["key"]["device"] == "cpu" else 8,
+        attention_flops={dt: p["attention_flops"]}, layer_overhead_s=o["layer_s"], elementwise_s=o["elementwise_s"],
+        decode_layer_overhead_s=o["decode_layer_s"], decode_elementwise_s=o["decode_elementwise_s"],
+        pass_overhead_s=o["pass_s"], decode_step_overhead_s=o["decode_step_s"],
+        optimizer_s_per_param=p["optimizer_s_per_param"], disk_bw=p["disk_bw"],
+        matmul_rows=tuple((int(r), float(v)) for r, v in p["matmul_rows"]), device=p["key"]["device"],
+        sources={"all": src, "links": "measured between two local processes" if link else
+                 "not measured (one device): half a copy's rate and 10 us assumed"},
+    )
+
+
+def _fit_layers(cfg: ReaLModelConfig, bytes_per: int) -> Tuple[int, int]:
+    from realhf.plan.comm_cost import _units
+
+    per_layer = _units(cfg, 1, 0)[0][3]
+    return (1, 3) if 3 * per_layer * bytes_per <= 1.5 * GB else (1, 2)
+
+
+def _proxy(cfg: ReaLModelConfig, layers: int) -> ReaLModelConfig:
+    return dataclasses.replace(cfg, n_layers=layers, vocab_size=FIT_VOCAB, tied_embedding=False, is_critic=False)
+
+
+def _lstsq(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> Tuple[float, ...]:
+    """Non-negative least squares of a few unknowns (clip negatives to 0 and refit the rest)."""
+    import numpy as np
+
+    A, y = np.asarray(rows, dtype=float), np.asarray(ys, dtype=float)
+    free = list(range(A.shape[1]))
+    x = np.zeros(A.shape[1])
+    while free:
+        sol = np.linalg.lstsq(A[:, free], y, rcond=None)[0]
+        if (sol >= 0).all():
+            x[free] = sol
+            break
+        free = [f for f, s in zip(free, sol) if s >= 0]
+    return tuple(float(v) for v in x)
+
+
+def _model(cfg: ReaLModelConfig, dtype, device: str):
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.nn.real_model import ReaLModel
+
+    m = ReaLModel(cfg, grid=single_process_grid(), dtype=dtype, device=device)
+    m.init_random(seed=1)
+    return m.eval()
+
+
+def _time_forward(model, tokens: int, seqs: int, device: str) -> float:
+    import torch
+
+    from realhf.impl.model.nn.real_model import make_packed_input
+    from realhf.plan.probes import timed
+
+    inp = make_packed_input([tokens // seqs] * seqs, device=device)
+    inp.head_rows = inp.cu_seqlens[1:].long() - 1
+    x = torch.randint(0, FIT_VOCAB, (tokens,), device=device)
+    with torch.no_grad():
+        return timed(lambda: model(x, inp), device, reps=5, budget_s=1.0)
+
+
+def _time_decode_step(model, rows: int, device: str) -> float:
+    """Seconds of one decode step of ``rows`` rows at about ``FIT_PROMPT + 10`` cached positions: the difference of
+    two greedy generations of different lengths, divided by the steps between them."""
+    import time
+
+    import torch
+
+    from realhf.api.core.model_api import GenerationHyperparameters
+    from realhf.impl.model.nn.generation import generate
+    from realhf.plan.probes import _sync
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, FIT_VOCAB, (FIT_PROMPT,), generator=g).tolist() for _ in range(rows)]
+
+    def run(k: int) -> float:
+        gc = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, greedy=True)
+        _sync(device)
+        t = time.perf_counter()
+        generate(model, prompts, gc)
+        _sync(device)
+        return time.perf_counter() - t
+
+    run(FIT_STEPS[0])  # warm-up
+    a, b = FIT_STEPS
+    return max(min(run(b) for _ in range(3)) - min(run(a) for _ in range(3)), 1e-9) / (b - a)
+
+
+def fit_overheads(cfg: ReaLModelConfig, base: Hardware, dtype: str, device: str) -> Dict:
+    """Time whole forward passes and decode steps of 1 and 3 (or 2) blocks of ``cfg``'s shape and fit what the
+    products and attention (the cost model on ``base``, overheads zero) do not explain: per block, per token x
+    hidden element of a block, per pass; likewise for a decode step."""
+    import torch
+
+    from realhf.plan.cost import CostModel
+
+    dt = getattr(torch, dtype)
+    H = cfg.hidden_dim
+    fwd_rows, fwd_y, dec_rows, dec_y, points = [], [], [], [], []
+    for L in _fit_layers(cfg, torch.tensor([], dtype=dt).element_size()):
+        pc = _proxy(cfg, L)
+        cm = CostModel(pc, base, dtype)
+        model = _model(pc, dt, device)
+        for T, n in FIT_TOKENS:
+            meas = _time_forward(model, T, n, device)
+            pred = cm.forward(T, 1, T / n, n)
+            fwd_rows.append((L, L * T * H, 1.0))
+            fwd_y.append(meas - pred)
+            points.append(dict(kind="forward", layers=L, tokens=T, measured_s=meas, products_s=pred))
+        for R in FIT_ROWS:
+            meas = _time_decode_step(model, R, device)
+            pred = cm.decode_step(R, FIT_PROMPT + (FIT_STEPS[0] + FIT_STEPS[1]) / 2)
+            dec_rows.append((L, L * R * H, 1.0))
+            dec_y.append(meas - pred)
+            points.append(dict(kind="decode", layers=L, rows=R, measured_s=meas, products_s=pred))
+        del model
+    a, c, f = _lstsq(fwd_rows, fwd_y)
+    ad, cd, fd = _lstsq(dec_rows, dec_y)
+    return dict(layer_s=a, elementwise_s=c, pass_s=f, decode_layer_s=ad, decode_elementwise_s=cd, decode_step_s=fd,
+                points=points)
+
+
+def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True) -> Dict:
+    """Every figure of a profile (seconds: a few on CPU for a small model; longer for a 7B block)."""
+    import torch
+
+    from realhf.plan import probes
+    from realhf.plan.cost import CostModel
+
+    dt = getattr(torch, dtype)
+    lin = CostModel(cfg, _zero_hw(), dtype).linears(1)
+    rows = CUDA_ROWS if device == "cuda" else CPU_ROWS
+    out = dict(matmul_rows=probes.matmul_rows(lin, rows, dt, device), copy_bw=probes.copy_bandwidth(device),
+               attention_flops=probes.attention_rate(cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, dt, device),
+               optimizer_s_per_param=probes.optimizer_seconds_per_param(dt, device),
+               disk_bw=probes.disk_bandwidth(realhf_cache_dir()), memory_bytes=_memory_bytes(device))
+    out["comm"] = probes.comm(device) if comm else None
+    out["measured_at"] = datetime.datetime.now().isoformat(timespec="seconds")
+    base = hardware({**out, "key": dict(dtype=dtype, machine="", device=device, threads=0),
+                     "overheads": dict(layer_s=0.0, elementwise_s=0.0, decode_layer_s=0.0, decode_elementwise_s=0.0,
+                                       pass_s=0.0, decode_step_s=0.0)})
+    out["overheads"] = fit_overheads(cfg, base, dtype, device)
+    return out
+
+
+def _zero_hw() -> Hardware:
+    """Placeholder rates for reading a block's product shapes (no timing)."""
+    one = dict(float32=1.0, bfloat16=1.0, float16=1.0)
+    return Hardware("shapes", one, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1, one, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] = None, comm: bool = True,
+            refresh: bool = False, cache_dir: Optional[str] = None) -> Dict:
+    """This machine's profile for ``model`` (a shape name, a model folder, a config.json dict or a
+    ``ReaLModelConfig``): read from the cache when there, else measured and cached. ``comm=False`` skips the two-
+    process link probe (a cached profile without it is completed when asked with ``comm=True``); ``cache_dir``: where
+    profiles are kept (default ``$REALHF_CACHE_DIR/plan_profiles``)."""
+    import torch
+
+    cfg = model_config(model)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    key = profile_key(cfg, dtype, device, torch.get_num_threads())
+    path = cache_path(key, cache_dir)
+    data = None if refresh else _read(path, key)
+    if data is not None and (data.get("comm") is not None or not comm):
+        return data
+    if data is not None:  # cached without the link probe: add it
+        logger.info("profile: measuring the links between two local processes")
+        from realhf.plan import probes
+
+        data["comm"] = probes.comm(device)
+    else:
+        logger.info(f"profiling this machine ({key['machine']}, {device}, {key['threads']} threads, {dtype}) "
+                    f"at {json.dumps(key['shape'])}: a few seconds")
+        data = dict(measure(cfg, dtype, device, comm), key=key)
+    data["path"] = path
+    _write(path, data)
+    return json.loads(json.dumps(data))  # as a later call reads it back
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m realhf.plan.profile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a shape name of realhf.plan.shapes or a model folder")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda where present")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads of this process (a worker's share)")
+    ap.add_argument("--no-comm", action="store_true", help="skip the two-process link probe")
+    ap.add_argument("--refresh", action="store_true", help="measure again even when cached")
+    a = ap.parse_args(argv)
+    from realhf.base.host_memory import retain_freed_memory
+
+    retain_freed_memory()  # measure as a model worker runs (it keeps freed host memory for reuse)
+    if a.threads is not None:
+        import torch
+
+        if a.threads < 1:
+            ap.error(f"--threads={a.threads}: expected a positive number")
+        torch.set_num_threads(a.threads)
+    p = profile(a.model, a.dtype, a.device, comm=not a.no_comm, refresh=a.refresh)
+    from realhf.plan.hardware import describe
+
+    print(json.dumps(dict(path=p["path"], **describe(hardware(p), a.dtype), overheads={
+        k: v for k, v in p["overheads"].items() if k != "points"}), indent=1))  # the CLI's output
+
+
+if __name__ == "__main__":
+    main()
