@@ -1,6 +1,7 @@
 """The running batch of realhf's generation engine (``realhf_engine.py``): requests and their sample rows as the
-engine thread sees them, the grouping of rows by sampling parameters and their sampling (a request whose sampling
-raises fails alone: ``sample_groups``), and the slot KV cache that rows join and leave."""
+engine thread sees them, the grouping of rows by sampling parameters and their sampling by the decode core's
+``sample_step`` (``realhf.impl.model.nn.decode_core``; a request whose sampling raises fails alone: ``sample_groups``),
+and the slot KV cache that rows join and leave."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,8 @@ from typing import Any, List, Optional
 import torch
 
 from realhf.gen_server.api import SampleOutput, sample_seed
-from realhf.impl.model.nn.sampling import RowStreams, sample_with_mask
+from realhf.impl.model.nn.decode_core import SamplingKey, sample_step
+from realhf.impl.model.nn.sampling import RowStreams
 from realhf.impl.model.nn.kv_cache import KVCache, SharedPrefixCache
 
 CHUNK = RowStreams.CHUNK  # a seeded sample's random numbers are drawn this many at a time, as generate does
@@ -58,11 +60,15 @@ class Row:
             self.chunk = torch.rand(CHUNK, generator=self.gen, dtype=torch.float64).tolist()
 
 
+_GREEDY = SamplingKey(True, 1.0, 0, 1.0)
+
+
 def sampling_key(sp) -> tuple:
-    """Rows whose keys are equal are sampled together by one ``sample_with_mask`` call."""
+    """``(SamplingKey, seeded)``: rows whose keys are equal are sampled together by one ``sample_step`` call (every
+    greedy row alike, whatever its other parameters)."""
     if sp.greedy:
-        return (True, 1.0, 0, 1.0, False)
-    return (False, float(sp.temperature), int(sp.top_k), float(sp.top_p), sp.seed is not None)
+        return (_GREEDY, False)
+    return (SamplingKey.of(sp), sp.seed is not None)
 
 
 class Group:
@@ -325,7 +331,7 @@ def _sample_apart(logits, g: Group, generator, tok, lp) -> List[tuple]:
 
 
 def _sample_group(logits, g: Group, generator):
-    greedy, temperature, top_k, top_p, seeded = g.key
+    key, seeded = g.key
     rows = g.rows
     ban = None
     if g.min_new:
@@ -337,4 +343,4 @@ def _sample_group(logits, g: Group, generator):
     u = None
     if seeded:
         u = torch.tensor([r.chunk[len(r.ids) % CHUNK] for r in rows], dtype=torch.float64)
-    return sample_with_mask(logits, greedy, temperature, top_k, top_p, generator, ban, u)
+    return sample_step(logits, key, generator, ban=ban, row_u=u)

@@ -2,7 +2,10 @@
 thread: admitting waiting requests (their prompts prefilled in one packed forward, their rows written into the slot
 KV cache), one decode step for every running row, recording each sampled token with the weight version that made it,
 finishing and compacting rows, and log-prob passes between steps. The engine class mixes this in; the state it works
-on (``_rows``, ``_cache``, ``_waiting``, ``_stats``, the model) is the engine's."""
+on (``_rows``, ``_cache``, ``_waiting``, ``_stats``, the model) is the engine's. The prefill, the decode step and the
+sampling are the decode core's (``realhf.impl.model.nn.decode_core``), which in-process ``generate`` drives too; this
+module keeps the server's own scheduling: rows joining and leaving the slot cache, per-row seeds and stops, weight
+versions."""
 from __future__ import annotations
 
 import traceback
@@ -14,6 +17,7 @@ from realhf.api.core.model_api import kv_cache_torch_dtype
 from realhf.base import logging
 from realhf.gen_server.api import SampleOutput
 from realhf.gen_server.engine_batch import Group, Req, Row, SharedSlotCache, SlotCache, sample_groups, sampling_key
+from realhf.impl.model.nn.decode_core import Decoder
 from realhf.impl.model.nn.kv_cache import KVCache, sharing_pays
 
 logger = logging.getLogger("realhf.gen_server.engine")
@@ -98,8 +102,6 @@ class EngineSteps:
 
     # ------------------------------------------------------------------ admission (prefill)
     def _admit(self):
-        from realhf.impl.model.nn.real_model import make_packed_input
-
         if self._broken is not None:  # requests queued before the weights broke
             waiting, self._waiting = self._waiting, []
             for r in waiting:
@@ -145,19 +147,13 @@ class EngineSteps:
             # (room for max_len positions there), so decode positions here would be zeroed memory never used
             cache = KVCache(model.n_local_layers, len(prompts), max(seqlens) + 1, model.n_local_kv_heads,
                             cfg.head_dim, self._cache_dtype(), dev)
-            inp = make_packed_input(seqlens, device=dev)
-            inp.cache = cache
-            inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
-            cache.begin_prefill(torch.tensor(seqlens, device=dev))
-            ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
-            out = model(ids, inp)
-            cache.end_prefill()
+            out = self._core().prefill(prompts, cache)
             src_t = torch.tensor(src, dtype=torch.long, device=dev)
             logits = out.float().index_select(0, src_t)
             groups = self._groups_of(new_rows)
             tok, lp = self._sample(logits, groups)
             self._stats["prefills"] += 1
-            self._stats["prefill_tokens"] += int(ids.numel())
+            self._stats["prefill_tokens"] += sum(seqlens)
             keep = self._record(new_rows, tok.tolist(), lp.tolist())
             if keep:
                 kt = torch.tensor(keep, dtype=torch.long, device=dev)
@@ -211,21 +207,16 @@ class EngineSteps:
             self._update_counts()
 
     # ------------------------------------------------------------------ one decode step
-    def _decode_step(self):
-        from realhf.impl.model.nn.real_model import PackedInput
+    def _core(self) -> Decoder:
+        """The decode core over the engine's model and its decode step (``_decoder``: the compiled or CUDA-graph step,
+        chosen once at start by ``decode_core.fast_step_for``; None: eager). The compiled and graph steps read rows
+        with their own caches (``SlotCache``); a ``SharedSlotCache`` decodes eagerly."""
+        return Decoder(self.model, self._decoder)
 
+    def _decode_step(self):
         cache = self._cache
         try:
-            logits = None
-            if self._decoder is not None and not isinstance(cache, SharedSlotCache):
-                logits = self._decoder(self._tok, cache)
-            if logits is None:
-                B = cache.batch
-                dev = self.model.device
-                inp = PackedInput(cu_seqlens=torch.arange(B + 1, dtype=torch.int32, device=dev), max_seqlen=1,
-                                  position_ids=cache.positions().clone(), cache=cache)
-                logits = self.model(self._tok, inp)
-            cache.advance()
+            logits = self._core().step(self._tok, cache)
             tok, lp = self._sample(logits.float(), self._groups)
             keep = self._record(self._rows, tok.tolist(), lp.tolist())
             self._stats["steps"] += 1

@@ -178,14 +178,10 @@ class RealhfEngine(EngineWeights, EngineSteps, GenerationEngine):
             limits.append(("the model's positions", int(pos)))
         self._len_limit = min(limits, key=lambda kv: kv[1])
         self._gen = torch.Generator(device=self.model.device).manual_seed(int(cfg.seed))
-        if self._compile:
-            from realhf.impl.model.nn.compiled_decode import compiled_decoder
+        from realhf.impl.model.nn.decode_core import fast_step_for
 
-            self._decoder = compiled_decoder(self.model)
-        elif self._graphs:
-            from realhf.impl.model.nn.graph_decode import padded_decoder_for
-
-            self._decoder = padded_decoder_for(self.model)
+        # the decode core's step, chosen once: compiled, a CUDA graph over the slot storage, or None (eager)
+        self._decoder = fast_step_for(self.model, compile_decode=self._compile, cuda_graph=self._graphs, padded=True)
 
     def _build(self, dtype):
         from realhf.base.topology import single_process_grid

@@ -96,6 +96,8 @@ class CompiledDecoder:
     """``step(ids [B], cache)`` -> logits [B, V] of the next token of every cache row; writes each row's
     new key/value into ``cache`` at ``cache.lens`` (the caller advances ``lens`` afterwards)."""
 
+    kind = "compiled"  # (decode_core.Decoder.kind)
+
     def __init__(self, model):
         self.model = model
         step, step_sample = static_step_fns(model)

@@ -45,6 +45,10 @@ Schedules
   With G == pp the first stage always has G - 1 other groups to run while a group's tokens travel
   through the pipeline and back.
 
+The sequential schedule drives the decode core (``decode_core.py``: prefill, one decode step over the decoder
+chosen once, ``sample_step``), which the generation server's engine drives too; the pipelined schedule keeps its own
+loop over the same pieces.
+
 In both schedules the ``n`` samples of a prompt (adjacent rows) share one prefill: each distinct prompt
 is prefilled once (per row group in the pipelined schedule, where a group may hold only some of a
 prompt's samples). With ``n > 1`` and prompts long enough to pay (``kv_cache.sharing_pays``) its samples then
@@ -58,7 +62,7 @@ in the pipelined schedule, so which sequence gets which random number differs fr
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -66,9 +70,10 @@ import torch.distributed as dist
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.sampling_checks import check_stop_coverage
 from realhf.impl.model.nn import cpu_gemm, kv_cache
+from realhf.impl.model.nn.decode_core import Decoder, SamplingKey, decode_input, prefill_input, sample_step
 from realhf.impl.model.nn.kv_cache import KVCache, SharedPrefixCache
-from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, even_range, make_packed_input
-from realhf.impl.model.nn.sampling import sample_tokens, RowStreams
+from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, even_range
+from realhf.impl.model.nn.sampling import RowStreams
 from realhf.impl.model.parallelism.tensor_parallel import gather_from_tp
 
 
@@ -85,13 +90,12 @@ _ACT_TAG = 1001  # activations of one work item, stage s -> stage s+1
 _TOK_TAG = 1002  # (token, log-prob) packet of one work item, last stage -> every other stage
 
 
-def _sample_packet(model: ReaLModel, out: torch.Tensor, gconfig: GenerationHyperparameters,
-                   generator: Optional[torch.Generator], banned: Optional[torch.Tensor],
-                   row_u: Optional[torch.Tensor], tp_src: Optional[int]) -> torch.Tensor:
+def _sample_packet(model: ReaLModel, out: torch.Tensor, key: SamplingKey, generator: Optional[torch.Generator],
+                   banned: Optional[torch.Tensor], row_u: Optional[torch.Tensor], tp_src: Optional[int]) -> torch.Tensor:
     """On the last stage: sample one token per row of the head output ``out`` -> ``[rows, 2]`` float64
     (token id, log-prob). Every tensor rank samples; they all keep tensor rank 0's result."""
     logits = gather_from_tp(out.float(), model.tp_group)
-    tok, lp = sample_tokens(logits, gconfig, generator, banned, row_u)
+    tok, lp = sample_step(logits, key, generator, banned=banned, row_u=row_u)
     packed = torch.empty(out.shape[0], 2, dtype=torch.float64, device=out.device)
     packed[:, 0] = tok.double()
     packed[:, 1] = lp.double()
@@ -117,13 +121,9 @@ def _record(rows: List[int], tl: List[int], ll: List[float], stop: set, tokens: 
     return keep
 
 
-def _prefill_input(prompts: List[List[int]], rows: Sequence[int], n: int, cache: KVCache, device):
-    """The prefill of ``prompts[i]`` for ``i`` in ``rows`` (ascending) into ``cache``. The samples of a prompt
-    are ``n`` adjacent rows (row i holds prompt i // n), so each distinct prompt is prefilled once.
-
-    Returns the packed input (the head runs on each prompt's last token only), the token ids, and ``copies``:
-    how many of ``rows`` each prefilled prompt stands for (``_end_prefill`` copies its cache row that often;
-    the caller repeats its head output to match)."""
+def _distinct_rows(rows: Sequence[int], n: int) -> Tuple[List[int], List[int]]:
+    """The first of ``rows`` (ascending) of each distinct prompt, and how many of ``rows`` each stands for. The samples
+    of a prompt are ``n`` adjacent rows (row i holds prompt i // n)."""
     firsts, counts = [], []
     for i in rows:
         if firsts and i // n == firsts[-1] // n:
@@ -131,25 +131,35 @@ def _prefill_input(prompts: List[List[int]], rows: Sequence[int], n: int, cache:
         else:
             firsts.append(i)
             counts.append(1)
-    seqlens = [len(prompts[i]) for i in firsts]
-    inp = make_packed_input(seqlens, device=device)
-    inp.cache = cache
-    inp.head_rows = (inp.cu_seqlens[1:] - 1).long()
-    cache.begin_prefill(torch.tensor(seqlens, device=device))
-    ids = torch.tensor([t for i in firsts for t in prompts[i]], dtype=torch.long, device=device)
+    return firsts, counts
+
+
+def _prefill_input(prompts: List[List[int]], rows: Sequence[int], n: int, cache: KVCache, device):
+    """The prefill of ``prompts[i]`` for ``i`` in ``rows`` (ascending) into ``cache``, each distinct prompt once.
+
+    Returns the packed input (the head runs on each prompt's last token only), the token ids, and ``copies``:
+    how many of ``rows`` each prefilled prompt stands for (``_end_prefill`` copies its cache row that often;
+    the caller repeats its head output to match)."""
+    firsts, counts = _distinct_rows(rows, n)
+    inp, ids = prefill_input([prompts[i] for i in firsts], cache, device)
     return inp, ids, torch.tensor(counts, dtype=torch.long, device=device)
 
 
-def _end_prefill(cache: KVCache, copies: torch.Tensor, shared_max_new: Optional[int] = None) -> KVCache:
-    """After the prefill's forward: the cache to decode with, holding each prefilled row once per sample it stands
-    for. With ``shared_max_new`` (the samples of a prompt decode together), a :class:`SharedPrefixCache` that keeps
-    each prompt's keys/values once for all its samples, with room for that many new tokens; otherwise ``cache``
+def _expand_prefill(cache: KVCache, copies: torch.Tensor, shared_max_new: Optional[int] = None) -> KVCache:
+    """After the prefill (``cache`` decoding): the cache to decode with, holding each prefilled row once per sample it
+    stands for. With ``shared_max_new`` (the samples of a prompt decode together), a :class:`SharedPrefixCache` that
+    keeps each prompt's keys/values once for all its samples, with room for that many new tokens; otherwise ``cache``
     itself, its rows copied."""
-    cache.end_prefill()
     if shared_max_new is not None:
         return SharedPrefixCache.from_prefill(cache, copies, shared_max_new)
     cache.keep(torch.arange(copies.numel(), device=copies.device).repeat_interleave(copies))
     return cache
+
+
+def _end_prefill(cache: KVCache, copies: torch.Tensor, shared_max_new: Optional[int] = None) -> KVCache:
+    """After the prefill's forward: end it and expand the cache (``_expand_prefill``)."""
+    cache.end_prefill()
+    return _expand_prefill(cache, copies, shared_max_new)
 
 
 def _share_prefixes(model: ReaLModel, prompts: List[List[int]], gconfig: GenerationHyperparameters,
@@ -162,13 +172,6 @@ def _share_prefixes(model: ReaLModel, prompts: List[List[int]], gconfig: Generat
     lens = [len(p) for p in prompts[::gconfig.n]]
     return kv_cache.sharing_pays(lens, [gconfig.n] * len(lens), model.n_local_kv_heads, model.config.head_dim,
                                  gconfig.cache_dtype(model.dtype).itemsize)
-
-
-def _decode_input(cache: KVCache, device) -> PackedInput:
-    """The input of one decode step: one token for every row of ``cache``."""
-    n = cache.batch
-    return PackedInput(cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=device), max_seqlen=1,
-                       position_ids=cache.positions().clone(), cache=cache)
 
 
 def _drop_finished(cache: KVCache, keep: List[int], alive: torch.Tensor, tok: torch.Tensor):
@@ -187,6 +190,43 @@ def _mark_finished(keep: List[int], alive: torch.Tensor) -> torch.Tensor:
     out = torch.full_like(alive, -1)
     out[kt] = alive[kt]
     return out
+
+
+class _Run:
+    """What both schedules of one ``generate`` call share: its inputs, the sampling of the last stage, the outputs."""
+
+    def __init__(self, model: ReaLModel, prompts: List[List[int]], gconfig: GenerationHyperparameters, stop: set,
+                 generator: Optional[torch.Generator], row_seeds: Optional[List[int]]):
+        self.model, self.prompts, self.gconfig, self.stop = model, prompts, gconfig, stop
+        self.generator, self.row_seeds = generator, row_seeds
+        self.stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=model.device)
+        self.key = SamplingKey.of(gconfig)
+        self.max_len = max(len(p) for p in prompts) + gconfig.max_new_tokens + 1
+        grid = model.grid
+        self.tp_src = grid.global_rank_of(grid.pp_rank, grid.dp_rank, 0) if model.tp > 1 else None
+        B = len(prompts)
+        self.tokens: List[List[int]] = [[] for _ in range(B)]
+        self.logps: List[List[float]] = [[] for _ in range(B)]
+        self.no_eos = [True] * B
+
+    def cache(self, n_rows: int, length: int) -> KVCache:
+        """A KV cache of this stage's layers for ``n_rows`` rows of ``length`` positions."""
+        m = self.model
+        return KVCache(m.n_local_layers, n_rows, length, m.n_local_kv_heads, m.config.head_dim,
+                       self.gconfig.cache_dtype(m.dtype), m.device)
+
+    def sample(self, out: torch.Tensor, n_generated: int, row_u: Optional[torch.Tensor]) -> torch.Tensor:
+        """On the last stage: the packet (``_sample_packet``) of the rows of ``out`` that generated ``n_generated``
+        tokens so far (stop tokens banned before ``min_new_tokens``)."""
+        banned = self.stop_t if n_generated < self.gconfig.min_new_tokens else None
+        return _sample_packet(self.model, out, self.key, self.generator, banned, row_u, self.tp_src)
+
+    def record(self, rows: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> List[int]:
+        """``_record`` of one step's samples of the sequences ``rows``: the positions of those that go on."""
+        return _record(rows.tolist(), tok.tolist(), lp.tolist(), self.stop, self.tokens, self.logps, self.no_eos)
+
+    def output(self) -> GenerationOutput:
+        return GenerationOutput(tokens=self.tokens, logprobs=self.logps, no_eos=self.no_eos)
 
 
 @torch.no_grad()
@@ -211,135 +251,126 @@ def generate(
     agree to rounding); with a shared ``generator`` and no ``seeds``, the random numbers are drawn group
     by group, so with G > 1 a sequence may get a different (equally distributed) sample than with G = 1.
     """
-    grid = model.grid
     prompts = [list(p) for p in prompts for _ in range(gconfig.n)]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and every prompt must be non-empty")
     if pipeline_groups is not None and (not isinstance(pipeline_groups, int) or pipeline_groups < 1):
         raise ValueError(f"pipeline_groups must be a positive integer or None, got {pipeline_groups!r}")
-    device = model.device
-    cfg = model.config
     stop = set(gconfig.stop_token_ids)
     if eos_token_id is not None:
         stop.add(int(eos_token_id))
     # a stop list that bans the whole vocabulary before min_new_tokens leaves nothing to sample (the server's rule)
-    check_stop_coverage(sorted(stop), gconfig.min_new_tokens, cfg.vocab_size, "gconfig.")
-    stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+    check_stop_coverage(sorted(stop), gconfig.min_new_tokens, model.config.vocab_size, "gconfig.")
     if generator is None and gconfig.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(gconfig.seed)
+        generator = torch.Generator(device=model.device).manual_seed(gconfig.seed)
     B = len(prompts)
     row_seeds = None
     if seeds is not None and not gconfig.greedy:
         if len(seeds) * gconfig.n != B:
             raise ValueError(f"seeds has {len(seeds)} entries for {B // gconfig.n} prompts")
         row_seeds = [int(s) * 1000003 + j for s in seeds for j in range(gconfig.n)]
-    seqlens = [len(p) for p in prompts]
-    max_len = max(seqlens) + gconfig.max_new_tokens + 1
-    pp = model.pp
-    tp_src = grid.global_rank_of(grid.pp_rank, grid.dp_rank, 0) if model.tp > 1 else None
-    n_groups = min(pipeline_groups or pp, B) if pp > 1 else 1
+    run = _Run(model, prompts, gconfig, stop, generator, row_seeds)
+    n_groups = min(pipeline_groups or model.pp, B) if model.pp > 1 else 1
     if n_groups > 1:
-        return _generate_pipelined(model, prompts, gconfig, stop, stop_t, generator, row_seeds, max_len,
-                                   tp_src, n_groups)
+        return _Pipelined(run, n_groups).generate()
+    return _Sequential(run).generate()
 
-    # ------------------------------------------------------------ sequential schedule
-    comm = None
-    if pp > 1:
-        from realhf.impl.model.parallelism.pipeline import StageComm
 
-        comm = StageComm(grid, cfg.hidden_dim, model.dtype, device)
-        last_stage_rank = grid.global_rank_of(pp - 1, grid.dp_rank, grid.tp_rank)
-    streams = RowStreams(row_seeds) if row_seeds is not None and model.is_last else None
-    decoder = None
-    if gconfig.compile_decode:
-        from realhf.impl.model.nn.compiled_decode import compiled_decoder
+# ---------------------------------------------------------------------------- sequential schedule
 
-        decoder = compiled_decoder(model)
-    elif gconfig.cuda_graph:
-        from realhf.impl.model.nn import graph_decode
 
-        decoder = graph_decode.decoder_for(model)
-    # a graph decoder keeps finished rows in the batch while more than half of them still run
-    lazy_drop = decoder is not None and getattr(decoder, "keeps_finished_rows", False)
-    shared = _share_prefixes(model, prompts, gconfig, decoder is not None)
-    # a shared-prefix cache keeps the prompts apart from the generated positions: the prefill's holds prompts only
-    cache = KVCache(model.n_local_layers, B // gconfig.n, max(seqlens) + 1 if shared else max_len,
-                    model.n_local_kv_heads, cfg.head_dim, gconfig.cache_dtype(model.dtype), device)
+class _Sequential:
+    """The sequential schedule (module docstring), driving the decode core: the whole batch goes through the stages
+    at every step; the last stage samples and shares the tokens with every other stage."""
 
-    def run_stage(x_in, inp: PackedInput, n_tokens: int):
-        if decoder is not None and inp.cache is not None and inp.cache.decoding:
-            y = decoder(x_in, inp.cache)
-            if y is not None:
-                return y
-        if pp > 1 and not model.is_first:
-            x_in = comm.recv_forward(n_tokens)
-        y = model(x_in, inp)
-        if pp > 1 and not model.is_last:
-            comm.send_forward(y, blocking=True)
+    def __init__(self, run: _Run):
+        self.run = run
+        model, g = run.model, run.gconfig
+        self.comm = None
+        forward = None
+        if model.pp > 1:
+            from realhf.impl.model.parallelism.pipeline import StageComm
+
+            grid = model.grid
+            self.comm = StageComm(grid, model.config.hidden_dim, model.dtype, model.device)
+            self.last_stage_rank = grid.global_rank_of(model.pp - 1, grid.dp_rank, grid.tp_rank)
+            forward = self._stage_forward
+        self.streams = RowStreams(run.row_seeds) if run.row_seeds is not None and model.is_last else None
+        self.core = Decoder.choose(model, g.compile_decode, g.cuda_graph, forward=forward)
+
+    def _stage_forward(self, x: Optional[torch.Tensor], inp: PackedInput, n_tokens: int) -> torch.Tensor:
+        """This pipeline stage's forward: the input from the stage before (but on the first), the output to the next."""
+        model = self.run.model
+        if not model.is_first:
+            x = self.comm.recv_forward(n_tokens)
+        y = model(x, inp)
+        if not model.is_last:
+            self.comm.send_forward(y, blocking=True)
         return y
 
-    def pick(out, n_generated: int):
+    def pick(self, out: torch.Tensor, n_generated: int, alive: torch.Tensor):
         """On the last stage: sample from the head output; then share tokens with every rank."""
+        model = self.run.model
         if model.is_last:
-            banned = stop_t if n_generated < gconfig.min_new_tokens else None
-            u = streams.uniforms(alive, n_generated) if streams is not None else None
-            packed = _sample_packet(model, out, gconfig, generator, banned, u, tp_src)
+            u = self.streams.uniforms(alive, n_generated) if self.streams is not None else None
+            packed = self.run.sample(out, n_generated, u)
         else:
-            packed = torch.empty(out_rows, 2, dtype=torch.float64, device=device)
-        if pp > 1:
-            dist.broadcast(packed, src=last_stage_rank, group=grid.pp_group)
+            packed = torch.empty(alive.numel(), 2, dtype=torch.float64, device=model.device)
+        if model.pp > 1:
+            dist.broadcast(packed, src=self.last_stage_rank, group=model.grid.pp_group)
         return packed[:, 0].long(), packed[:, 1]
 
-    # ---- prefill: each distinct prompt once; its n samples then share copies of its cache rows and
-    # sample from the same last-token logits
-    inp, ids, copies = _prefill_input(prompts, range(B), gconfig.n, cache, device)
-    out_rows = B
-    alive = torch.arange(B, device=device)  # original index of each cache row
-    out = run_stage(ids if model.is_first else None, inp, ids.numel())
-    cache = _end_prefill(cache, copies, gconfig.max_new_tokens if shared else None)
-    if model.is_last:
-        out = out.repeat_interleave(copies, dim=0)
-    tok, lp = pick(out, 0)
+    def prefill(self):
+        """Each distinct prompt once; its n samples then share copies of its cache rows (or one shared prefix) and
+        sample from the same last-token logits. Returns the cache to decode with and the first (alive, tok, lp)."""
+        run, model, g = self.run, self.run.model, self.run.gconfig
+        B = len(run.prompts)
+        shared = _share_prefixes(model, run.prompts, g, self.core.fast is not None)
+        # a shared-prefix cache keeps the prompts apart from the generated positions: the prefill's holds prompts only
+        cache = run.cache(B // g.n, max(len(p) for p in run.prompts) + 1 if shared else run.max_len)
+        firsts, counts = _distinct_rows(range(B), g.n)
+        out = self.core.prefill([run.prompts[i] for i in firsts], cache)
+        copies = torch.tensor(counts, dtype=torch.long, device=model.device)
+        cache = _expand_prefill(cache, copies, g.max_new_tokens if shared else None)
+        if model.is_last:
+            out = out.repeat_interleave(copies, dim=0)
+        alive = torch.arange(B, device=model.device)  # original index of each cache row
+        return (cache, alive) + self.pick(out, 0, alive)
 
-    # the compiled step can also sample (greedy, or plain sampling with per-row streams), saving a round of
-    # per-operation costs a step; top-k/top-p sample eagerly from its logits
-    fold = decoder is not None and not gconfig.top_k and gconfig.top_p >= 1.0 and (gconfig.greedy or streams is not None)
-    if fold:
-        no_ban = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=device)
-        ban = no_ban.clone()
-        ban[stop_t] = True
-
-    tokens: List[List[int]] = [[] for _ in range(B)]
-    logps: List[List[float]] = [[] for _ in range(B)]
-    no_eos = [True] * B
-    n_live = B
-    for step in range(gconfig.max_new_tokens):
-        keep = _record(alive.tolist(), tok.tolist(), lp.tolist(), stop, tokens, logps, no_eos)
-        if step == gconfig.max_new_tokens - 1 or not keep:
-            break
-        if lazy_drop and 2 * len(keep) > alive.numel():
-            if len(keep) < n_live:
-                alive = _mark_finished(keep, alive)
-        else:
-            alive, tok = _drop_finished(cache, keep, alive, tok)
-        n_live = len(keep)
-        out_rows = alive.numel()
+    def generate(self) -> GenerationOutput:
+        run, g, core = self.run, self.run.gconfig, self.core
+        cache, alive, tok, lp = self.prefill()
+        # the compiled or graph step can also sample (greedy, or plain sampling with per-row streams), saving a round
+        # of per-operation costs a step; top-k/top-p sample eagerly from its logits
+        fold = core.can_sample(run.key, self.streams is not None)
         if fold:
-            u = streams.uniforms(alive, step + 1) if streams is not None else None
-            r = decoder.sample(tok, cache, ban if step + 1 < gconfig.min_new_tokens else no_ban, u, gconfig.greedy,
-                               gconfig.temperature)
-            if r is not None:
-                cache.advance()
-                tok, lp = r
-                continue
-            fold = False
-        dinp = _decode_input(cache, device)
-        out = run_stage(tok if model.is_first else None, dinp, out_rows)
-        cache.advance()
-        tok, lp = pick(out, step + 1)
-    if comm is not None:
-        comm.flush()
-    return GenerationOutput(tokens=tokens, logprobs=logps, no_eos=no_eos)
+            no_ban = torch.zeros(run.model.config.vocab_size, dtype=torch.bool, device=run.model.device)
+            ban = no_ban.clone()
+            ban[run.stop_t] = True
+        # a graph decoder keeps finished rows in the batch while more than half of them still run
+        lazy_drop = core.keeps_finished_rows
+        n_live = alive.numel()
+        for step in range(g.max_new_tokens):
+            keep = run.record(alive, tok, lp)
+            if step == g.max_new_tokens - 1 or not keep:
+                break
+            if lazy_drop and 2 * len(keep) > alive.numel():
+                if len(keep) < n_live:
+                    alive = _mark_finished(keep, alive)
+            else:
+                alive, tok = _drop_finished(cache, keep, alive, tok)
+            n_live = len(keep)
+            if fold:
+                u = self.streams.uniforms(alive, step + 1) if self.streams is not None else None
+                r = core.step_sample(tok, cache, run.key, ban if step + 1 < g.min_new_tokens else no_ban, u)
+                if r is not None:
+                    tok, lp = r
+                    continue
+                fold = False
+            tok, lp = self.pick(core.step(tok, cache), step + 1, alive)
+        if self.comm is not None:
+            self.comm.flush()
+        return run.output()
 
 
 # ---------------------------------------------------------------------------- pipelined schedule
@@ -409,34 +440,32 @@ def split_rows(n_rows: int, n_groups: int) -> List[List[int]]:
     return [list(range(*even_range(n_rows, n_groups, g))) for g in range(n_groups)]
 
 
-def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: GenerationHyperparameters, stop: set,
-                        stop_t: torch.Tensor, generator: Optional[torch.Generator],
-                        row_seeds: Optional[List[int]], max_len: int, tp_src: Optional[int],
-                        n_groups: int) -> GenerationOutput:
+class _Pipelined:
     """The pipelined schedule of the module docstring (pp > 1, ``n_groups`` > 1)."""
-    device = model.device
-    cfg = model.config
-    links = _StageLinks(model)
-    B = len(prompts)
-    n = gconfig.n
-    shared = _share_prefixes(model, prompts, gconfig, compiled=False)
-    prefill_len = max(len(p) for p in prompts) + 1 if shared else max_len
-    groups = [
-        _Group(rows=rows, alive=torch.tensor(rows, dtype=torch.long, device=device),
-               # sized for the group's distinct prompts: the prefill fills one row each, then copies them
-               cache=KVCache(model.n_local_layers, len({i // n for i in rows}), prefill_len, model.n_local_kv_heads,
-                             cfg.head_dim, gconfig.cache_dtype(model.dtype), device),
-               streams=RowStreams([row_seeds[i] for i in rows]) if row_seeds is not None and model.is_last else None)
-        for rows in split_rows(B, n_groups)
-    ]
-    tokens: List[List[int]] = [[] for _ in range(B)]
-    logps: List[List[float]] = [[] for _ in range(B)]
-    no_eos = [True] * B
 
-    def run_item(grp: _Group, x_first: Optional[torch.Tensor], inp: PackedInput, n_tokens: int, n_generated: int,
-                 copies: Optional[torch.Tensor] = None):
+    def __init__(self, run: _Run, n_groups: int):
+        self.run = run
+        model, g = run.model, run.gconfig
+        device = model.device
+        self.links = _StageLinks(model)
+        n = g.n
+        shared = _share_prefixes(model, run.prompts, g, compiled=False)
+        self.shared_max_new = g.max_new_tokens if shared else None
+        prefill_len = max(len(p) for p in run.prompts) + 1 if shared else run.max_len
+        rs = run.row_seeds
+        self.groups = [
+            _Group(rows=rows, alive=torch.tensor(rows, dtype=torch.long, device=device),
+                   # sized for the group's distinct prompts: the prefill fills one row each, then copies them
+                   cache=run.cache(len({i // n for i in rows}), prefill_len),
+                   streams=RowStreams([rs[i] for i in rows]) if rs is not None and model.is_last else None)
+            for rows in split_rows(len(run.prompts), n_groups)
+        ]
+
+    def run_item(self, grp: _Group, x_first: Optional[torch.Tensor], inp: PackedInput, n_tokens: int,
+                 n_generated: int, copies: Optional[torch.Tensor] = None):
         """This stage's part of one work item; the last stage also samples and sends the packet. ``copies``
         (prefill): how many rows each prefilled prompt stands for; its head output is repeated to match."""
+        model, links = self.run.model, self.links
         x = x_first if model.is_first else links.recv_activation(n_tokens)
         y = model(x, inp)
         if copies is not None and model.is_last:
@@ -450,52 +479,55 @@ def _generate_pipelined(model: ReaLModel, prompts: List[List[int]], gconfig: Gen
         if not model.is_last:
             grp.sends = links.send_activation(y)
             return
-        banned = stop_t if n_generated < gconfig.min_new_tokens else None
         u = grp.streams.uniforms(grp.alive - grp.rows[0], n_generated) if grp.streams is not None else None
-        grp.packet = _sample_packet(model, y, gconfig, generator, banned, u, tp_src)
+        grp.packet = self.run.sample(y, n_generated, u)
         grp.sends = links.send_packet(grp.packet)
 
-    def prefill(grp: _Group):
+    def prefill(self, grp: _Group):
         # the samples of a prompt are adjacent rows: prefill each distinct prompt of the group once, then
         # copy its cache row for each of its samples in the group (as the sequential schedule does)
-        inp, ids, copies = _prefill_input(prompts, grp.rows, n, grp.cache, device)
+        model = self.run.model
+        inp, ids, copies = _prefill_input(self.run.prompts, grp.rows, self.run.gconfig.n, grp.cache, model.device)
         # the forward stores the prompt keys/values
-        run_item(grp, ids if model.is_first else None, inp, ids.numel(), 0, copies)
-        grp.cache = _end_prefill(grp.cache, copies, gconfig.max_new_tokens if shared else None)
+        self.run_item(grp, ids if model.is_first else None, inp, ids.numel(), 0, copies)
+        grp.cache = _end_prefill(grp.cache, copies, self.shared_max_new)
 
-    def decode(grp: _Group, n_generated: int):
-        run_item(grp, grp.tok if model.is_first else None, _decode_input(grp.cache, device), grp.alive.numel(),
-                 n_generated)
+    def decode(self, grp: _Group, n_generated: int):
+        model = self.run.model
+        self.run_item(grp, grp.tok if model.is_first else None, decode_input(grp.cache, model.device),
+                      grp.alive.numel(), n_generated)
         grp.cache.advance()
 
-    def consume(grp: _Group, step: int):
+    def consume(self, grp: _Group, step: int):
         """Apply the packet of the group's item ``step``: record the tokens, drop finished rows, and
         finish the group when no row is left or this was the last allowed token."""
-        if model.is_last:
+        if self.run.model.is_last:
             packet, grp.packet = grp.packet, None
         else:
-            packet = links.recv_packet(grp.alive.numel())
+            packet = self.links.recv_packet(grp.alive.numel())
         tok = packet[:, 0].long()
-        keep = _record(grp.alive.tolist(), tok.tolist(), packet[:, 1].tolist(), stop, tokens, logps, no_eos)
-        if step == gconfig.max_new_tokens - 1 or not keep:
+        keep = self.run.record(grp.alive, tok, packet[:, 1])
+        if step == self.run.gconfig.max_new_tokens - 1 or not keep:
             grp.done, grp.cache, grp.tok = True, None, None  # free the cache now
             return
         grp.alive, grp.tok = _drop_finished(grp.cache, keep, grp.alive, tok)
 
-    # Every rank walks the same item sequence; a group leaves it on every rank at the same point
-    # (``consume`` decides from the packet, which every rank of the replica sees).
-    r = 0
-    while not all(g.done for g in groups):
-        for grp in groups:
-            if grp.done:
-                continue
-            if r == 0:
-                prefill(grp)
-                continue
-            consume(grp, r - 1)  # its tokens after r steps; stage 0 feeds them to item (g, r)
-            if not grp.done:
-                decode(grp, r)
-        r += 1
-    for grp in groups:  # the last sends of every group (all received: every packet has been consumed)
-        _wait_sends(grp.sends)
-    return GenerationOutput(tokens=tokens, logprobs=logps, no_eos=no_eos)
+    def generate(self) -> GenerationOutput:
+        # Every rank walks the same item sequence; a group leaves it on every rank at the same point
+        # (``consume`` decides from the packet, which every rank of the replica sees).
+        groups = self.groups
+        r = 0
+        while not all(g.done for g in groups):
+            for grp in groups:
+                if grp.done:
+                    continue
+                if r == 0:
+                    self.prefill(grp)
+                    continue
+                self.consume(grp, r - 1)  # its tokens after r steps; stage 0 feeds them to item (g, r)
+                if not grp.done:
+                    self.decode(grp, r)
+            r += 1
+        for grp in groups:  # the last sends of every group (all received: every packet has been consumed)
+            _wait_sends(grp.sends)
+        return self.run.output()

@@ -1,11 +1,12 @@
 """Sampling one token per row from a decode step's logits: greedy, plain (temperature), top-k/top-p, with banned
 stop tokens and per-sequence random streams (``RowStreams``), so that a seeded sequence gets the same samples
-whatever shares its batch. ``generate`` (generation.py), the compiled and graph decode steps and the ``gen`` server's
-batches all sample through ``sample_with_mask``, so every path draws the same tokens.
+whatever shares its batch. ``generate`` (generation.py) and the ``gen`` server's batches sample through
+``sample_step`` (the decode core's sampler, ``decode_core.py``), the compiled and graph decode steps through
+``sample_with_mask`` inside their graphs, which ``sample_step`` calls too, so every path draws the same tokens.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -41,25 +42,48 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+class SamplingKey(NamedTuple):
+    """The parameters that decide how a row's next token is drawn from its logits (rows with equal keys sample in one
+    call). Greedy rows ignore the others."""
+
+    greedy: bool
+    temperature: float
+    top_k: int
+    top_p: float
+
+    @classmethod
+    def of(cls, params) -> "SamplingKey":
+        """The key of ``params`` (``SamplingParams`` or ``GenerationHyperparameters``)."""
+        return cls(bool(params.greedy), float(params.temperature), int(params.top_k), float(params.top_p))
+
+
+def sample_step(logits: torch.Tensor, key: SamplingKey, gen: Optional[torch.Generator],
+                banned: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None,
+                row_u: Optional[torch.Tensor] = None):
+    """logits [B, V] (fp32, full vocab) -> (tokens [B], logprobs [B]): the sampling step of every decode path.
+
+    Tokens never sampled (stop tokens before min_new_tokens) are given as ids (``banned``, the same for every row) or
+    as a boolean mask (``ban``, [V] or [B, V]), not both; the returned log-probs are those of the unmodified
+    distribution. With ``row_u`` (one uniform number in [0, 1) per row, float64, from that sequence's own random
+    stream: ``RowStreams``), each row is sampled by inverse CDF, so a sequence's sample does not depend on which other
+    sequences share its batch (layout-independent sampling); else rows draw from ``gen``.
+    """
+    if banned is not None and ban is not None:
+        raise ValueError("sample_step takes banned tokens as ids (banned) or as a mask (ban), not both")
+    if key.greedy and not torch.compiler.is_compiling():
+        return greedy_tokens(logits, banned, ban)
+    if banned is not None and banned.numel() > 0:
+        ban = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        ban[banned] = True
+    return sample_with_mask(logits, key.greedy, key.temperature, key.top_k, key.top_p, gen, ban, row_u)
+
+
 def sample_tokens(
     logits: torch.Tensor, g: GenerationHyperparameters, gen: Optional[torch.Generator], banned: Optional[torch.Tensor] = None,
     row_u: Optional[torch.Tensor] = None,
 ):
-    """logits [B, V] (fp32, full vocab) -> (tokens [B], logprobs [B]).
-
-    ``banned`` token ids (stop tokens before min_new_tokens) are never sampled, but the returned
-    log-probs are those of the unmodified distribution. With ``row_u`` (one uniform number in [0, 1) per
-    row, float64, from that sequence's own random stream: ``RowStreams``), each row is sampled by inverse
-    CDF, so a sequence's sample does not depend on which other sequences share its batch
-    (layout-independent sampling).
-    """
-    if g.greedy and not torch.compiler.is_compiling():
-        return greedy_tokens(logits, banned)
-    ban = None
-    if banned is not None and banned.numel() > 0:
-        ban = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        ban[banned] = True
-    return sample_with_mask(logits, g.greedy, g.temperature, g.top_k, g.top_p, gen, ban, row_u)
+    """``sample_step`` with the sampling parameters of ``g`` and the banned tokens as ids."""
+    return sample_step(logits, SamplingKey.of(g), gen, banned=banned, row_u=row_u)
 
 
 def greedy_tokens(logits: torch.Tensor, banned: Optional[torch.Tensor] = None, ban: Optional[torch.Tensor] = None):
@@ -91,7 +115,7 @@ def greedy_tokens(logits: torch.Tensor, banned: Optional[torch.Tensor] = None, b
 
 def sample_with_mask(logits: torch.Tensor, greedy: bool, temperature: float, top_k: int, top_p: float,
                      gen: Optional[torch.Generator], ban: Optional[torch.Tensor], row_u: Optional[torch.Tensor]):
-    """``sample_tokens`` with the banned tokens as a boolean mask ``ban`` [V] (or None). Without top-k/top-p
+    """``sample_step`` with the banned tokens as a boolean mask ``ban`` ([V] or [B, V], or None). Without top-k/top-p
     and with ``row_u`` or ``greedy`` it is a pure tensor function (no data-dependent Python branching), so
     the compiled decode step (``compiled_decode.py``) samples inside its graph with this same code."""
     if greedy and not torch.compiler.is_compiling():  # (compiled graphs keep the log-softmax form below)
