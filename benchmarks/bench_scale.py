@@ -82,7 +82,7 @@ MODES = {"colocated": "ppo-math", "served": "ppo-math", "async": "async-ppo-math
 _MODEL_VERSION = 1  # bump when a random model's construction changes: it names the cached folder
 STOP_GRACE_S = 20  # a launch stopped for the budget has this long to stop its processes before it is killed
 MIN_LAUNCH_S = 30
-# known figure at the 1.5b default work, not rerun here (benchmarks/README.md)
+# known figure at the 1.5b default work, not rerun here (docs/performance.md)
 TRL_REFERENCE = {"1.5b": dict(impl="trl 1.16 GRPOTrainer (bf16, HF generate)", step_time_s=52.9, card="NVIDIA H200",
                               date="2026-11-27", prompts=16, group=8, answer_tokens=1024, kl_loss_coef=0.04)}
 

@@ -19,10 +19,11 @@ at equal work is faster, so TRL's time over it is the largest speed-up over TRL 
 Each of ``--models`` (default both) is compared in turn: ``h256`` (hidden 256, 3.7M parameters) and ``h64``
 (hidden 64, the tiny model of the tests), both tiny Qwen2 models of 4 layers.
 
-``--models smollm2`` compares on SmolLM2-135M-Instruct (fp32) with GSM8K train prompts; the work of issue 18 is
-``--models smollm2 --prompts 8 --group 4 --new-tokens 64 --kl 0.04 --variants realhf,realhf_aten`` (a KL term:
-realhf's ``ref_inf`` and TRL's reference forward run every step). ``realhf_aten`` is realhf with PyTorch's
-default CPU GEMM forced (``REALHF_CPU_GEMM=aten``), to show what the kernel choice is worth.
+``--models smollm2`` compares on SmolLM2-135M-Instruct (fp32) with GSM8K train prompts; the figure of
+docs/performance.md is ``--models smollm2 --prompts 8 --group 4 --new-tokens 64 --kl 0.04 --variants
+realhf,realhf_aten`` (a KL term: realhf's ``ref_inf`` and TRL's reference forward run every step).
+``realhf_aten`` is realhf with PyTorch's default CPU GEMM forced (``REALHF_CPU_GEMM=aten``), to show what the
+kernel choice is worth.
 
 Usage: python benchmarks/bench_trl.py [--steps 4] [--prompts 4] [--group 8] [--new-tokens 32] [--rounds 3]
        [--models h256,h64|smollm2] [--kl 0] [--variants realhf,realhf+compile] [--trl-compile]
@@ -248,7 +249,7 @@ def compare(model, rows, a, size):
             ts.append(t)
             _emit(bench="grpo_step", impl="trl", round=rnd, step_seconds=round(t, 3), wall_seconds=round(t_wall, 1),
                   peak_rss_mb=t_rss, **common)
-        if a.trl_compile:  # TRL's own compile option, for completeness (slow here: see benchmarks/README.md)
+        if a.trl_compile:  # TRL's own compile option, for completeness (slower: see docs/performance.md)
             tc, tc_wall, tc_rss = _trl_in_child(size, a, os.path.join(work, "trl-compile"), torch_compile=True)
             _emit(bench="grpo_step", impl="trl+torch_compile", step_seconds=round(tc, 3), wall_seconds=round(tc_wall, 1),
                   peak_rss_mb=tc_rss, **common)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA path on a GPU machine, in one go (at most 8 minutes: the benchmark's 4, then the tests' 4; results in README.md):
+# The CUDA path on a GPU machine, in one go (at most 8 minutes: the benchmark's 4, then the tests' 4; results in docs/performance.md):
 #   1. benchmarks/bench_scale.py: the RL step at users' scale, on the card this machine has: a Qwen2.5-1.5B-shaped
 #      model (random weights, built on the GPU), 16 GSM8K prompts x 8 answers of exactly 1,024 tokens, KL loss 0.04,
 #      3 steps in each mode (colocated, a generation server beside the trainer, asynchronous), each MFC's time beside

@@ -1,4 +1,4 @@
-"""Strict reward (issue 20): the final answer must be stated (``\\boxed{N}`` or "The answer is N") and the answer
+"""Strict reward: the final answer must be stated (``\\boxed{N}`` or "The answer is N") and the answer
 must end (a stop token within max_new_tokens).
 
 With ``reward_allow_last_number=false`` and ``reward_unfinished_as_wrong=true``: an unfinished answer (no EOS) scores

@@ -4,7 +4,7 @@ glibc's malloc serves every allocation above its mmap threshold (at most 32 MiB)
 unmaps it on ``free``. A training step on CPU allocates and frees hundreds of such buffers (activations,
 logits, gradients: the logits of 8 x 256 tokens over SmolLM2's 49152-word vocabulary alone are 400 MB), so
 every step the kernel maps, zero-fills page by page, and unmaps gigabytes again: on a SmolLM2 step of
-8 x 256 tokens that was 9.0 s against 5.5 s with the freed memory kept for reuse (``benchmarks/README.md``).
+8 x 256 tokens that was 9.0 s against 5.5 s with the freed memory kept for reuse (``docs/performance.md``).
 
 :func:`retain_freed_memory` (called where a model worker or a generation server starts) tells glibc to
 serve large blocks from its heap and keep freed memory for the next step (``mallopt``: no mmap'd blocks,
