@@ -1,0 +1,120 @@
+"""The step simulator against measured steps, and the asynchronous model against the AReaL paper.
+
+``python benchmarks/bench_plan.py measured [--steps 6]``: tiny ``ppo-math`` runs on this machine (2 model workers)
+under d2m1p1, d1m2p1, d1m1p2, a per-MFC plan and a ``gen.`` plan; per plan the measured step time (the median of
+the steps after the first) beside the simulator's (:mod:`realhf.plan.simulate`, on this machine's profile) and
+their ratio. ``--model`` picks another model folder (e.g. SmolLM2-135M); ``--answer``/``--prompts``/``--group``
+size the work.
+
+``python benchmarks/bench_plan.py areal``: the asynchronous model (:mod:`realhf.plan.async_sim`) in AReaL's small
+setting beside the throughput the AReaL paper reports.
+
+Each result is one JSON line; a table follows on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+PLANS = (("d2m1p1", 2), ("d1m2p1", 2), ("d1m1p2", 2), ("actor_gen:d2m1p1,*:d1m2p1", 2), ("gen.d1m1p1+d1m1p1", 2))
+
+
+def run_args(model: str, data: str, root: str, layout: str, n_dev: int, steps: int, prompts: int = 8,
+             group: int = 4, answer: int = 16, extra=()) -> list:
+    """The quickstart options of one tiny ppo-math (GRPO) launch: answers of exactly ``answer`` tokens."""
+    name = "plan-" + "".join(ch if ch.isalnum() else "-" for ch in "_".join((layout, *extra)))
+    return ["ppo-math", f"actor.path={model}", f"dataset.path={data}", f"dataset.train_bs_n_seqs={prompts}",
+            f"group_size={group}", f"ppo.gen.max_new_tokens={answer}", f"ppo.gen.min_new_tokens={answer}",
+            "ppo.ppo_n_minibatches=1", "use_chat_template=false", "prompt_template={prompt}",
+            "reward.allow_last_number=true", "use_critic=false", "ppo.kl_ctl=0", f"fileroot={root}",
+            f"experiment_name={name}", f"allocation_mode={layout}", f"n_devices_per_node={n_dev}",
+            f"exp_ctrl.benchmark_steps={steps}", "seed=1", *extra]
+
+
+def measure_and_simulate(model: str, data: str, root: str, layout: str, n_dev: int, steps: int = 6, **kw) -> dict:
+    """Launch the plan for ``steps`` steps and simulate its step: the measured step time is the median of the steps
+    after the first (which loads and warms up); the simulation takes the prompts' mean length from the run."""
+    from realhf.api.quickstart.entry import parse_cli
+    from realhf.apps.plan import estimate
+    from realhf.experiments import registered
+    from realhf.testing import read_stats, run_quickstart
+
+    args = run_args(model, data, root, layout, n_dev, steps, **kw)
+    p = run_quickstart(args + ["-q"], timeout=900)
+    if p.returncode != 0:
+        raise RuntimeError(f"{layout}: the run failed (exit {p.returncode}): {p.stderr[-3000:]}")
+    name = next(a.split("=", 1)[1] for a in args if a.startswith("experiment_name="))
+    rows = read_stats(root, name)
+    later = rows[1:] or rows
+    registered()
+    _, cfg = parse_cli(args)
+    est, _ = estimate("ppo-math", cfg, prompt_len=statistics.mean(r["avg_prompt_len"] for r in later))
+    measured = statistics.median(r["step_time"] for r in later)
+    mfcs = {c.name: dict(measured_s=round(statistics.median(r.get(f"{c.name}/time", 0.0) for r in later), 4),
+                         simulated_s=round(c.time_s, 4)) for c in est.calls}
+    return dict(plan=layout, extra=list(kw.get("extra", ())), steps=len(later), measured_s=round(measured, 4),
+                simulated_s=round(est.step_s, 4), ratio=round(est.step_s / measured, 3), mfcs=mfcs)
+
+
+def measured(a) -> int:
+    from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    root = a.root or tempfile.mkdtemp(prefix="bench_plan_")
+    data = os.path.join(root, "math.jsonl")
+    write_math_jsonl(make_arithmetic_problems(64, seed=3, kind="easy"), data)
+    model = a.model or ensure_tiny_model("qwen2", tie_word_embeddings=True)
+    out = []
+    for layout, n in PLANS:
+        if a.plans and layout not in a.plans:
+            continue
+        r = measure_and_simulate(model, data, root, layout, n, a.steps, prompts=a.prompts, group=a.group,
+                                 answer=a.answer)
+        print(json.dumps(r), flush=True)
+        out.append(r)
+    sys.stderr.write(f"{'plan':<28} {'measured s':>10} {'simulated s':>11} {'sim/meas':>8}\n")
+    for r in out:
+        sys.stderr.write(f"{r['plan']:<28} {r['measured_s']:>10.4f} {r['simulated_s']:>11.4f} {r['ratio']:>8.3f}\n")
+    return 0
+
+
+def areal(a) -> int:
+    from realhf.plan.async_sim import areal_small_setting
+
+    rows = areal_small_setting()
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    sys.stderr.write(f"{'eta':>4} {'simulated tok/s':>15} {'paper tok/s':>12} {'sim/paper':>9} {'trainer idle':>12} "
+                     f"{'gen idle':>8} {'staleness':>9}\n")
+    for r in rows:
+        sys.stderr.write(f"{r['eta']:>4} {r['tokens_per_s']:>15.0f} {r['paper_tokens_per_s']:>12.0f} "
+                         f"{r['ratio']:>9.3f} {r['trainer_idle']:>12.2f} {r['generation_idle']:>8.2f} "
+                         f"{r['mean_staleness']:>9.2f}\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("measured", help="tiny ppo-math plans here: measured vs simulated step time")
+    m.add_argument("--steps", type=int, default=6)
+    m.add_argument("--model", default=None, help="a model folder (default: the tiny Qwen2)")
+    m.add_argument("--prompts", type=int, default=8)
+    m.add_argument("--group", type=int, default=4)
+    m.add_argument("--answer", type=int, default=16, help="tokens of every answer")
+    m.add_argument("--plans", nargs="*", default=None, help=f"a subset of {[p for p, _ in PLANS]}")
+    m.add_argument("--root", default=None, help="where the runs write (default: a temporary folder)")
+    sub.add_parser("areal", help="the asynchronous model in AReaL's small setting beside the paper's figures")
+    a = ap.parse_args(argv)
+    return measured(a) if a.what == "measured" else areal(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
