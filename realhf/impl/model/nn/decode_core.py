@@ -10,7 +10,7 @@ What the two drivers share (this module)
   row's length, then the lengths advanced, by the decoder chosen once per model and cache kind (``fast_step_for``):
 
   - ``compiled``: ``compiled_decode.CompiledDecoder`` (``compile_decode``; tp = pp = 1);
-  - ``cuda_graph``: the step replayed as a CUDA graph (on CUDA; tp = pp = 1): ``graph_decode.GraphDecoder`` over
+  - ``graph``: the step replayed as a CUDA graph (on CUDA; tp = pp = 1): ``graph_decode.GraphDecoder`` over
     ``generate``'s per-call cache, ``graph_decode.PaddedGraphDecoder`` over the server's slot storage;
   - ``eager``: the model's forward. On a CPU it runs a decode step's blocks in C++ (``decode_ops``' ``decode_block``
     / ``DecodeLayers``) where they serve (fp32 rows, at most ``decode_ops.MAX_ROWS`` of them, fusable blocks,
@@ -110,7 +110,7 @@ class Decoder:
 
     @property
     def kind(self) -> str:
-        """``eager``, ``compiled`` or ``cuda_graph`` (see the module docstring)."""
+        """``eager``, ``compiled`` or ``graph`` (a CUDA graph; see the module docstring)."""
         return "eager" if self.fast is None else self.fast.kind
 
     @property

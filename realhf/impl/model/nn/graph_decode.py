@@ -53,7 +53,7 @@ class GraphDecoder:
     buffers and ``lens``), the new keys/values written at ``cache.lens``; the caller advances ``lens``.
     Returns None once capturing has failed (the caller then runs the eager step)."""
 
-    kind = "cuda_graph"  # (decode_core.Decoder.kind)
+    kind = "graph"  # (decode_core.Decoder.kind)
     # ``generate`` keeps finished rows in the batch (their outputs ignored) while more than half still run
     keeps_finished_rows = True
 
@@ -208,7 +208,7 @@ class PaddedGraphDecoder:
     cache grew) or new parameter storage (``model.flat`` rebound) drops the graphs. ``graphs``: the
     ``GraphDecoder`` that captures and replays (``capture=False`` re-runs the step: the CPU tests)."""
 
-    kind = "cuda_graph"  # (decode_core.Decoder.kind)
+    kind = "graph"  # (decode_core.Decoder.kind)
 
     def __init__(self, graphs: GraphDecoder):
         self.model = graphs.model
