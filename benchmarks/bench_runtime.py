@@ -18,7 +18,7 @@ from _timing import emit as _emit, inprocess_copy_seconds
 
 
 def _serve(name, secret, q):
-    from realhf.system.request_reply_stream import Payload, WorkerServer
+    from realhf.system.transport.request_reply_stream import Payload, WorkerServer
 
     srv = WorkerServer(name, secret, host="127.0.0.1")
     q.put(srv.address)
@@ -35,7 +35,7 @@ def _serve(name, secret, q):
 
 def bench_round_trip(n_workers: int, n_calls: int):
     from realhf.base.run_secret import new_run_secret
-    from realhf.system.request_reply_stream import MasterClient
+    from realhf.system.transport.request_reply_stream import MasterClient
 
     secret = new_run_secret()
     ctx = mp.get_context("spawn")
@@ -66,7 +66,7 @@ def _transfer(mb: int, reps: int):
 
     from realhf.api.core.data_api import SequenceSample
     from realhf.base.runtime_env import cpu_env
-    from realhf.system.data_manager import DataManager
+    from realhf.system.trainer.data_manager import DataManager
 
     rank = dist.get_rank()
     n = mb * 1024 * 1024 // 4

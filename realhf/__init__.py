@@ -1,7 +1,7 @@
 """realhf: reinforcement learning for LLM reasoning on a dataflow graph of model function calls.
 
 Its packages form layers that only look down: a module imports its own package and the layers below it, never
-one above it nor one beside it (``tests/test_layers.py`` keeps it so). :data:`LAYERS` lists them, lowest first;
+one above it nor one beside it (``tests/unit/test_layers.py`` keeps it so). :data:`LAYERS` lists them, lowest first;
 packages in one entry sit beside each other. This module itself imports nothing."""
 
 __version__ = "0.1.0"

@@ -8,9 +8,9 @@
 #      BENCH_LONG=1: answers of 8,192 tokens from 2 prompts instead (give it a larger BENCH_LIMIT);
 #      BENCH_ARGS: more flags (e.g. "--modes colocated", or "--compare-transformers --shape smollm2" for the
 #      in-process comparisons against transformers)
-#   2. pytest -m gpu (tests/test_gpu_path.py, tests/test_gen_server_gpu.py); tests needing 2 GPUs, vLLM,
+#   2. pytest -m gpu (tests/gpu/test_gpu_path.py, tests/gpu/test_gen_server_gpu.py); tests needing 2 GPUs, vLLM,
 #      SGLang or flash-attn skip themselves where those are missing
-#   3. the tiny-model GRPO and PPO learning tests (tests/test_grpo_learns.py), which on a CUDA machine run their
+#   3. the tiny-model GRPO and PPO learning tests (tests/e2e/test_grpo_learns.py), which on a CUDA machine run their
 #      workers on cuda:0 in bf16 with NCCL, as a user's run would; and those with a generation server (synchronous
 #      and asynchronous GRPO), which on a one-GPU machine share the GPU with the trainer (gpus_per_node=1)
 # (2) and (3) run side by side after (1) (SKIP_BENCH=1 skips it; LEARN_K / LEARN_SERVED_K pick the learning tests). Logs go to $OUT (default outputs/gpu_check); the last lines of each
@@ -58,13 +58,13 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   show bench 16
 fi
 PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -rs --timeout 240"
-part pytest_gpu "${TEST_LIMIT:-240}" $PYTEST -m gpu tests/test_gpu_path.py tests/test_gen_server_gpu.py -v &
+part pytest_gpu "${TEST_LIMIT:-240}" $PYTEST -m gpu tests/gpu/test_gpu_path.py tests/gpu/test_gen_server_gpu.py -v &
 gpu_pid=$!
-part learn "${TEST_LIMIT:-190}" $PYTEST tests/test_grpo_learns.py -k "${LEARN_K:-grpo_learns_tiny or ppo_with_critic}" -v -s &
+part learn "${TEST_LIMIT:-190}" $PYTEST tests/e2e/test_grpo_learns.py -k "${LEARN_K:-grpo_learns_tiny or ppo_with_critic}" -v -s &
 learn_pid=$!
 # the runs with a generation server: on a one-GPU machine it shares the GPU with the trainer (gpus_per_node=1; weights
 # go to it through a gloo group, or through disk in the asynchronous run)
-part learn_served "${TEST_LIMIT:-190}" $PYTEST tests/test_grpo_learns.py \
+part learn_served "${TEST_LIMIT:-190}" $PYTEST tests/e2e/test_grpo_learns.py \
   -k "${LEARN_SERVED_K:-through_generation_servers or async_grpo_learns}" -v -s &
 served_pid=$!
 wait $gpu_pid || status=1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start, check, inspect and stop a Ray cluster on a list of hosts over SSH (realhf/apps/ray_cluster.py):
+# Start, check, inspect and stop a Ray cluster on a list of hosts over SSH (realhf/apps/cluster/ray_cluster.py):
 #
 #   scripts/ray_cluster.sh start  --head node01 --workers node02,node03 [--port 6379] [--num-gpus 8] \
 #                                 [--ssh "ssh -o BatchMode=yes"] [--python /path/to/python] [--fileroot /shared/dir]

@@ -31,7 +31,7 @@ Usage::
         [--sft key=value ...] [--grpo key=value ...] [--ppo key=value ...]
 
 It prints one JSON summary (accuracies, wall times per phase) and writes it to ``<out>/summary.json``.
-``tests/test_grpo_learns.py`` uses :func:`prepare` and :func:`learn` (what :func:`run_recipe` runs).
+``tests/e2e/test_grpo_learns.py`` uses :func:`prepare` and :func:`learn` (what :func:`run_recipe` runs).
 """
 from __future__ import annotations
 

@@ -42,11 +42,11 @@ def tiny_sft(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """A real one-node Slurm (tests/slurm_cluster.py) for the session, its ``SLURM_CONF`` set in this process's
+    """A real one-node Slurm (tests/support/slurm_cluster.py) for the session, its ``SLURM_CONF`` set in this process's
     environment (so launched runs and Slurm clients find it); skipped with the reason where it cannot be installed."""
     import os
 
-    from slurm_cluster import slurm_or_skip
+    from support.slurm_cluster import slurm_or_skip
 
     s = slurm_or_skip(str(tmp_path_factory.mktemp("slurm")))
     old = os.environ.get("SLURM_CONF")

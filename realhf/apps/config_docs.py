@@ -4,7 +4,7 @@ config classes (the same source as ``python -m realhf.apps.quickstart <experimen
     python -m realhf.apps.config_docs            # rewrite docs/configuration.md
     python -m realhf.apps.config_docs --check    # exit 1 when the file is not what the config classes give
 
-``tests/test_config_docs.py`` runs the check, so the page cannot fall behind the code.
+``tests/unit/test_config_docs.py`` runs the check, so the page cannot fall behind the code.
 """
 from __future__ import annotations
 

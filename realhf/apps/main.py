@@ -66,7 +66,7 @@ def _start_jobs(sched, spec, config, launcher, env: dict, nr, common: list,
         servers = start_servers(sched, spec, config, env, nr, name_resolve_root(config),
                                 own_devices=launcher.own_devices, wait=wait)
     if spec.rollout is not None:  # asynchronous RL
-        from realhf.system.rollout_launch import start_manager
+        from realhf.system.rollout.launch import start_manager
 
         manager = start_manager(sched, spec, env, nr, common, wait=wait)
     sched.submit("master", python_cmd("realhf.apps.remote", "--role", "master", *common), env, worker=False)
@@ -74,7 +74,7 @@ def _start_jobs(sched, spec, config, launcher, env: dict, nr, common: list,
                        lambda rank: python_cmd("realhf.apps.remote", "--role", "model_worker", "--rank", rank, *common),
                        env, first_slot=0)
     if spec.rollout is not None:
-        from realhf.system.rollout_launch import start_rollout_workers
+        from realhf.system.rollout.launch import start_rollout_workers
 
         start_rollout_workers(sched, spec, env, common)
     return manager, servers
@@ -87,7 +87,7 @@ def _worker_lost(manager: Optional[str], secret: str):
     def lost(name: str, code: int) -> None:
         if manager is None or not name.startswith("rollout_worker_"):
             return
-        from realhf.system.manager_client import ManagerError, manager_call
+        from realhf.system.transport.manager_client import ManagerError, manager_call
 
         try:
             out = manager_call(manager, bytes.fromhex(secret), "/worker_down",

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     nr = name_resolve.make_repository("file", root=name_resolve_root(config))
     if a.role == "model_worker":
         from realhf.base.runtime_env import detect, local_rank
-        from realhf.system.model_worker import ModelWorker
+        from realhf.system.trainer.model_worker import ModelWorker
 
         # the launch-time runtime environment of this worker (device, backends, dtype, attention kernel);
         # under Ray each worker's actor sees only the GPUs it reserved
@@ -69,13 +69,13 @@ def main(argv=None) -> int:
     if a.role == "rollout_manager":
         import asyncio
 
-        from realhf.system.rollout_manager import serve
+        from realhf.system.rollout.manager import serve
 
         return asyncio.run(serve(spec, secret, nr, bool(a.resume)))
     if a.role == "rollout_worker":
         import asyncio
 
-        from realhf.system.rollout_worker import RolloutWorker
+        from realhf.system.rollout.worker import RolloutWorker
 
         rw = RolloutWorker(spec, a.rank, secret, nr)
         rw.setup()
@@ -88,10 +88,10 @@ def run_master(spec, secret, nr, resume: bool, identity: dict) -> int:
     from realhf.base import network
     from realhf.base.name_resolve import names
     from realhf.experiments import final_hook
-    from realhf.system.heartbeat import HeartbeatMonitor, HeartbeatSender
-    from realhf.system.master_worker import MasterWorker
-    from realhf.system.model_worker import worker_name
-    from realhf.system.request_reply_stream import MasterClient, WorkerError, WorkerLostError
+    from realhf.system.transport.heartbeat import HeartbeatMonitor, HeartbeatSender
+    from realhf.system.trainer.master_worker import MasterWorker
+    from realhf.system.trainer.model_worker import worker_name
+    from realhf.system.transport.request_reply_stream import MasterClient, WorkerError, WorkerLostError
 
     exp, trial = spec.experiment_name, spec.trial_name
     monitor = HeartbeatMonitor(secret, host=network.worker_host(), name_resolve=nr, key=names.master_heartbeat(exp, trial))

@@ -1,4 +1,4 @@
-"""Wire format of the request/reply stream (``realhf.system.request_reply_stream``) and of every other signed
+"""Wire format of the request/reply stream (``realhf.system.transport.request_reply_stream``) and of every other signed
 ZMQ message of a run (heartbeats, trajectories): per-run secrets, HMAC-signed multipart frames and the
 payload codec (plain-JSON header + raw tensor frames; no pickle). The secret itself is ``realhf.base.run_secret``'s.
 
@@ -10,7 +10,7 @@ Freshness: the header carries the send time (``ts``) and a random request id; a 
 requests keeps a :class:`ReplayGuard`, which rejects a message sent outside its time window or whose id
 it has seen, so a captured request cannot be executed twice. Size: no frame may exceed
 ``MAX_FRAME_BYTES`` (checked on send; receiving sockets drop a peer that sends a larger one before
-buffering it, see ``realhf.system.request_reply_stream.bind_socket``). Rejections are counted and logged
+buffering it, see ``realhf.system.transport.request_reply_stream.bind_socket``). Rejections are counted and logged
 by :class:`RejectionLog`, which rate-limits its warnings so that a flood cannot fill the logs.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Evaluation datasets: ``<data_dir>/<name>/test.jsonl`` rows -> problems with their ground truth.
 
-Ground truth, the standard way per dataset (the same rules as ``tests/test_reward_datasets.py``):
+Ground truth, the standard way per dataset (the same rules as ``tests/unit/test_reward_datasets.py``):
 
 * ``math_500`` — the last ``\\boxed{}`` of ``solution``;
 * ``gsm8k`` — the number after ``####`` in ``answer``;

@@ -9,7 +9,7 @@ DFG (keys infer the edges):
   actor_inf   (actor,  inference)  packed_input_ids, prompt_mask -> proximal_logprobs          [ppo.mismatch_correction]
   actor_train (actor,  train_step) all of the above
 With ppo.dynamic_sampling the master runs actor_gen and rew_inf again over new prompts until the batch holds
-dataset.train_bs_n_seqs prompts whose answers' rewards differ (realhf.system.dynamic_sampling).
+dataset.train_bs_n_seqs prompts whose answers' rewards differ (realhf.system.trainer.dynamic_sampling).
 
 With a decoupled allocation (``vllm.d2m1p1+d1m1p1``, ``sglang.``, ``gen.``) actor_gen is served by generation
 servers on the generation devices (``realhf.gen_server``): its replica ``actor@1`` is a client on worker 0, the
@@ -20,7 +20,7 @@ outputs ``packed_versions`` (the weight version behind every generated token; -1
 `async-ppo-math` (asynchronous, AReaL's design) builds the same trainer but feeds it a stream of finished
 trajectories instead of actor_gen + rew_inf: a rollout manager and rollout workers run episodes (a workflow:
 generation on the servers, then the reward) and push them to the trainer's data-parallel heads
-(``realhf.system.trajectory_stream``); the trained weights reach the servers through the manager after every
+(``realhf.system.transport.trajectory_stream``); the trained weights reach the servers through the manager after every
 step. Its DFG:
   actor_inf   (actor,  inference)  packed_input_ids, prompt_mask -> proximal_logprobs   [async_rl.prox_logp=recompute]
   ref_inf, critic_inf, critic_train as above

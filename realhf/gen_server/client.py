@@ -28,6 +28,7 @@ import time
 from typing import Any, List, Optional, Sequence
 
 from realhf.base import logging
+from realhf.base.name_resolve import names
 from realhf.gen_server.api import GenerateRequest, GenerateResult, TensorMeta, WeightGroupSpec
 from realhf.gen_server.auth import sign
 # the client's error and its view of a server live with the dialects; importers take them from here too
@@ -222,6 +223,12 @@ def dialect_options(backend: str, secret: bytes) -> dict:
     if backend != "sglang":
         return {"dialect": "realhf"}
     return {"dialect": "sglang", "api_key": api_key_of(secret)}
+
+
+def server_addresses(nr, experiment: str, trial: str, n: int, timeout: float = 60.0) -> List[str]:
+    """The addresses of a run's ``n`` generation servers, as they registered them in name_resolve (``nr``), waiting
+    up to ``timeout`` seconds for each."""
+    return [nr.wait(names.gen_server(experiment, trial, i), timeout=timeout) for i in range(n)]
 
 
 class SyncGenClient:

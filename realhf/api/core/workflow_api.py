@@ -2,7 +2,7 @@
 
 A *workflow* (AReaL's ``RolloutWorkflow``) turns one dataset row into one :class:`Trajectory`:
 ``await workflow.arun_episode(engine, data)`` generates on the generation servers through ``engine`` (a
-``realhf.system.rollout_engine.RolloutEngine``: ``await engine.agenerate(input_ids, sampling, rid, prefer=None)``
+``realhf.system.rollout.engine.RolloutEngine``: ``await engine.agenerate(input_ids, sampling, rid, prefer=None)``
 -> ``GenerateResult``, ``engine.tokenizer``, ``engine.version``), scores the answers and returns the group of
 ``n`` answers of the prompt, or None to reject the episode.
 

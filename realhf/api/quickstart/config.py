@@ -12,7 +12,7 @@ Required strings (model and dataset paths) default to ``""`` so that sections ca
 defaults; the experiment config that needs them says so when they are empty.
 
 Every option is read by the code it is for: an experiment has only the options it uses (``gen`` has no
-checkpoint or evaluation options), and ``tests/test_option_reach.py`` sets each option of each experiment
+checkpoint or evaluation options), and ``tests/unit/test_option_reach.py`` sets each option of each experiment
 to a non-default value and checks that the value arrives where it is used. The sampling section is the generation
 contract's (``realhf.api.core.generation``; ``ppo.gen`` in :mod:`realhf.api.quickstart.ppo_config`, with the PPO
 section), the reward section is in :mod:`realhf.api.quickstart.reward_config`, the others in

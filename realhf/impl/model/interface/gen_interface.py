@@ -123,7 +123,7 @@ class GenerationInterface(ModelInterface):
 
 def prompt_seed(seed: int, version: int, sample_id) -> int:
     """The seed of one prompt's samples: from the sampling seed, the weight version generating and the sample id
-    (asynchronous rollouts seed their episodes the same way, see ``realhf.system.rollout_worker``)."""
+    (asynchronous rollouts seed their episodes the same way, see ``realhf.system.rollout.worker``)."""
     return (int(seed) * 1000003 + int(version) * 7919 + hash_id(sample_id)) % (2**62)
 
 

@@ -20,7 +20,7 @@ same result on every rank), which piece of which source buffer every destination
 point-to-point operations (gloo on CPU, NCCL on GPU). The copies are exact: after reallocation the
 destination holds the source's parameters bit for bit.
 
-Devices that share no communicator use the disk path instead (see ``realhf.system.model_worker``):
+Devices that share no communicator use the disk path instead (see ``realhf.system.trainer.model_worker``):
 the source layout saves a HF checkpoint and the destination layout loads it.
 """
 from __future__ import annotations

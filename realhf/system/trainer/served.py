@@ -1,0 +1,257 @@
+"""Training with generation servers: the model worker's side.
+
+* :class:`ServedEngine` stands where a ``ReaLModel`` engine stands for a generation MFC: ``generate`` sends one
+  request per prompt (its ``n`` samples together, with the prompt's seed) to the servers through the run's
+  client and returns a ``GenerationOutput`` with the weight version behind every token. Seeds follow
+  ``generate(seeds=...)``, so the ``gen`` backend samples exactly what the colocated engine would.
+* :class:`WeightPublisher` brings the trained weights of the source replica to every server after training
+  (the master's ``ParamReallocHook`` asks for it before the next generation): ``disk`` — the replica writes a HF
+  checkpoint (``save_hf``, atomic) and every server loads it; ``memory`` — the replica's stage writers and
+  every server rank join one torch.distributed group (gloo on CPU, NCCL on GPU) and the writers broadcast the
+  HF-named tensors, which the servers load as they arrive. In an asynchronous run (``spec.rollout``) the
+  checkpoint goes to the rollout manager instead, which pauses the servers, has them load it and resumes them.
+  There, a single-process replica publishes *behind* training: it copies its weights (a fraction of a second)
+  and a background thread writes and announces the checkpoint while the trainer goes on with the next step; the
+  next publish waits for it, so versions arrive in order. A failure is reported at once through ``on_failure``
+  (the worker's heartbeats: the master stops the run with it, as no rollout of a later batch may wait for a
+  version that never comes) and raised again by the next publish. The staleness bound holds as before: the
+  manager admits rollouts by the version the servers hold, which only lags a little longer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import uuid
+from typing import Callable, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from realhf.base import logging, network
+from realhf.base.name_resolve import names
+from realhf.gen_server.api import GenerateRequest, WeightGroupSpec
+from realhf.gen_server.client import SyncGenClient, dialect_options, server_addresses
+
+logger = logging.getLogger(__name__)
+
+
+def make_client(spec, fleet, secret: bytes, nr) -> SyncGenClient:
+    addrs = server_addresses(nr, spec.experiment_name, spec.trial_name, fleet.n_servers)
+    return SyncGenClient(addrs, secret, routing=fleet.routing, request_timeout=fleet.request_timeout_secs,
+                         **dialect_options(fleet.backend, secret))
+
+
+class ServedModule:
+    """What interfaces read of a served replica's "module": it is one stage that samples."""
+
+    is_first = is_last = True
+    tp_group = None
+    tp = pp = 1
+
+
+class ServedEngine:
+    """The engine of a served replica: generation goes to the servers. ``client``: a client, or a function making
+    one when the first generation needs it (an asynchronous run's trainer never generates: no client is made)."""
+
+    def __init__(self, client):
+        self._client, self._make = (None, client) if callable(client) else (client, None)
+        self.model = ServedModule()
+
+    @property
+    def client(self) -> SyncGenClient:
+        if self._client is None:
+            self._client = self._make()
+        return self._client
+
+    def load(self):
+        pass
+
+    def offload(self):
+        pass
+
+    def generate(self, prompts: Sequence[Sequence[int]], gconfig, eos_token_id=None, generator=None,
+                 seeds: Optional[Sequence[int]] = None):
+        from realhf.impl.model.nn.generation import GenerationOutput
+
+        stop = sorted(set(gconfig.stop_token_ids) | ({int(eos_token_id)} if eos_token_id is not None else set()))
+        base = uuid.uuid4().hex[:12]
+        reqs = []
+        for i, p in enumerate(prompts):
+            sp = gconfig.sampling(stop_token_ids=stop, seed=None if seeds is None or gconfig.greedy else int(seeds[i]))
+            reqs.append(GenerateRequest(rid=f"{base}-{i}", input_ids=[int(t) for t in p], sampling=sp))
+        t0 = time.perf_counter()
+        results = self.client.generate_many(reqs)
+        out = GenerationOutput(tokens=[], logprobs=[], no_eos=[], versions=[])
+        for r in results:
+            for o in r.outputs:
+                out.tokens.append(list(o.output_ids))
+                out.logprobs.append(list(o.logprobs))
+                out.no_eos.append(o.finish_reason != "stop")
+                out.versions.append(list(o.versions))
+        n_tok = sum(len(t) for t in out.tokens)
+        logger.debug("served generation: %d prompts x %d, %d tokens in %.2f s", len(prompts), gconfig.n, n_tok,
+                     time.perf_counter() - t0)
+        return out
+
+    def close(self):
+        if self._client is not None:
+            self._client.close()
+
+
+class WeightPublisher:
+    """Publishes the weights of one trained replica (``src`` on this worker) to the servers of ``fleet``.
+    ``on_failure(message)``: called (from the background thread) when a publish behind training fails, e.g. the
+    worker's ``HeartbeatSender.report_failure``."""
+
+    def __init__(self, spec, fleet, secret: bytes, nr, env, dst: str,
+                 on_failure: Optional[Callable[[str], None]] = None):
+        self.spec, self.fleet, self.secret, self.nr, self.env, self.dst = spec, fleet, secret, nr, env, dst
+        self.on_failure = on_failure
+        self.client: Optional[SyncGenClient] = None
+        self.group = None
+        self.path = os.path.join(spec.save_dir, ".gen_weights", dst)
+        self._behind: Optional[threading.Thread] = None  # the publish running behind training
+        self._behind_error: Optional[BaseException] = None
+        self._snapshot = None  # HF-named copies of the weights, reused from one publish to the next
+
+    def _client(self) -> SyncGenClient:
+        if self.client is None:
+            self.client = make_client(self.spec, self.fleet, self.secret, self.nr)
+        return self.client
+
+    def publish(self, model, version: int) -> dict:
+        t0 = time.perf_counter()
+        self.wait()
+        if self.fleet.weight_sync == "disk":
+            if self.spec.rollout is not None and model.grid.dims.world_size == 1:
+                self._publish_behind(model, version)
+            else:
+                self._publish_disk(model, version)
+        else:
+            self._publish_memory(model, version)
+        return {"seconds": time.perf_counter() - t0}
+
+    def wait(self) -> None:
+        """Until the publish running behind training is done; raises its failure."""
+        if self._behind is not None:
+            self._behind.join()
+            self._behind = None
+        err, self._behind_error = self._behind_error, None
+        if err is not None:
+            raise err
+
+    @staticmethod
+    def _is_head(grid) -> bool:
+        return grid.dp_rank == 0 and grid.tp_rank == 0 and grid.pp_rank == 0
+
+    def _publish_disk(self, model, version: int):
+        from realhf.impl.model.conversion.hf_io import save_hf
+
+        save_hf(model.module, self.path)  # collective over the replica; the folder is complete when it returns
+        if self._is_head(model.grid):
+            self._announce(version)
+
+    def _publish_behind(self, model, version: int):
+        from realhf.impl.model.conversion.hf_io import stage_hf_state
+
+        hf = stage_hf_state(model.module)
+        snap = self._snapshot
+        if snap is None or snap.keys() != hf.keys() or any(snap[k].shape != v.shape for k, v in hf.items()):
+            snap = self._snapshot = {k: v.detach().clone() for k, v in hf.items()}
+        else:
+            for k, v in hf.items():
+                snap[k].copy_(v)
+        self._behind = threading.Thread(target=self._write_behind, args=(snap, model.module.config, version),
+                                        name=f"publish-{self.dst}", daemon=True)
+        self._behind.start()
+
+    def _write_behind(self, snap, cfg, version: int):
+        from realhf.impl.model.conversion.hf_io import write_hf_state
+
+        try:
+            t0 = time.perf_counter()
+            write_hf_state(snap, cfg, self.path)
+            self._announce(version)
+            logger.info("published version %d of %s behind training in %.2f s", version, self.dst,
+                        time.perf_counter() - t0)
+        except BaseException as e:  # reported now (the run stops), raised again by the next publish (or close)
+            err = RuntimeError(f"publishing version {version} of the weights of {self.dst} to the generation servers "
+                               f"(through {self.path}) failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            self._behind_error = err
+            if self.on_failure is not None:
+                self.on_failure(str(err))
+
+    def _announce(self, version: int):
+        """The checkpoint at ``self.path`` is complete: have the servers load it as ``version``."""
+        if self.spec.rollout is not None:  # asynchronous run: the rollout manager pauses, updates, resumes the servers
+            from realhf.system.transport.manager_client import manager_call
+
+            addr = self.nr.wait(names.rollout_manager(self.spec.experiment_name, self.spec.trial_name), timeout=600)
+            manager_call(addr, self.secret, "/update_weights", {"path": self.path, "version": version},
+                         timeout=self.fleet.startup_timeout_secs)
+        else:
+            self._client().update_weights_from_disk(self.path, version)
+
+    def _publish_memory(self, model, version: int):
+        from realhf.gen_server.weight_group import metas_of, send
+        from realhf.impl.model.conversion.hf_io import stage_hf_state
+
+        module, grid = model.module, model.grid
+        hf = stage_hf_state(module)  # collective over the tp group
+        if grid.dp_rank != 0 or grid.tp_rank != 0:
+            return
+        pp, stage = module.pp, grid.pp_rank
+        writers_group = grid.pp_group if pp > 1 else None  # the stage writers: dp 0, tp 0 of every stage
+        metas = metas_of(hf, src=stage)
+        if writers_group is not None:
+            everyone: List = [None] * pp
+            dist.all_gather_object(everyone, metas, group=writers_group)
+            metas = [m for part in everyone for m in part]
+        client = self._client() if stage == 0 else None
+        if self.group is None:
+            self._join(client, stage, pp, writers_group, grid)
+        pending = None
+        if stage == 0:  # the servers receive while the writers send
+            pending = client.submit(lambda: client.client.update_weights_from_group(metas, version))
+        send(self.group, hf, metas)
+        if pending is not None:
+            pending.result()
+
+    def _join(self, client, stage: int, pp: int, writers_group, grid):
+        from realhf.gen_server.weight_group import WeightGroup
+
+        f = self.fleet
+        if stage == 0:
+            host = network.worker_host()
+            addr = [host, network.find_free_port(host)]
+        else:
+            addr = [None, None]
+        if writers_group is not None:
+            dist.broadcast_object_list(addr, src=grid.global_rank_of(0, 0, 0), group=writers_group)
+        backend = "nccl" if self.env.device.type == "cuda" and not f.shares_gpus else "gloo"
+        world = pp + f.n_servers * f.tp
+        name = f"{self.dst}-{uuid.uuid4().hex[:8]}" if stage == 0 else None
+        if writers_group is not None:
+            box = [name]
+            dist.broadcast_object_list(box, src=grid.global_rank_of(0, 0, 0), group=writers_group)
+            name = box[0]
+        base = WeightGroupSpec(master_addr=addr[0], master_port=int(addr[1]), rank_offset=0, world_size=world,
+                               group_name=name, backend=backend)
+        pending = None
+        if stage == 0:
+            specs = [dataclasses.replace(base, rank_offset=pp + i * f.tp) for i in range(f.n_servers)]
+            pending = client.submit(lambda: client.client.init_weight_group(specs))
+        self.group = WeightGroup(base, rank=stage)
+        if pending is not None:
+            pending.result()
+        logger.info("joined the weight group %s of %d ranks (%s) as rank %d", name, world, backend, stage)
+
+    def close(self):
+        try:
+            self.wait()
+        except RuntimeError as e:
+            logger.warning("%s", e)
+        if self.client is not None:
+            self.client.close()
