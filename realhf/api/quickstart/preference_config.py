@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
-from realhf.api.quickstart.config import BaseExperimentConfig, _require_dir, _require_file
+from realhf.api.quickstart.config import BaseExperimentConfig, _auto_eval_option, _require_dir, _require_file
 from realhf.api.quickstart.eval_config import EvaluatorConfig
 from realhf.api.quickstart.options import check_int, check_number, option
 from realhf.api.quickstart.sections import (ExperimentSaveEvalControl, MFCConfig, MicroBatchConfig, ModelConfig,
@@ -101,8 +101,7 @@ class DPOConfig(BaseExperimentConfig):
 
     exp_ctrl: ExperimentSaveEvalControl = option(help="stopping, saving, recover checkpoints, evaluation",
                                                  factory=ExperimentSaveEvalControl)
-    auto_eval: EvaluatorConfig = option(help="evaluate each saved checkpoint in the background (evaluation/) and log "
-                                             "<dataset>/<metric> to stats.jsonl and TensorBoard", factory=EvaluatorConfig)
+    auto_eval: EvaluatorConfig = _auto_eval_option()
     actor: ModelTrainEvalConfig = option(help="the policy to train (e.g. the SFT checkpoint)", factory=ModelTrainEvalConfig)
     ref: ModelConfig = option(help="the frozen reference (path '' = actor.path)", factory=ModelConfig)
     dataset: PreferenceDatasetConfig = option(help="preference pairs", factory=PreferenceDatasetConfig)

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface, register_interface
-from realhf.impl.model.interface.rw_interface import check_pairs, pair_accuracy, reduce_over_replica, split_pairs
+from realhf.impl.model.interface.rw_interface import (check_pairs, pair_accuracy, pair_step_stats,
+                                                       reduce_over_replica, split_pairs)
 from realhf.impl.model.utils.functional import answer_loss_mask, logprobs_at
 
 REF_KEY = "seq_ref_logprobs"
@@ -96,12 +97,7 @@ class DPOInterface(ModelInterface):
 
         st = model.engine.train_batch(data, loss_fn, lambda mb: float(mb.bs), max_tokens_per_mb=mb_spec.max_tokens_per_mb,
                                       n_mbs=mb_spec.n_mbs, head_rows_fn=answer_rows, defer_head=True)
-        n = max(st.extra.get("n_pairs", 0.0), 1.0)  # sums averaged over dp alike: their ratios are the batch's
-        return {"loss": st.loss, "accuracy": st.extra.get("n_correct", 0.0) / n, "margin": st.extra.get("margin", 0.0) / n,
-                "chosen_reward": st.extra.get("chosen_reward", 0.0) / n,
-                "rejected_reward": st.extra.get("rejected_reward", 0.0) / n, "grad_norm": st.grad_norm, "lr": st.lr,
-                "n_mbs": st.n_mbs, "n_pairs": st.extra.get("n_pairs", 0.0) * model.grid.dp_size,
-                "skipped_nonfinite": float(st.skipped_nonfinite)}
+        return pair_step_stats(st, model, ("chosen_reward", "rejected_reward"))
 
     def _reference_sums(self, model: Model, batches: List[SequenceSample]) -> List[Optional[torch.Tensor]]:
         """The reference's sums of ``batches``, from ``ref_path`` loaded onto the policy's layout for this pass."""

@@ -66,6 +66,17 @@ def reduce_over_replica(tot: torch.Tensor, grid) -> torch.Tensor:
     return tot
 
 
+def pair_step_stats(st, model: Model, per_pair: Tuple[str, ...]) -> Dict[str, float]:
+    """The stats of a training step over preference pairs (``st``: the engine's train_batch result, whose extras are
+    sums over the pairs): the loss, the accuracy, the margin and ``per_pair`` as means per pair, and the step's own."""
+    n = max(st.extra.get("n_pairs", 0.0), 1.0)  # sums averaged over dp alike: their ratios are the batch's
+    out = {"loss": st.loss, **{k: st.extra.get(src, 0.0) / n for k, src in
+                               (("accuracy", "n_correct"), ("margin", "margin"), *((k, k) for k in per_pair))}}
+    out.update(grad_norm=st.grad_norm, lr=st.lr, n_mbs=st.n_mbs, n_pairs=st.extra.get("n_pairs", 0.0) * model.grid.dp_size,
+               skipped_nonfinite=float(st.skipped_nonfinite))
+    return out
+
+
 def _pair_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> Dict[str, float]:
     return {"n_pairs": float(chosen.numel()), "n_correct": float(pair_accuracy(chosen, rejected)),
             "margin": float((chosen - rejected).sum()), "chosen_score": float(chosen.sum()),
@@ -99,12 +110,7 @@ class RewardModelInterface(ModelInterface):
 
         st = model.engine.train_batch(data, loss_fn, lambda mb: float(mb.bs), max_tokens_per_mb=mb_spec.max_tokens_per_mb,
                                       n_mbs=mb_spec.n_mbs, head_rows_fn=last_token_rows)
-        n = max(st.extra.get("n_pairs", 0.0), 1.0)  # sums averaged over dp alike: their ratios are the batch's
-        return {"loss": st.loss, "accuracy": st.extra.get("n_correct", 0.0) / n, "margin": st.extra.get("margin", 0.0) / n,
-                "chosen_score": st.extra.get("chosen_score", 0.0) / n,
-                "rejected_score": st.extra.get("rejected_score", 0.0) / n, "grad_norm": st.grad_norm, "lr": st.lr,
-                "n_mbs": st.n_mbs, "n_pairs": st.extra.get("n_pairs", 0.0) * model.grid.dp_size,
-                "skipped_nonfinite": float(st.skipped_nonfinite)}
+        return pair_step_stats(st, model, ("chosen_score", "rejected_score"))
 
     @torch.no_grad()
     def evaluate(self, model: Model, batches) -> Dict[str, float]:
