@@ -42,7 +42,7 @@ def measure_and_simulate(model: str, data: str, root: str, layout: str, n_dev: i
     """Launch the plan for ``steps`` steps and simulate its step: the measured step time is the median of the steps
     after the first (which loads and warms up); the simulation takes the prompts' mean length from the run."""
     from realhf.api.quickstart.entry import parse_cli
-    from realhf.apps.plan import estimate
+    from realhf.apps.planning import estimate
     from realhf.experiments import registered
     from realhf.testing import read_stats, run_quickstart
 

@@ -1,4 +1,5 @@
-"""``python -m realhf.apps.plan <experiment> --config X.yaml [key=value ...] [--cluster h200x8x2 | --profile]``
+"""``python -m realhf.apps.plan <experiment> --config X.yaml [key=value ...] [--cluster h200x8x2 | --profile]
+[--search [--write FILE] [--seed N] [--max-evals N] [--time-limit S]] [--json]``
 
 Estimates one step of a run without launching it: the experiment's spec is built as the quickstart builds it, its
 memory plan checked (a plan that does not fit is refused with exit code 2 and the reason, as a launch would be), and
@@ -7,25 +8,31 @@ weight publication, input transfer, computation and end, then the step's time.
 
 ``--cluster DEVICExGPUSxNODES`` (e.g. ``h800x8x16``) plans for a cluster of a tabled device
 (:mod:`realhf.plan.hardware`): ``n_nodes`` and ``n_devices_per_node`` are set from it, the capacity is the device's
-memory. ``--profile`` (the default) plans for this machine, profiled at the actor's shape
-(:mod:`realhf.plan.profile`, cached). ``--json`` prints the estimate as one JSON object instead of the table.
+memory; the run's model folders and data files need not be on this machine (a model folder named after a tabled
+shape, e.g. ``/models/DeepSeek-R1-Distill-Qwen-7B``, or a shape's name as the path, stands for it). ``--profile``
+(the default) plans for this machine, profiled at the actor's shape (:mod:`realhf.plan.profile`, cached).
+
+``--search`` (or ``allocation_mode=search``) searches each MFC's devices, layout and micro-batches
+(:mod:`realhf.plan.search`) and prints the chosen plan beside the runners-up, the best single global layout, the
+``heuristic`` allocation and the config's own; ``--write FILE`` writes the chosen plan as a config
+(``allocation_mode=manual``) to launch or edit. ``--json`` prints one JSON object instead of the tables.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import re
 import sys
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 from realhf.api.quickstart import entry
+from realhf.apps import planning
 from realhf.base import logging
 
 logger = logging.getLogger("realhf.apps.plan")
 
 USAGE = ("usage: python -m realhf.apps.plan <experiment> --config X.yaml [key=value ...] "
-         "[--cluster DEVICExGPUSxNODES | --profile] [--json]")
+         "[--cluster DEVICExGPUSxNODES | --profile] [--search [--write FILE] [--seed N] [--max-evals N] "
+         "[--time-limit S]] [--json]")
 
 
 def parse_cluster(s: str) -> Tuple[str, int, int]:
@@ -43,115 +50,117 @@ def parse_cluster(s: str) -> Tuple[str, int, int]:
 
 
 def split_flags(argv: Sequence[str]):
-    """(the quickstart's arguments, cluster string or None, as JSON)."""
+    """(the quickstart's arguments, cluster string or None, as JSON, the search's options)."""
     rest, cluster, as_json = [], None, False
+    opts = dict(search=False, write=None, seed=0, max_evals=20000, time_limit=30.0)
+    kinds = {"--write": str, "--seed": int, "--max-evals": int, "--time-limit": float}
     it = iter(range(len(argv)))
     for i in it:
         a = argv[i]
-        if a == "--cluster":
-            if i + 1 >= len(argv):
-                raise entry.ConfigError("--cluster needs DEVICExGPUSxNODES after it, e.g. h200x8x2")
-            cluster = argv[i + 1]
-            next(it)
-        elif a.startswith("--cluster="):
-            cluster = a.split("=", 1)[1]
+        flag, eq, val = a.partition("=")
+        if flag in ("--cluster",) + tuple(kinds):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise entry.ConfigError(f"{flag} needs a value after it"
+                                            + (", e.g. h200x8x2" if flag == "--cluster" else ""))
+                val = argv[i + 1]
+                next(it)
+            if flag == "--cluster":
+                cluster = val
+                continue
+            try:
+                opts[flag[2:].replace("-", "_")] = kinds[flag](val)
+            except ValueError:
+                raise entry.ConfigError(f"{flag}={val!r}: expected a{'n integer' if kinds[flag] is int else ' number'}"
+                                        if kinds[flag] is not str else f"{flag}: bad value {val!r}") from None
         elif a == "--profile":
             cluster = None
         elif a == "--json":
             as_json = True
+        elif a == "--search":
+            opts["search"] = True
         else:
             rest.append(a)
-    return rest, cluster, as_json
+    return rest, cluster, as_json, opts
 
 
-def _hardware_and_capacity(cluster, cfg, spec, cfgs):
-    """(Hardware, memory-plan Capacity) of a tabled cluster, or of this machine profiled at the actor's shape."""
-    from realhf.plan import hardware
-    from realhf.plan.cost import capacity
-    from realhf.plan.fit import Capacity
+def _stand_ins(rest: Sequence[str]) -> dict:
+    """For ``--cluster``: the run's paths that are not on this machine, each with what stands for it (a model folder:
+    the tabled shape its folder is named after; a data file: nothing). ConfigError for a model folder that is
+    neither here nor named after a tabled shape."""
+    import os
 
-    if cluster is not None:
-        dev, gpus, _ = cluster
-        hw = dataclasses.replace(hardware.get(dev), devices_per_node=gpus)
-        return hw, Capacity("cuda", capacity(hw), f"{hw.name}: {hw.memory_bytes / 2**30:.1f} GiB per GPU")
-    from realhf.experiments.memory_plan import capacity as run_capacity
-    from realhf.plan.profile import hardware as hw_of, profile
+    import yaml
 
-    import torch
+    from realhf.plan.shapes import SHAPES, shape_of_folder
 
-    trained = next((m for m in spec.models if m.optimizer is not None and m.name in cfgs), None)
-    shape = cfgs[trained.name] if trained is not None else next(iter(cfgs.values()))
-    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    torch.set_num_threads(max(1, spec.threads_per_worker))  # a worker's share of the host, as the run has it
-    return hw_of(profile(shape, dtype, comm=spec.n_workers > 1)), run_capacity(cfg, spec)
+    values: dict = {}
 
+    def flat(d, prefix=""):
+        for k, v in (d or {}).items():
+            if isinstance(v, dict):
+                flat(v, f"{prefix}{k}.")
+            else:
+                values[f"{prefix}{k}"] = v
 
-def _is_auto(cfg, mfc_name: str) -> bool:
-    """Whether the config leaves MFC ``mfc_name``'s micro-batch budget to the memory plan (``auto``)."""
-    section = getattr(cfg, mfc_name, None)
-    mb = getattr(section, "mb_spec", None) if section is not None else getattr(cfg, "mb_spec", None)
-    return mb is not None and mb.max_tokens_per_mb == "auto"
-
-
-def with_prompt_len(work, bound: int, prompt_len: float):
-    """``work`` (the MFCs' workloads, sized for prompts of ``bound`` tokens) for prompts of ``prompt_len`` tokens."""
+    it = iter(range(len(rest)))
+    for i in it:
+        a = rest[i]
+        f = rest[i + 1] if a in ("--config", "-c") and i + 1 < len(rest) else (a[9:] if a.startswith("--config=") else None)
+        if a in ("--config", "-c"):
+            next(it, None)
+        if f is not None and os.path.isfile(f):
+            with open(f) as fh:
+                flat(yaml.safe_load(fh))
+        elif "=" in a and not a.startswith("-"):
+            k, v = a.split("=", 1)
+            values[k.strip()] = v.strip()
     out = {}
-    for k, w in work.items():
-        seq = prompt_len if w.kind == "generate" else w.seq_len - bound + prompt_len
-        out[k] = dataclasses.replace(w, seq_len=max(1, int(math.ceil(seq))))
+    for k, v in values.items():
+        if not (k.endswith("path") and isinstance(v, str) and v) or os.path.exists(os.path.expanduser(v)):
+            continue
+        if "dataset" in k.split("."):
+            out[v] = None
+            continue
+        shape = shape_of_folder(v)
+        if shape is None:
+            raise entry.ConfigError(f"--cluster: {k}={v!r} is not on this machine and its folder is not named after "
+                                    f"a tabled shape; give {k}=<a folder with its config.json> or {k}=<shape>, one "
+                                    f"of {sorted(SHAPES)}")
+        out[v] = SHAPES[shape].hf_config()
     return out
 
 
-def estimate(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, prompt_len: Optional[float] = None):
-    """(StepEstimate, memory plan) of experiment ``name`` under ``cfg``; raises ValueError (the memory plan's
-    refusal) when the plan does not fit. ``prompt_len``: the prompts' mean length in tokens (default: the bound the
-    config sets, ``dataset.max_prompt_len``, as the memory plan takes it)."""
-    from realhf.experiments import build_spec
-    from realhf.experiments.memory_plan import model_configs, plan_run, workloads
-    from realhf.plan.fit import auto_budget, plan, refusal
-    from realhf.plan.simulate import plan_of, simulate_step
-
-    if cluster is not None:
-        cfg.n_devices_per_node, cfg.n_nodes = cluster[1], cluster[2]
-        spec = build_spec(name, cfg)
-        cfgs = model_configs(spec)
-        hw, cap = _hardware_and_capacity(cluster, cfg, spec, cfgs)
-        work = {k: v for k, v in workloads(cfg).items() if k in {f.name for f in spec.mfcs}}
-        budgets = {f.name: auto_budget(spec, cfgs, work, cap, f.name) for f in spec.mfcs
-                   if f.name in work and _is_auto(cfg, f.name)}
-        mem = plan(spec, cfgs, work, cap, budgets)
-        bad = mem.unfit()
-        if bad:
-            from realhf.experiments.memory_plan import mfc_config_key
-
-            raise ValueError(refusal(bad[0], cap, mfc_config_key(cfg, bad[0].mfc)))
-        device = "cuda"
-    else:
-        cfg, spec, mem = plan_run(name, cfg, lambda c: build_spec(name, c))
-        cfgs = model_configs(spec)
-        hw, _ = _hardware_and_capacity(None, cfg, spec, cfgs)
-        work, budgets = workloads(cfg), None
-        device = hw.device
-    if prompt_len is not None and hasattr(cfg.dataset, "max_prompt_len"):
-        work = with_prompt_len(work, cfg.dataset.max_prompt_len, prompt_len)
-    return simulate_step(plan_of(spec, cfgs, work, device, budgets), hw), mem
-
-
 def main(argv=None) -> int:
+    from realhf.api.quickstart.stand_ins import standing_in
     from realhf.experiments import registered
     from realhf.impl.dataset import DatasetError
 
     registered()  # imports (and so registers) every experiment
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        rest, cluster_s, as_json = split_flags(argv)
+        rest, cluster_s, as_json, opts = split_flags(argv)
         if not rest or rest[0] in ("-h", "--help"):
             sys.stdout.write(__doc__ + "\n" + USAGE + "\n")
             return 0 if rest else 2
         cluster = parse_cluster(cluster_s) if cluster_s is not None else None
-        name, cfg = entry.parse_cli(rest)
-        logging.getLogger("realhf").setLevel("WARNING")
-        est, mem = estimate(name, cfg, cluster)
+        with standing_in(_stand_ins(rest) if cluster is not None else {}):
+            name, cfg = entry.parse_cli(rest)
+            logging.getLogger("realhf").setLevel("WARNING")
+            opts["search"] = opts["search"] or getattr(cfg, "allocation_mode", "").strip() == "search"
+            if opts["write"] and not opts["search"]:
+                raise entry.ConfigError("--write FILE writes the searched plan: add --search (or allocation_mode=search)")
+            if opts["search"]:
+                from realhf.apps.plan_search import search_config
+
+                found = search_config(name, cfg, cluster, seed=opts["seed"], max_evals=opts["max_evals"],
+                                      time_limit_s=opts["time_limit"])
+                est, mem = found.estimate, found.memory
+                if opts["write"]:
+                    with open(opts["write"], "w") as f:
+                        f.write(entry.config_to_yaml(found.cfg))
+            else:
+                est, mem = planning.estimate(name, cfg, cluster)
     except entry.HelpRequested as h:
         sys.stdout.write(h.text)
         return 0
@@ -160,8 +169,16 @@ def main(argv=None) -> int:
         sys.stderr.write(f"error: {msg}\n")
         return 2
     if as_json:
-        sys.stdout.write(json.dumps(est.as_dict()) + "\n")
+        out = est.as_dict()
+        if opts["search"]:
+            out["search"] = found.result.as_dict()
+            out["options"] = found.options
+        sys.stdout.write(json.dumps(out) + "\n")
         return 0
+    if opts["search"]:
+        sys.stdout.write(found.report() + "\n")
+        if opts["write"]:
+            sys.stdout.write(f"# written: {opts['write']} (launch it with --config {opts['write']})\n")
     sys.stdout.write(est.table() + "\n")
     if mem is not None:
         sys.stdout.write(mem.table() + "\n")

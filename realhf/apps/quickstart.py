@@ -20,6 +20,7 @@ def run(name: str, cfg, console=None, dry_run: bool = False) -> int:
     """Build experiment ``name`` from ``cfg`` (every check runs here, before anything starts: exit code 2 with the
     message) and run it through its launcher (``dry_run``: print what would be submitted, start nothing)."""
     from realhf.apps.main import check_process_env, dry_run as print_plan, run_experiment
+    from realhf.apps.plan_search import resolve_search
     from realhf.experiments import build_spec
     from realhf.experiments.memory_plan import plan_run
     from realhf.impl.dataset import DatasetError
@@ -27,6 +28,7 @@ def run(name: str, cfg, console=None, dry_run: bool = False) -> int:
 
     try:
         launcher = get_launcher(cfg.mode)
+        cfg = resolve_search(name, cfg)  # allocation_mode=search: the chosen plan, as a manual allocation
         if dry_run:
             return print_plan(name, cfg)
         # fail fast, with a clear message, before anything starts; a plan that does not fit its devices is refused and

@@ -71,9 +71,19 @@ def check_model_fits(path: str, layout: ParallelDims, key: str, seqlen: Optional
     a layout that does not divide the model's heads/layers/vocab, or sequences longer than the model's
     positions (``seqlen``: the config keys whose values add up to the longest sequence, e.g.
     ``{"dataset.max_prompt_len": 256, "gen.max_new_tokens": 256}``). Errors name ``key``."""
+    from realhf.api.quickstart import stand_ins
     from realhf.impl.model.conversion.hf_files import (check_tokenizer, check_weight_files, config_from_hf_path,
                                                        max_positions)
 
+    if stand_ins.is_stand_in(path):  # planning for another cluster: the tabled shape, no files to check
+        from realhf.plan.shapes import config_from_hf_dict
+
+        cfg = config_from_hf_dict(stand_ins.hf_config(path))
+        try:
+            cfg.check_layout(layout.tp, layout.pp)
+        except ValueError as e:
+            raise ValueError(f"{key}={path!r} under layout {layout}: {e}") from None
+        return cfg
     try:
         cfg = config_from_hf_path(path)
         check_weight_files(path)

@@ -134,10 +134,16 @@ def capacity(config, spec) -> Capacity:
 
 
 def model_configs(spec) -> Dict[str, object]:
+    from realhf.api.quickstart import stand_ins
     from realhf.impl.model.conversion.hf_files import config_from_hf_path
+    from realhf.plan.shapes import config_from_hf_dict
 
-    return {m.name: config_from_hf_path(m.path, is_critic=m.is_critic) for m in spec.models
-            if m.path and m.gen_servers is None}
+    def shape(m):
+        if stand_ins.is_stand_in(m.path):
+            return config_from_hf_dict(stand_ins.hf_config(m.path), is_critic=m.is_critic)
+        return config_from_hf_path(m.path, is_critic=m.is_critic)
+
+    return {m.name: shape(m) for m in spec.models if m.path and m.gen_servers is None}
 
 
 def _is_auto(v) -> bool:

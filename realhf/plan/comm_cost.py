@@ -89,46 +89,57 @@ def _units(cfg: ReaLModelConfig, pp: int, stage: int):
 def realloc_traffic(cfg: ReaLModelConfig, src: Mesh, dst: Mesh) -> Dict[int, Tuple[float, float, int]]:
     """Per global rank, (elements sent, elements received, remote messages) to reallocate ``cfg``'s parameters from
     ``src`` to ``dst``; local copies are not counted."""
+    import heapq
+
     load: Dict[int, float] = {}
     recv: Dict[int, float] = {}
     pairs = set()
-    src_units = {p: _units(cfg, src.pp, p) for p in range(src.pp)}
-    holders: Dict[int, Tuple[int, int]] = {}  # global rank -> (stage, tensor rank) in src
-    for p in range(src.pp):
-        for d in range(src.dp):
-            for t in range(src.tp):
-                holders[src.rank(p, d, t)] = (p, t)
+    msgs: Dict[int, int] = {}
+    src_units = {p: {u[0]: u for u in _units(cfg, src.pp, p)} for p in range(src.pp)}
+    # the source ranks of stage ps and tensor slice ts, one per data-parallel replica: each rank is in one such group,
+    # so a group's least-loaded rank (the lowest replica among equals) is the top of its own heap
+    groups = {}
+    for ps in range(src.pp):
+        for ts in range(src.tp):
+            ranks = [src.rank(ps, r, ts) for r in range(src.dp)]
+            groups[(ps, ts)] = ([(0.0, r, g) for r, g in enumerate(ranks)], frozenset(ranks))
+    # the pieces a destination (stage, tensor rank) needs, the same for each of its data-parallel replicas
+    pieces = {}
+    for pd in range(dst.pp):
+        units = _units(cfg, dst.pp, pd)
+        for td in range(dst.tp):
+            lo_d, hi_d = td / dst.tp, (td + 1) / dst.tp
+            out = []
+            for name, s, e, n in units:
+                sname = "embed" if (name == "head" and cfg.tied_embedding and not cfg.is_critic) else name
+                for ps in range(src.pp):
+                    have = src_units[ps].get(sname)  # how much of this unit stage ps of the source holds
+                    if have is None:
+                        continue
+                    layers = max(0, min(e, have[2]) - max(s, have[1])) if name == "blocks" else 1
+                    if layers == 0:
+                        continue
+                    for ts in range(src.tp):
+                        f = max(0.0, min(hi_d, (ts + 1) / src.tp) - max(lo_d, ts / src.tp))
+                        if f > 0:
+                            out.append((groups[(ps, ts)], n * layers * f))
+            pieces[(pd, td)] = out
     for pd in range(dst.pp):
         for dd in range(dst.dp):
             for td in range(dst.tp):
                 gd = dst.rank(pd, dd, td)
-                lo_d, hi_d = td / dst.tp, (td + 1) / dst.tp
-                for name, s, e, n in _units(cfg, dst.pp, pd):
-                    sname = "embed" if (name == "head" and cfg.tied_embedding and not cfg.is_critic) else name
-                    for ps in range(src.pp):
-                        # how much of this unit stage ps of the source holds
-                        have = [u for u in src_units[ps] if u[0] == sname]
-                        if not have:
-                            continue
-                        layers = max(0, min(e, have[0][2]) - max(s, have[0][1])) if name == "blocks" else 1
-                        if layers == 0:
-                            continue
-                        for ts in range(src.tp):
-                            f = max(0.0, min(hi_d, (ts + 1) / src.tp) - max(lo_d, ts / src.tp))
-                            if f <= 0:
-                                continue
-                            numel = n * layers * f
-                            cands = [src.rank(ps, r, ts) for r in range(src.dp)]
-                            if gd in cands:
-                                continue
-                            gs = min(cands, key=lambda x: load.get(x, 0.0))
-                            load[gs] = load.get(gs, 0.0) + numel
-                            recv[gd] = recv.get(gd, 0.0) + numel
-                            pairs.add((gs, gd))
-    out: Dict[int, Tuple[float, float, int]] = {}
-    for r in set(load) | set(recv):
-        out[r] = (load.get(r, 0.0), recv.get(r, 0.0), sum(1 for a, b in pairs if r in (a, b)))
-    return out
+                for (heap, members), numel in pieces[(pd, td)]:
+                    if gd in members:
+                        continue
+                    ld, r, gs = heap[0]
+                    heapq.heapreplace(heap, (ld + numel, r, gs))
+                    load[gs] = ld + numel
+                    recv[gd] = recv.get(gd, 0.0) + numel
+                    if (gs, gd) not in pairs:
+                        pairs.add((gs, gd))
+                        msgs[gs] = msgs.get(gs, 0) + 1
+                        msgs[gd] = msgs.get(gd, 0) + 1
+    return {r: (load.get(r, 0.0), recv.get(r, 0.0), msgs.get(r, 0)) for r in set(load) | set(recv)}
 
 
 def realloc(hw: Hardware, cfg: ReaLModelConfig, src: Mesh, dst: Mesh, dtype_bytes: int,

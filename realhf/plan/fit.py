@@ -110,13 +110,22 @@ def _per_rank(w: Workload, dp: int) -> Tuple[int, int]:
     return seqs, seqs * w.seq_len
 
 
+def gen_micro_batches(w: Workload, prompts: int, n_mbs: int, max_tokens: int) -> int:
+    """Micro-batches of a generation call over ``prompts`` prompts on one rank: at least ``n_mbs``, each of at most
+    ``max_tokens`` prompt tokens (the prompts at their bound, ``w.seq_len``; a longer prompt goes alone)."""
+    n = max(1, n_mbs)
+    if max_tokens < UNBOUNDED:
+        n = max(n, math.ceil(prompts / max(1, max_tokens // max(1, w.seq_len))))
+    return min(n, max(1, prompts))
+
+
 def call_estimate(m, s: Shard, w: Workload, n_mbs: int, max_tokens: int, src: Optional[Shard] = None) -> Estimate:
     """What MFC work ``w`` adds on a rank holding shard ``s`` of model spec ``m``, with micro-batches of at most
     ``max_tokens`` tokens (at least ``n_mbs`` of them), plus the parameters of an offloaded replica brought back and
     the reallocation into it (from the trained replica's shard ``src`` on this rank, if any)."""
     seqs, tokens = _per_rank(w, m.layout.dp)
     if w.kind == "generate":
-        per_mb = max(1, math.ceil(seqs / max(1, n_mbs)))
+        per_mb = max(1, math.ceil(seqs / gen_micro_batches(w, seqs, n_mbs, max_tokens)))
         est = memory.generate_call(s, per_mb, w.n, w.seq_len, w.max_new)
     else:
         # the engine's split: at least n_mbs micro-batches (and one per pipeline stage in training), each within
@@ -193,30 +202,37 @@ def plan(spec, cfgs: Dict[str, ReaLModelConfig], workloads: Dict[str, Workload],
 
 
 def auto_budget(spec, cfgs, workloads, cap: Capacity, mfc_name: str) -> Tuple[int, int]:
-    """(n_mbs, max_tokens_per_mb) for MFC ``mfc_name`` under ``max_tokens_per_mb=auto``: the whole per-rank batch in
-    one micro-batch when it fits (no budget), else the largest budget that fits every rank of the MFC (generation:
-    the fewest micro-batches of prompts). A plan that does not fit even with one sequence per micro-batch keeps the
-    smallest budget; :func:`check` then refuses it."""
+    """(n_mbs, max_tokens_per_mb) for MFC ``mfc_name`` under ``max_tokens_per_mb=auto`` (:func:`budget_search` over
+    this spec's memory plan)."""
     mfc = next(x for x in spec.mfcs if x.name == mfc_name)
-    w = workloads[mfc_name]
-    n_mbs = mfc.mb_spec.n_mbs
     if cap.per_rank is None:
-        return n_mbs, UNBOUNDED
+        return mfc.mb_spec.n_mbs, UNBOUNDED
     m = next(x for x in spec.models if x.name == str(mfc.model_name))
 
     def fits(budget: Tuple[int, int]) -> bool:
         p = plan(spec, cfgs, workloads, cap, {mfc_name: budget})
         return all(c.fits for c in p.calls if c.mfc == mfc_name)
 
-    if w.kind == "generate":
-        seqs, _ = _per_rank(w, m.layout.dp)
-        if fits((n_mbs, UNBOUNDED)):
-            return n_mbs, UNBOUNDED
-        lo = next((k for k in range(n_mbs, seqs + 1) if fits((k, UNBOUNDED))), seqs)
-        return lo, UNBOUNDED
+    return budget_search(workloads[mfc_name], m.layout.dp, mfc.mb_spec.n_mbs, fits)
+
+
+def budget_search(w: Workload, dp: int, n_mbs: int, fits) -> Tuple[int, int]:
+    """The budget ``auto`` gives a call of work ``w`` on ``dp`` data-parallel ranks, at least ``n_mbs``
+    micro-batches: the whole per-rank batch in one micro-batch when it fits (no budget), else the largest token
+    budget that fits (generation: the fewest micro-batches of prompts). ``fits((n_mbs, max_tokens))`` says whether a
+    budget fits every rank. A plan that does not fit even with one sequence per micro-batch keeps the smallest
+    budget (the memory plan then refuses it)."""
     if fits((n_mbs, UNBOUNDED)):
         return n_mbs, UNBOUNDED
-    _, tokens = _per_rank(w, m.layout.dp)
+    seqs, tokens = _per_rank(w, dp)
+    if w.kind == "generate":  # fewer prompts per micro-batch never take more memory: the fewest micro-batches
+        lo, hi = n_mbs, max(n_mbs, seqs)
+        if not fits((hi, UNBOUNDED)):
+            return hi, UNBOUNDED
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits((mid, UNBOUNDED)) else (mid, hi)
+        return hi, UNBOUNDED
     lo, hi = w.seq_len, tokens  # a budget below one sequence is never used: a longer sequence goes alone
     if not fits((n_mbs, lo)):
         return n_mbs, lo

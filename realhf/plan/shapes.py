@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, Union
+from typing import Dict, Optional, Union
 
 from realhf.api.core.model_api import ReaLModelConfig
 
@@ -50,11 +50,26 @@ SHAPES: Dict[str, PublishedShape] = {
                                            _hub("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B")),
     "r1-distill-qwen-7b": PublishedShape("qwen2", 3584, 28, 28, 4, 18944, 152064, False,
                                          _hub("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B")),
+    "r1-distill-qwen-32b": PublishedShape("qwen2", 5120, 64, 40, 8, 27648, 152064, False,
+                                          _hub("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B")),
     "llama-3.1-8b": PublishedShape("llama", 4096, 32, 32, 8, 14336, 128256, False,
                                    _hub("meta-llama/Llama-3.1-8B")),
     "smollm2-135m": PublishedShape("llama", 576, 30, 9, 3, 1536, 49152, True,
                                    _hub("HuggingFaceTB/SmolLM2-135M-Instruct")),
 }
+
+
+def shape_of_folder(path: str) -> Optional[str]:
+    """The name in :data:`SHAPES` of the model a folder is named after (``/models/DeepSeek-R1-Distill-Qwen-7B`` ->
+    ``r1-distill-qwen-7b``; a trailing ``-instruct`` ignored), or None."""
+    name = os.path.basename(os.path.normpath(path)).lower()
+    for cand in (name, name[:-len("-instruct")] if name.endswith("-instruct") else name):
+        if cand in SHAPES:
+            return cand
+        hits = [k for k in SHAPES if cand.endswith("-" + k) or cand.endswith("/" + k)]
+        if hits:
+            return max(hits, key=len)
+    return None
 
 
 def config_from_hf_dict(hf: Dict, is_critic: bool = False) -> ReaLModelConfig:

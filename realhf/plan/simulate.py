@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from realhf.api.core.model_api import ReaLModelConfig
 from realhf.plan import comm_cost
 from realhf.plan.comm_cost import Mesh
 from realhf.plan.cost import CostModel
-from realhf.plan.fit import UNBOUNDED, Workload
+from realhf.plan.fit import UNBOUNDED, Workload, gen_micro_batches
 from realhf.plan.hardware import Hardware
 from realhf.plan.memory import Shard, dtype_bytes, params
 
@@ -210,7 +210,9 @@ def compute_time(hw: Hardware, m: PlanModel, call: PlanCall, cm: Optional[CostMo
     if w.kind == "generate":
         if m.servers is not None:
             return generate_time(cm, w, math.ceil(w.seqs / m.servers.n), m.servers.tp, 1, 1, m.servers.max_rows)
-        return generate_time(cm, w, math.ceil(w.seqs / m.mesh.dp), m.mesh.tp, m.mesh.pp, call.n_mbs)
+        prompts = math.ceil(w.seqs / m.mesh.dp)
+        return generate_time(cm, w, prompts, m.mesh.tp, m.mesh.pp,
+                             gen_micro_batches(w, prompts, call.n_mbs, call.max_tokens))
     tp, pp = m.mesh.tp, m.mesh.pp
     seqs = math.ceil(w.seqs / m.mesh.dp)
     if w.kind == "inference":
@@ -256,31 +258,87 @@ def _tokens(w: Optional[Workload]) -> float:
     return w.seqs * w.seq_len
 
 
+class _Free:
+    """When each device is next free: a step function over device ids, kept as intervals (a plan's meshes are
+    ranges, so a step has a handful of them however many devices it spans)."""
+
+    def __init__(self):
+        self.bounds: List[int] = [0]  # interval i is [bounds[i], bounds[i + 1]) (the last one open)
+        self.vals: List[float] = [0.0]
+
+    def _split(self, x: int) -> int:
+        import bisect
+
+        i = bisect.bisect_right(self.bounds, x) - 1
+        if self.bounds[i] != x:
+            self.bounds.insert(i + 1, x)
+            self.vals.insert(i + 1, self.vals[i])
+            i += 1
+        return i
+
+    def max_over(self, ranges: Sequence[Tuple[int, int]]) -> float:
+        import bisect
+
+        out = 0.0
+        for lo, hi in ranges:
+            i = bisect.bisect_right(self.bounds, lo) - 1
+            while i < len(self.bounds) and self.bounds[i] < hi:
+                out = max(out, self.vals[i])
+                i += 1
+        return out
+
+    def raise_to(self, ranges: Sequence[Tuple[int, int]], t: float) -> None:
+        for lo, hi in ranges:
+            a, b = self._split(lo), self._split(hi)
+            for i in range(a, b):
+                self.vals[i] = max(self.vals[i], t)
+
+
+def _ranges(m: PlanModel) -> Tuple[Tuple[int, int], ...]:
+    own = ((m.mesh.first, m.mesh.first + m.mesh.world),)
+    if m.servers is None:
+        return own
+    return own + ((m.servers.first, m.servers.first + m.servers.n * m.servers.tp),)
+
+
 def simulate_step(plan: StepPlan, hw: Hardware, call_overhead_s: float = CALL_OVERHEAD_S,
-                  step_overhead_s: float = STEP_OVERHEAD_S) -> StepEstimate:
-    """One step of ``plan`` on devices of ``hw`` (see the module docstring for the rules)."""
-    free: Dict[int, float] = {}
+                  step_overhead_s: float = STEP_OVERHEAD_S, memo: Optional[dict] = None) -> StepEstimate:
+    """One step of ``plan`` on devices of ``hw`` (see the module docstring for the rules). ``memo``: a dict kept
+    between calls on the same hardware (a search's), where compute and reallocation times are remembered."""
+    free = _Free()
     done: Dict[str, CallEstimate] = {}
     models = {m.name: m for m in plan.models}
     calls = {c.name: c for c in plan.calls}
-    cms: Dict[str, CostModel] = {}
+    memo = {} if memo is None else memo
     for c in plan.calls:
         m = models[c.model]
-        cm = cms.setdefault(m.name, CostModel(m.cfg, hw, m.dtype))
-        rs, kind, src_devs = realloc_time(hw, plan, m)
-        devs = m.devices
+        cm = memo.get(("cm", id(m.cfg), m.dtype))
+        if cm is None:
+            cm = memo[("cm", id(m.cfg), m.dtype)] = CostModel(m.cfg, hw, m.dtype)
+            memo[("cfg", id(m.cfg))] = m.cfg  # keeps the id valid while the memo lives
+        src = models.get(m.realloc_from) if m.realloc_from else None
+        rkey = ("r", id(m.cfg), m.dtype, m.mesh, m.servers, src and src.mesh)
+        if rkey not in memo:
+            memo[rkey] = realloc_time(hw, plan, m)
+        rs, kind, src_devs = memo[rkey]
+        own, src_ranges = _ranges(m), (_ranges(src)[:1] if src_devs else ())
         ready = max((done[p].end for p, _ in c.parents), default=0.0)
-        start = max([ready] + [free.get(d, 0.0) for d in devs + src_devs])
+        start = max(ready, free.max_over(own + src_ranges))
         xfer = 0.0
         for p, bpt in c.parents:  # each parent's outputs, moved at once from its mesh to this one
             tokens = _tokens(c.work) or _tokens(calls[p].work)
             xfer = max(xfer, comm_cost.data_transfer(hw, tokens, bpt, models[calls[p].model].mesh, m.mesh))
-        est = CallEstimate(c.name, m.name, devs, start, rs, xfer, compute_time(hw, m, c, cm), call_overhead_s, kind)
+        ckey = ("c", id(m.cfg), m.dtype, m.mesh, m.servers, c.work and dataclasses.astuple(c.work), c.n_mbs,
+                c.max_tokens)
+        if ckey not in memo:
+            memo[ckey] = compute_time(hw, m, c, cm)
+        dkey = ("d", m.mesh, m.servers)
+        if dkey not in memo:
+            memo[dkey] = m.devices
+        est = CallEstimate(c.name, m.name, memo[dkey], start, rs, xfer, memo[ckey], call_overhead_s, kind)
         done[c.name] = est
-        for d in src_devs:
-            free[d] = max(free.get(d, 0.0), start + rs)
-        for d in devs:
-            free[d] = est.end
+        free.raise_to(src_ranges, start + rs)
+        free.raise_to(own, est.end)
     end = max((e.end for e in done.values()), default=0.0)
     return StepEstimate(list(done.values()), end + step_overhead_s, hw.name)
 

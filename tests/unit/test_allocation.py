@@ -107,7 +107,7 @@ def test_heuristic_layout_prefers_tp_dividing_heads():
         ("sglang.d2+d2", {"n_devices": 8}, ["generation uses 2 devices", "rest uses 2", "has 8"]),
         ("vllm.d2+actor_gen:d1,*:d1", {}, ["'actor_gen' runs on the vllm generation devices"]),
         ("vllm.d1+a:d2,*:d1", {"n_devices": 2}, ["generation uses 1 devices", "rest uses 2", "3 in all"]),
-        ("search", {}, ["not implemented"]),
+        ("serach", {}, ["'serach'"]),
     ],
 )
 def test_bad_modes(s, kw, fragments):

@@ -11,6 +11,10 @@ Forms (whitespace around separators is ignored)::
     manual                                   layouts are given elsewhere in the experiment config
     heuristic                                choose a layout for the device count (see
                                              :func:`heuristic_layout`)
+    search                                   the execution-plan search chooses each MFC's devices,
+                                             layout and micro-batches on a model of the step's time
+                                             (``realhf.plan.search``); the launcher turns it into a
+                                             ``manual`` allocation before anything starts
 
 In a layout the letters are d (data parallel), m (tensor/model parallel) and p (pipeline), in any
 order, each at most once; a missing letter means 1.
@@ -39,7 +43,8 @@ from realhf.base.topology import ParallelDims
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("global", "per_mfc", "decoupled", "manual", "heuristic")
+KINDS = ("global", "per_mfc", "decoupled", "manual", "heuristic", "search")
+_NO_LAYOUTS = ("manual", "heuristic", "search")  # kinds that give no layouts by themselves
 GEN_BACKENDS = ("sglang", "vllm", "gen")
 DEFAULT_KEY = "*"
 
@@ -70,11 +75,12 @@ class AllocationMode:
     def layout_of(self, mfc_name: str) -> ParallelDims:
         """The layout of ``mfc_name``: the generation layout for generation MFCs of a decoupled
         mode, else its own per-MFC entry, else the default."""
-        if self.kind in ("manual", "heuristic"):
+        if self.kind in _NO_LAYOUTS:
             raise ValueError(
                 f"allocation mode {self.kind!r} has no layouts by itself: "
-                + ("they are given elsewhere in the experiment config" if self.kind == "manual"
-                   else "call resolve_heuristic(n_devices, ...) first")
+                + {"manual": "they are given elsewhere in the experiment config",
+                   "heuristic": "call resolve_heuristic(n_devices, ...) first",
+                   "search": "the launcher's plan search turns it into a manual allocation first"}[self.kind]
             )
         if self.kind == "decoupled" and is_generation_mfc(mfc_name):
             assert self.gen is not None
@@ -96,7 +102,7 @@ class AllocationMode:
 
     def n_devices(self) -> int:
         """Total devices this mode uses (for per-MFC specs, the largest layout)."""
-        if self.kind in ("manual", "heuristic"):
+        if self.kind in _NO_LAYOUTS:
             raise ValueError(f"allocation mode {self.kind!r} does not determine a device count by itself")
         n = self._rest_devices()
         if self.kind == "decoupled":
@@ -106,7 +112,7 @@ class AllocationMode:
 
     def rest_n_devices(self) -> int:
         """Devices of everything but the decoupled generation servers (all devices otherwise)."""
-        if self.kind in ("manual", "heuristic"):
+        if self.kind in _NO_LAYOUTS:
             raise ValueError(f"allocation mode {self.kind!r} does not determine a device count by itself")
         return self._rest_devices()
 
@@ -118,7 +124,7 @@ class AllocationMode:
         return AllocationMode(kind="global", default=heuristic_layout(n_devices, n_layers, n_heads))
 
     def __str__(self) -> str:
-        if self.kind in ("manual", "heuristic"):
+        if self.kind in _NO_LAYOUTS:
             return self.kind
         rest = _format_rest(self.default, self.per_mfc)
         if self.kind == "decoupled":
@@ -195,16 +201,12 @@ def parse_allocation_mode(s: str, mfc_names: Optional[Sequence[str]] = None,
     if not s:
         raise AllocationError(
             "allocation mode is empty; expected e.g. 'd2m1p1', 'actor_gen:d2m1p1,*:d1m2p1', "
-            "'vllm.d2m1p1+d2m1p1', 'manual' or 'heuristic'"
+            "'vllm.d2m1p1+d2m1p1', 'manual', 'heuristic' or 'search'"
         )
     if n_devices is not None and (not isinstance(n_devices, int) or n_devices < 1):
         raise AllocationError(f"n_devices must be a positive integer, got {n_devices!r}")
-    if s in ("manual", "heuristic"):
+    if s in _NO_LAYOUTS:
         return AllocationMode(kind=s)
-    if s == "search":
-        raise AllocationError(
-            "allocation mode 'search' (execution-plan search) is not implemented; use 'heuristic' or give layouts"
-        )
 
     if "+" in s:
         gen_s, plus, rest_s = s.partition("+")

@@ -52,6 +52,7 @@ from realhf.api.quickstart.sections import (  # noqa: F401 (the sections, re-exp
 from realhf.api.quickstart.slurm_config import SlurmConfig
 from realhf.api.quickstart.ppo_config import GenConfig, PPOHyperparameters, SamplingConfig  # noqa: F401 (re-exported)
 from realhf.api.quickstart.reward_config import RENAMED_REWARD_KEYS, RewardConfig
+from realhf.api.quickstart.stand_ins import is_stand_in
 from realhf.base import logging
 from realhf.base.topology import ParallelDims
 
@@ -70,6 +71,8 @@ def _default_fileroot() -> str:
 def _require_dir(key: str, path: str, what: str) -> None:
     if not path:
         raise ValueError(f"{key} is required: set {key}=<path to {what}>")
+    if is_stand_in(path):  # planning for another cluster (realhf.api.quickstart.stand_ins)
+        return
     p = os.path.expanduser(path)
     if not os.path.isdir(p):
         raise ValueError(f"{key}={path!r}: no such folder; expected {what}")
@@ -80,6 +83,8 @@ def _require_file(key: str, path: Optional[str], what: str, optional: bool = Fal
         return
     if not path:
         raise ValueError(f"{key} is required: set {key}=<path to {what}>")
+    if is_stand_in(path):
+        return
     if not os.path.isfile(os.path.expanduser(path)):
         raise ValueError(f"{key}={path!r}: no such file; expected {what}")
 
@@ -131,7 +136,8 @@ class BaseExperimentConfig:
                                          "trainer of an asynchronous run on one machine uses the generation "
                                          "server's core while it waits for weights); 0: cpus_per_worker always")
     allocation_mode: str = option("d1m1p1", "device allocation and parallel layouts, e.g. d2m1p1, "
-                                            "'actor_gen:d2m1p1,*:d1m2p1', 'vllm.d2m1p1+d2m1p1', manual, heuristic")
+                                            "'actor_gen:d2m1p1,*:d1m2p1', 'vllm.d2m1p1+d2m1p1', manual, heuristic, search "
+                                            "(the execution-plan search chooses each MFC's devices and layout)")
     worker_timeout_secs: float = option(10.0, "seconds without a heartbeat before a worker is declared lost (and before "
                                               "the workers end a run whose master stopped sending heartbeats)")
     wandb: WandBConfig = option(help="Weights & Biases logging", factory=WandBConfig)
@@ -225,7 +231,10 @@ class BaseExperimentConfig:
         return mode.resolve_heuristic(self.n_devices)
 
     def _dp_of(self, mfc_name: str) -> Optional[int]:
-        """The MFC's data-parallel size, or None where a manual allocation does not give its layout (yet)."""
+        """The MFC's data-parallel size, or None where the allocation does not give its layout (yet): a manual one
+        without it, or ``search`` before the launcher's search."""
+        if self.allocation().kind == "search":
+            return None
         if self.allocation().kind == "manual":
             mc = getattr(self, mfc_name, None)
             if not (isinstance(mc, MFCPlacement) and mc.parallel):
@@ -238,6 +247,10 @@ class BaseExperimentConfig:
         generation MFCs use the slots after the rest's; ``manual`` reads ``<mfc>.device_mesh`` and
         ``<mfc>.parallel``."""
         mode = self.allocation()
+        if mode.kind == "search":
+            raise ValueError("allocation_mode=search is turned into a manual allocation by the launcher's plan search "
+                             "before the experiment is built (python -m realhf.apps.quickstart, or "
+                             "python -m realhf.apps.plan ... --search --write plan.yaml)")
         if mode.kind == "manual":
             mc = getattr(self, mfc_name, None)
             if not isinstance(mc, MFCPlacement):

@@ -1,0 +1,140 @@
+"""``allocation_mode=search`` and ``python -m realhf.apps.plan ... --search``: the experiment's plan chosen by
+:mod:`realhf.plan.search`, checked as a launch checks it, and written as the ``manual`` allocation that runs it.
+
+The search's problem comes from a spec built for a stand-in allocation (``heuristic``: the same MFCs, models and
+workloads whatever the layouts). The chosen plan becomes ``allocation_mode=manual`` with each MFC's
+``device_mesh``/``parallel``; that config is validated and estimated as a launch would (memory plan, ``auto`` budgets,
+the simulator) — a plan the config checks refuse gives way to the runner-up.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+from realhf.base import logging
+
+logger = logging.getLogger("realhf.apps.plan")
+
+# a launch's search: a fixed number of plans (the same plan on every relaunch of a run), bounded in time as well
+LAUNCH_EVALS = 3000
+LAUNCH_TIME_LIMIT_S = 60.0
+
+
+def with_options(cfg, options: Dict[str, object]):
+    """A copy of ``cfg`` with the dotted ``options`` set, validated again (ValueError naming what is wrong)."""
+    c = copy.deepcopy(cfg)
+    for key, v in options.items():
+        obj = c
+        *path, last = key.split(".")
+        for p in path:
+            obj = getattr(obj, p)
+        if not dataclasses.is_dataclass(obj) or last not in {f.name for f in dataclasses.fields(obj)}:
+            raise ValueError(f"{key}: no such option")
+        setattr(obj, last, v)
+    c.__post_init__()
+    return c
+
+
+def placeable_mfcs(cfg, spec) -> List[str]:
+    """The MFCs of ``spec`` that the config places one by one (``<mfc>.device_mesh``, ``<mfc>.parallel``)."""
+    from realhf.api.quickstart.sections import MFCPlacement
+
+    return [f.name for f in spec.mfcs if isinstance(getattr(cfg, f.name, None), MFCPlacement)]
+
+
+@dataclasses.dataclass
+class Searched:
+    """A search's outcome: the config that runs the chosen plan, the search's result, and the chosen plan's
+    estimate as a launch of that config is estimated."""
+
+    cfg: object
+    result: object  # realhf.plan.search.SearchResult
+    chosen: object  # realhf.plan.search.Evaluated
+    estimate: object  # realhf.plan.simulate.StepEstimate
+    memory: object  # realhf.plan.fit.MemoryPlan
+    options: Dict[str, object]  # the options set on the user's config to make it
+
+    def report(self) -> str:
+        return (self.result.table() + f"\n# the chosen plan as launched: step {self.estimate.step_s:.4g} s "
+                f"(allocation_mode=manual; each MFC's device_mesh and parallel)")
+
+
+def search_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, seed: int = 0,
+                  max_evals: int = LAUNCH_EVALS, time_limit_s: float = LAUNCH_TIME_LIMIT_S) -> Searched:
+    """Search experiment ``name``'s plan under ``cfg`` (its allocation mode ignored) on a tabled ``cluster`` (device,
+    GPUs per node, nodes) or on this machine. Raises :class:`realhf.plan.search.SearchError` when no plan fits or
+    the experiment cannot be placed MFC by MFC."""
+    from realhf.api.quickstart.allocation import AllocationMode
+    from realhf.apps.planning import _is_auto, context, estimate
+    from realhf.plan.search import Placement, Problem, SearchError, search
+
+    if cluster is not None:
+        cfg = copy.deepcopy(cfg)
+        cfg.n_devices_per_node, cfg.n_nodes = cluster[1], cluster[2]
+    ctx, errors = None, []
+    for mode in ("heuristic", "*:d1m1p1"):  # any allocation gives the same MFCs, models and workloads
+        try:
+            ctx = context(name, with_options(cfg, {"allocation_mode": mode}), cluster, check_fit=False)
+            break
+        except ValueError as e:
+            errors.append(f"{mode}: {e}")
+    if ctx is None:
+        raise SearchError("cannot build the experiment to plan it: " + "; ".join(errors))
+    placeable = placeable_mfcs(ctx.cfg, ctx.spec)
+    if not placeable:
+        raise SearchError(f"allocation_mode=search: experiment {name!r} has no per-MFC placement options "
+                          "(<mfc>.device_mesh); give a layout such as d2m1p1 or heuristic")
+    # the budgets are searched with the layouts (as auto chooses them) wherever the config can say them: written
+    # into the chosen config where it gives numbers, left to the launch where it says auto
+    budgeted = [k for k in placeable if hasattr(getattr(ctx.cfg, k), "mb_spec")]
+    auto = sorted(set(budgeted) | {f.name for f in ctx.spec.mfcs if _is_auto(ctx.cfg, f.name)})
+    written = [k for k in budgeted if not _is_auto(ctx.cfg, k)]
+    problem = Problem.from_spec(ctx.spec, ctx.cfgs, ctx.work, ctx.hw, ctx.cap.per_rank, ctx.cfg.n_nodes,
+                                ctx.cfg.n_devices_per_node, placeable, auto)
+    h = AllocationMode("heuristic").resolve_heuristic(problem.n_devices).default
+    heuristic = {k: Placement(0, h.dp, h.tp, h.pp) for k in problem.placeable}
+    result = search(problem, seed=seed, time_limit_s=time_limit_s, max_evals=max_evals, heuristic=heuristic)
+    if cfg.allocation_mode.strip() not in ("search", "heuristic"):  # the config's own allocation, for comparison
+        try:
+            result.given = (cfg.allocation_mode, estimate(name, copy.deepcopy(cfg), cluster)[0].step_s, "")
+        except ValueError as e:
+            result.given = (cfg.allocation_mode, None, str(e).split(". To fit")[0])
+    errors = []
+    for cand in [result.best] + result.runners_up:
+        try:
+            options = cand.overrides(problem.sections, problem.per_node, written)
+            chosen_cfg = with_options(cfg, options)
+            est, mem = estimate(name, copy.deepcopy(chosen_cfg), cluster)
+        except ValueError as e:
+            errors.append(f"{cand.describe()}: {e}")
+            logger.warning(f"plan search: the plan {cand.describe()} is refused at launch ({e}); trying the next")
+            continue
+        return Searched(chosen_cfg, result, cand, est, mem, options)
+    raise SearchError("every plan the search ranked first is refused by the experiment's checks: "
+                      + "; ".join(errors))
+
+
+def resolve_search(name: str, cfg):
+    """A launch's ``allocation_mode=search``: the config of the plan the search chooses on this machine (profiled),
+    its report logged and the config written beside the run (``<run dir>/searched_plan.yaml``); ``cfg`` itself when
+    its allocation is not ``search``. ValueError for a run this machine cannot profile (a cluster launch)."""
+    import os
+
+    from realhf.api.quickstart import entry
+
+    if cfg.allocation_mode.strip() != "search":
+        return cfg
+    if cfg.mode != "local":
+        raise ValueError(f"allocation_mode=search with mode={cfg.mode}: this host is not one of the cluster's, so the "
+                         "search cannot profile it; plan on the tabled device instead: python -m realhf.apps.plan "
+                         f"{name} --config X.yaml --cluster h800x8x{cfg.n_nodes} --search --write plan.yaml, then "
+                         "launch with --config plan.yaml")
+    found = search_config(name, cfg)
+    logger.info("allocation_mode=search:\n" + found.report())
+    path = os.path.join(cfg.run_dir(), "searched_plan.yaml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(entry.config_to_yaml(found.cfg))
+    logger.info(f"allocation_mode=search: the chosen plan runs as {path} (launch it with --config to reuse it)")
+    return found.cfg

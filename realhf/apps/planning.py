@@ -1,0 +1,104 @@
+"""Planning a run without launching it: the experiment's spec built as the quickstart builds it (for this machine,
+profiled, or for a cluster of a tabled device), its memory plan (a plan that does not fit is refused as a launch
+would refuse it) and its step simulated on the cost model (:mod:`realhf.plan.simulate`). Used by
+``python -m realhf.apps.plan`` and by the plan search (:mod:`realhf.apps.plan_search`)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+
+def _hardware_and_capacity(cluster, cfg, spec, cfgs):
+    """(Hardware, memory-plan Capacity) of a tabled cluster, or of this machine profiled at the actor's shape."""
+    from realhf.plan import hardware
+    from realhf.plan.cost import capacity
+    from realhf.plan.fit import Capacity
+
+    if cluster is not None:
+        dev, gpus, _ = cluster
+        hw = dataclasses.replace(hardware.get(dev), devices_per_node=gpus)
+        return hw, Capacity("cuda", capacity(hw), f"{hw.name}: {hw.memory_bytes / 2**30:.1f} GiB per GPU")
+    from realhf.experiments.memory_plan import capacity as run_capacity
+    from realhf.plan.profile import hardware as hw_of, profile
+
+    import torch
+
+    trained = next((m for m in spec.models if m.optimizer is not None and m.name in cfgs), None)
+    shape = cfgs[trained.name] if trained is not None else next(iter(cfgs.values()))
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    torch.set_num_threads(max(1, spec.threads_per_worker))  # a worker's share of the host, as the run has it
+    return hw_of(profile(shape, dtype, comm=spec.n_workers > 1)), run_capacity(cfg, spec)
+
+
+def _is_auto(cfg, mfc_name: str) -> bool:
+    """Whether the config leaves MFC ``mfc_name``'s micro-batch budget to the memory plan (``auto``)."""
+    section = getattr(cfg, mfc_name, None)
+    mb = getattr(section, "mb_spec", None) if section is not None else getattr(cfg, "mb_spec", None)
+    return mb is not None and mb.max_tokens_per_mb == "auto"
+
+
+def with_prompt_len(work, bound: int, prompt_len: float):
+    """``work`` (the MFCs' workloads, sized for prompts of ``bound`` tokens) for prompts of ``prompt_len`` tokens."""
+    out = {}
+    for k, w in work.items():
+        seq = prompt_len if w.kind == "generate" else w.seq_len - bound + prompt_len
+        out[k] = dataclasses.replace(w, seq_len=max(1, int(math.ceil(seq))))
+    return out
+
+
+@dataclasses.dataclass
+class Context:
+    """What planning a run needs: its (resolved) config and spec, each model's shape, the hardware, the capacity,
+    each MFC's workload and budgets (n_mbs, max_tokens_per_mb) where ``auto`` resolved them."""
+
+    cfg: object
+    spec: object
+    cfgs: dict
+    hw: object
+    cap: object
+    work: dict
+    budgets: Optional[dict]
+    mem: object
+
+
+def context(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, check_fit: bool = True) -> Context:
+    """The :class:`Context` of experiment ``name`` under ``cfg``: on a tabled ``cluster`` or on this machine. Raises
+    ValueError (the memory plan's refusal) when ``check_fit`` and the plan does not fit."""
+    from realhf.experiments import build_spec
+    from realhf.experiments.memory_plan import mfc_config_key, model_configs, plan_run, workloads
+    from realhf.plan.fit import auto_budget, plan, refusal
+
+    if cluster is None and check_fit:
+        cfg, spec, mem = plan_run(name, cfg, lambda c: build_spec(name, c))
+        cfgs = model_configs(spec)
+        hw, cap = _hardware_and_capacity(None, cfg, spec, cfgs)
+        return Context(cfg, spec, cfgs, hw, cap, workloads(cfg), None, mem)
+    if cluster is not None:
+        cfg.n_devices_per_node, cfg.n_nodes = cluster[1], cluster[2]
+    spec = build_spec(name, cfg)
+    cfgs = model_configs(spec)
+    hw, cap = _hardware_and_capacity(cluster, cfg, spec, cfgs)
+    work = {k: v for k, v in workloads(cfg).items() if k in {f.name for f in spec.mfcs}}
+    if not check_fit:
+        return Context(cfg, spec, cfgs, hw, cap, work, None, None)
+    budgets = {f.name: auto_budget(spec, cfgs, work, cap, f.name) for f in spec.mfcs
+               if f.name in work and _is_auto(cfg, f.name)}
+    mem = plan(spec, cfgs, work, cap, budgets)
+    bad = mem.unfit()
+    if bad:
+        raise ValueError(refusal(bad[0], cap, mfc_config_key(cfg, bad[0].mfc)))
+    return Context(cfg, spec, cfgs, hw, cap, work, budgets, mem)
+
+
+def estimate(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, prompt_len: Optional[float] = None):
+    """(StepEstimate, memory plan) of experiment ``name`` under ``cfg``; raises ValueError (the memory plan's
+    refusal) when the plan does not fit. ``prompt_len``: the prompts' mean length in tokens (default: the bound the
+    config sets, ``dataset.max_prompt_len``, as the memory plan takes it)."""
+    from realhf.plan.simulate import plan_of, simulate_step
+
+    ctx = context(name, cfg, cluster)
+    work = ctx.work
+    if prompt_len is not None and hasattr(ctx.cfg.dataset, "max_prompt_len"):
+        work = with_prompt_len(work, ctx.cfg.dataset.max_prompt_len, prompt_len)
+    return simulate_step(plan_of(ctx.spec, ctx.cfgs, work, ctx.hw.device, ctx.budgets), ctx.hw), ctx.mem
