@@ -322,9 +322,59 @@ def _validate(args):
         raise EvalError(f"unknown engine {args.engine!r}; available: {', '.join(sorted(engines.ENGINES))}")
 
 
-def run_evaluation(args: argparse.Namespace, engine=None) -> EvalRun:
-    """Evaluate ``args.model_path``; ``engine`` (an object with ``generate(requests, cfg)``) replaces
-    the one named by ``args.engine`` (e.g. a fake engine in tests)."""
+@dataclasses.dataclass
+class _Setup:
+    """What every pass of a run shares, resolved before any generation."""
+
+    datasets: Dict[str, List[data_loader.Problem]]
+    built: Dict[str, List[tuple]]  # per dataset, each problem's prompt as (text, token ids)
+    model_path: str
+    fingerprint: dict
+    max_pos: Optional[int]
+    cfgs: Dict[str, SamplingParams]  # the sampling of each pass
+    out: str
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """What the passes of a run produced: rows per dataset and pass, and which passes were generated or reused."""
+
+    rows: Dict[str, Dict[str, List[dict]]] = dataclasses.field(default_factory=dict)
+    effective_max_new: Dict[str, dict] = dataclasses.field(default_factory=dict)
+    generated: List[str] = dataclasses.field(default_factory=list)
+    reused: List[str] = dataclasses.field(default_factory=list)
+    regraded: List[str] = dataclasses.field(default_factory=list)
+
+
+class _RunEngine:
+    """The engine of a run: the caller's, or the one named by ``args.engine``, made at the first generation (a run
+    that reuses every pass makes none) and closed at the end, or aborted when the run fails."""
+
+    def __init__(self, engine, args, model_path: str):
+        self._engine, self._own, self._args, self._model_path = engine, engine is None, args, model_path
+        self.name = getattr(engine, "name", None) or (args.engine if engine is None else type(engine).__name__)
+
+    def get(self):
+        if self._engine is None:
+            try:
+                self._engine = engines.make_engine(self._args.engine, self._model_path, self._args)
+            except engines.EngineError as e:
+                raise EvalError(str(e)) from None
+        return self._engine
+
+    def abort(self):
+        if self._own and self._engine is not None and hasattr(self._engine, "abort"):
+            self._engine.abort()
+            self._engine = None
+
+    def close(self):
+        if self._own and self._engine is not None:
+            self._engine.close()
+
+
+def _resolve(args: argparse.Namespace) -> _Setup:
+    """Check the arguments, the datasets and the model (an :class:`EvalError` before any generation), then build
+    every prompt and the sampling of each pass."""
     _validate(args)
     names = [n.strip() for n in args.data_names.split(",") if n.strip()]
     if not names:
@@ -345,105 +395,109 @@ def run_evaluation(args: argparse.Namespace, engine=None) -> EvalRun:
     tok = transformers.AutoTokenizer.from_pretrained(model_path)
     stop_ids = engines.stop_token_ids(model_path, tok)
     built = {n: [prompts.build_prompt(tok, p.question, args.prompt_type) for p in probs] for n, probs in datasets.items()}
-    max_pos = engines.max_positions(model_path)
-    # the generation key holds the requested max_gen_tokens; the per-prompt clamp below is a function of
-    # it, the model and the prompts, which the key also covers (and the budgets themselves when clamped)
-    cfgs = _sampling_configs(args, stop_ids, args.max_gen_tokens)
-    fingerprint = engines.model_fingerprint(model_path)
-    engine_name = getattr(engine, "name", None) or (args.engine if engine is None else type(engine).__name__)
+    # the generation key holds the requested max_gen_tokens; the per-prompt clamp is a function of it, the model
+    # and the prompts, which the key also covers (and the budgets themselves when clamped)
+    return _Setup(datasets, built, model_path, engines.model_fingerprint(model_path), engines.max_positions(model_path),
+                  _sampling_configs(args, stop_ids, args.max_gen_tokens), out)
 
-    grader = Grader(args.grade_timeout, args.grader_workers, args.allow_last_number)
-    own_engine = engine is None
-    generated, reused, regraded = [], [], []
-    all_rows: Dict[str, Dict[str, List[dict]]] = {}
-    effective_max_new: Dict[str, dict] = {}
-    t_start = time.perf_counter()
-    try:
-        for name, probs in datasets.items():
-            data_sha = data_loader.file_sha256(data_loader.dataset_path(name, args.data_dir))
-            idx_sha = hashlib.sha256(json.dumps([p.idx for p in probs]).encode()).hexdigest()
-            all_rows[name] = {}
-            budgets = token_budgets([len(ids) for _, ids in built[name]], args.max_gen_tokens, max_pos)
-            n_clamped = sum(0 < b < args.max_gen_tokens for b in budgets)
-            n_too_long = sum(b == 0 for b in budgets)
-            effective_max_new[name] = {"max": max(budgets, default=0), "min": min(budgets, default=0),
-                                       "clamped_prompts": n_clamped, "prompts_too_long": n_too_long}
-            if n_clamped or n_too_long:
-                logger.warning("%s: prompt + max_gen_tokens %d exceeds the model's %d positions for %d of %d prompts: "
-                               "%d get fewer new tokens (down to %d), %d fill the context alone and score 0 "
-                               "(status prompt_too_long)", name, args.max_gen_tokens, max_pos, n_clamped + n_too_long,
-                               len(budgets), n_clamped, min((b for b in budgets if b), default=0), n_too_long)
-            for pass_name, key_cfg in cfgs.items():
-                cfg = key_cfg
-                tag = f"{name}/{pass_name}"
-                jsonl, meta_path = _paths(out, name, pass_name)
-                gen_key = {"dataset": name, "data_sha256": data_sha, "problems": len(probs), "problems_sha256": idx_sha,
-                           "model_path": model_path, "model_files": fingerprint, "engine": engine_name,
-                           "prompt_type": args.prompt_type, "pass": pass_name, "sampling": key_cfg.to_dict(),
-                           "seed": args.seed if pass_name == "sample" else None}
-                if n_clamped or n_too_long:
-                    gen_key["max_new_tokens_per_prompt_sha256"] = hashlib.sha256(json.dumps(budgets).encode()).hexdigest()
-                _remove_stale_tmp(jsonl, meta_path)
-                found = None if args.overwrite else _load_reusable(jsonl, meta_path, gen_key)
-                if found is not None:
-                    rows, meta = found
-                    if meta.get("grading") == grader.key:
-                        logger.info("%s: reusing %s (same generation and grading arguments)", tag, jsonl)
-                        reused.append(tag)
-                    else:
-                        logger.info("%s: reusing the completions of %s, grading again", tag, jsonl)
-                        grader.grade_rows(rows, probs, pass_name)
-                        _save(jsonl, meta_path, rows, gen_key, grader.key)
-                        reused.append(tag)
-                        regraded.append(tag)
-                    all_rows[name][pass_name] = rows
-                    continue
-                if engine is None:
-                    try:
-                        engine = engines.make_engine(args.engine, model_path, args)
-                    except engines.EngineError as e:
-                        raise EvalError(str(e)) from None
-                reqs = [engines.GenRequest(prompt_ids=ids, prompt_text=text, seed=problem_seed(args.seed, name, p.idx),
-                                           problem=p) for p, (text, ids) in zip(probs, built[name])]
-                t0 = time.perf_counter()
-                logger.info("%s: generating %d problems x %d answers (max %d new tokens)", tag, len(reqs), cfg.n,
-                            max(budgets, default=0))
-                comps: List[Optional[list]] = [None] * len(reqs)
-                by_budget: Dict[int, List[int]] = {}
-                for i, b in enumerate(budgets):
-                    if b > 0:
-                        by_budget.setdefault(b, []).append(i)
-                    else:
-                        comps[i] = [engines.Completion("", 0, False)] * cfg.n
-                for b in sorted(by_budget, reverse=True):
-                    idx = by_budget[b]
-                    res = engine.generate([reqs[i] for i in idx], dataclasses.replace(cfg, max_new_tokens=b))
-                    if len(res) != len(idx) or any(len(c) != cfg.n for c in res):
-                        raise RuntimeError(f"engine returned {len(res)} results for {len(idx)} prompts x {cfg.n}")
-                    for i, c in zip(idx, res):
-                        comps[i] = c
-                t_gen = time.perf_counter() - t0
-                rows = [{"idx": p.idx, "question": p.question, "ground_truth": p.ground_truth, "prompt": r.prompt_text,
-                         "seed": r.seed, "max_new_tokens": b, "completions": [c.text for c in cs],
-                         "lengths": [c.n_tokens for c in cs], "finished": [c.finished for c in cs]}
-                        for p, r, cs, b in zip(probs, reqs, comps, budgets)]
-                grader.grade_rows(rows, probs, pass_name)
-                _save(jsonl, meta_path, rows, gen_key, grader.key)
-                logger.info("%s: generated in %.1fs, graded in %.1fs -> %s", tag, t_gen, time.perf_counter() - t0 - t_gen, jsonl)
-                generated.append(tag)
-                all_rows[name][pass_name] = rows
-    except BaseException:
-        if own_engine and engine is not None and hasattr(engine, "abort"):
-            engine.abort()
-            engine = None
-        raise
-    finally:
-        grader.close()
-        if own_engine and engine is not None:
-            engine.close()
 
+def _dataset_budgets(name: str, built: List[tuple], max_gen_tokens: int, max_pos: Optional[int]) -> tuple:
+    """``(max new tokens per prompt, their summary for aggregate.json)``; warns when prompts are clamped."""
+    budgets = token_budgets([len(ids) for _, ids in built], max_gen_tokens, max_pos)
+    n_clamped = sum(0 < b < max_gen_tokens for b in budgets)
+    n_too_long = sum(b == 0 for b in budgets)
+    if n_clamped or n_too_long:
+        logger.warning("%s: prompt + max_gen_tokens %d exceeds the model's %d positions for %d of %d prompts: "
+                       "%d get fewer new tokens (down to %d), %d fill the context alone and score 0 "
+                       "(status prompt_too_long)", name, max_gen_tokens, max_pos, n_clamped + n_too_long,
+                       len(budgets), n_clamped, min((b for b in budgets if b), default=0), n_too_long)
+    return budgets, {"max": max(budgets, default=0), "min": min(budgets, default=0),
+                     "clamped_prompts": n_clamped, "prompts_too_long": n_too_long}
+
+
+def _generate_pass(engine, args, name: str, probs: List[data_loader.Problem], built: List[tuple],
+                   cfg: SamplingParams, budgets: List[int]) -> List[dict]:
+    """Generate one pass (prompts grouped by their token budget, largest first) and return its ungraded rows."""
+    reqs = [engines.GenRequest(prompt_ids=ids, prompt_text=text, seed=problem_seed(args.seed, name, p.idx), problem=p)
+            for p, (text, ids) in zip(probs, built)]
+    comps: List[Optional[list]] = [None] * len(reqs)
+    by_budget: Dict[int, List[int]] = {}
+    for i, b in enumerate(budgets):
+        if b > 0:
+            by_budget.setdefault(b, []).append(i)
+        else:
+            comps[i] = [engines.Completion("", 0, False)] * cfg.n
+    for b in sorted(by_budget, reverse=True):
+        idx = by_budget[b]
+        res = engine.generate([reqs[i] for i in idx], dataclasses.replace(cfg, max_new_tokens=b))
+        if len(res) != len(idx) or any(len(c) != cfg.n for c in res):
+            raise RuntimeError(f"engine returned {len(res)} results for {len(idx)} prompts x {cfg.n}")
+        for i, c in zip(idx, res):
+            comps[i] = c
+    return [{"idx": p.idx, "question": p.question, "ground_truth": p.ground_truth, "prompt": r.prompt_text,
+             "seed": r.seed, "max_new_tokens": b, "completions": [c.text for c in cs],
+             "lengths": [c.n_tokens for c in cs], "finished": [c.finished for c in cs]}
+            for p, r, cs, b in zip(probs, reqs, comps, budgets)]
+
+
+def _reuse_pass(tag: str, jsonl: str, meta_path: str, gen_key: dict, probs: List[data_loader.Problem],
+                pass_name: str, grader: Grader, outcome: _Outcome) -> Optional[List[dict]]:
+    """The rows of a finished pass with the same generation arguments (graded again if the grading arguments
+    changed), else None."""
+    found = _load_reusable(jsonl, meta_path, gen_key)
+    if found is None:
+        return None
+    rows, meta = found
+    if meta.get("grading") == grader.key:
+        logger.info("%s: reusing %s (same generation and grading arguments)", tag, jsonl)
+    else:
+        logger.info("%s: reusing the completions of %s, grading again", tag, jsonl)
+        grader.grade_rows(rows, probs, pass_name)
+        _save(jsonl, meta_path, rows, gen_key, grader.key)
+        outcome.regraded.append(tag)
+    outcome.reused.append(tag)
+    return rows
+
+
+def _evaluate_dataset(setup: _Setup, args, name: str, engine: _RunEngine, grader: Grader, outcome: _Outcome):
+    """Each pass of one dataset: reused when a finished one matches, else generated, graded and written."""
+    probs = setup.datasets[name]
+    data_sha = data_loader.file_sha256(data_loader.dataset_path(name, args.data_dir))
+    idx_sha = hashlib.sha256(json.dumps([p.idx for p in probs]).encode()).hexdigest()
+    outcome.rows[name] = {}
+    budgets, effective = _dataset_budgets(name, setup.built[name], args.max_gen_tokens, setup.max_pos)
+    outcome.effective_max_new[name] = effective
+    for pass_name, cfg in setup.cfgs.items():
+        tag = f"{name}/{pass_name}"
+        jsonl, meta_path = _paths(setup.out, name, pass_name)
+        gen_key = {"dataset": name, "data_sha256": data_sha, "problems": len(probs), "problems_sha256": idx_sha,
+                   "model_path": setup.model_path, "model_files": setup.fingerprint, "engine": engine.name,
+                   "prompt_type": args.prompt_type, "pass": pass_name, "sampling": cfg.to_dict(),
+                   "seed": args.seed if pass_name == "sample" else None}
+        if effective["clamped_prompts"] or effective["prompts_too_long"]:
+            gen_key["max_new_tokens_per_prompt_sha256"] = hashlib.sha256(json.dumps(budgets).encode()).hexdigest()
+        _remove_stale_tmp(jsonl, meta_path)
+        rows = None if args.overwrite else _reuse_pass(tag, jsonl, meta_path, gen_key, probs, pass_name, grader,
+                                                       outcome)
+        if rows is None:
+            eng = engine.get()
+            t0 = time.perf_counter()
+            logger.info("%s: generating %d problems x %d answers (max %d new tokens)", tag, len(probs), cfg.n,
+                        max(budgets, default=0))
+            rows = _generate_pass(eng, args, name, probs, setup.built[name], cfg, budgets)
+            t_gen = time.perf_counter() - t0
+            grader.grade_rows(rows, probs, pass_name)
+            _save(jsonl, meta_path, rows, gen_key, grader.key)
+            logger.info("%s: generated in %.1fs, graded in %.1fs -> %s", tag, t_gen, time.perf_counter() - t0 - t_gen,
+                        jsonl)
+            outcome.generated.append(tag)
+        outcome.rows[name][pass_name] = rows
+
+
+def _aggregate(args, setup: _Setup, outcome: _Outcome, t_start: float) -> tuple:
+    """``(metrics per dataset, the table, the contents of aggregate.json)``."""
     results = {}
-    for name, passes in all_rows.items():
+    for name, passes in outcome.rows.items():
         g, s = passes.get("greedy"), passes.get("sample")
         results[name] = M.dataset_metrics(
             [r["scores"] for r in g] if g else None, [r["lengths"] for r in g] if g else None,
@@ -453,24 +507,46 @@ def run_evaluation(args: argparse.Namespace, engine=None) -> EvalRun:
     agg = {
         "metrics": results,
         "args": {k: v for k, v in vars(args).items()},
-        "model_path": model_path,
-        "model_files": fingerprint,
+        "model_path": setup.model_path,
+        "model_files": setup.fingerprint,
         "seeds": {"base_seed": args.seed,
                   "per_problem_seed": "int.from_bytes(sha256(f'{seed}:{dataset}:{row index}')[:4], 'little') & 0x7fffffff; "
                                       "sample j draws from the stream of (problem seed, j)",
                   "subset": "random.Random(f'realhf-eval-subset:{seed}:{dataset}').sample(rows, max_problems), sorted"},
-        "sampling": {k: c.to_dict() for k, c in cfgs.items()},
-        "effective_max_new_tokens": effective_max_new,  # after clamping to the model's positions
+        "sampling": {k: c.to_dict() for k, c in setup.cfgs.items()},
+        "effective_max_new_tokens": outcome.effective_max_new,  # after clamping to the model's positions
         "metric_notes": "accuracies are fractions in [0, 1]; lengths are generated tokens (stop token included); "
                         "pass@k unbiased estimator; maj@n votes on normalized extracted answers, ties -> first occurrence",
-        "outputs": {n: {p: os.path.relpath(_paths(out, n, p)[0], out) for p in passes} for n, passes in all_rows.items()},
-        "generated": generated,
-        "reused": reused,
+        "outputs": {n: {p: os.path.relpath(_paths(setup.out, n, p)[0], setup.out) for p in passes}
+                    for n, passes in outcome.rows.items()},
+        "generated": outcome.generated,
+        "reused": outcome.reused,
         "seconds": time.perf_counter() - t_start,
     }
-    write_atomic(os.path.join(out, "aggregate.json"), json.dumps(agg, indent=1, default=str).encode())
-    write_atomic(os.path.join(out, "table.txt"), (table + "\n").encode())
-    return EvalRun(results, table, generated, reused, regraded, out)
+    return results, table, agg
+
+
+def run_evaluation(args: argparse.Namespace, engine=None) -> EvalRun:
+    """Evaluate ``args.model_path``; ``engine`` (an object with ``generate(requests, cfg)``) replaces
+    the one named by ``args.engine`` (e.g. a fake engine in tests)."""
+    setup = _resolve(args)
+    run_engine = _RunEngine(engine, args, setup.model_path)
+    grader = Grader(args.grade_timeout, args.grader_workers, args.allow_last_number)
+    outcome = _Outcome()
+    t_start = time.perf_counter()
+    try:
+        for name in setup.datasets:
+            _evaluate_dataset(setup, args, name, run_engine, grader, outcome)
+    except BaseException:
+        run_engine.abort()
+        raise
+    finally:
+        grader.close()
+        run_engine.close()
+    results, table, agg = _aggregate(args, setup, outcome, t_start)
+    write_atomic(os.path.join(setup.out, "aggregate.json"), json.dumps(agg, indent=1, default=str).encode())
+    write_atomic(os.path.join(setup.out, "table.txt"), (table + "\n").encode())
+    return EvalRun(results, table, outcome.generated, outcome.reused, outcome.regraded, setup.out)
 
 
 def main(argv=None, engine=None) -> int:

@@ -1,12 +1,13 @@
 """The packages of realhf form layers that only look down (``realhf.LAYERS``), and no packages or modules import
 each other in a circle. A package that defines ``LAYERS`` of its own (``realhf.system.LAYERS``) orders its
 subpackages the same way. Read from the source with ``ast``: every import counts, at module level or inside a
-function (a deferred import is a dependency all the same)."""
+function (a deferred import is a dependency all the same). The same source keeps to its size limits: no file
+over ``MAX_FILE_LINES`` lines and no function over ``MAX_FUNCTION_LINES`` lines."""
 import ast
 import functools
 import importlib
 import os
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from realhf import LAYERS
 from realhf.base.process import source_root
@@ -17,6 +18,13 @@ SOURCE_TREE_ONLY = ("evaluation", "tests", "scripts", "benchmarks", "examples")
 # imports against the order that are known and due to move: (importing file, imported module) -> where it goes.
 # Each entry must still be in the code (the test says when one is gone, so that the list only shrinks).
 PENDING: dict = {}
+# folders held to the size limits (benchmarks/ is not: a benchmark is a script that reads top to bottom)
+SIZE_CHECKED = ("realhf", "scripts", "evaluation", "tests")
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 80  # from the ``def`` line to the function's last line, docstring and nested functions included
+# files ("path") and functions ("path:Class.function") allowed over the limits -> why. Each must still be over its
+# limit (the test says when one is not, so that the list only shrinks).
+OVERSIZE_ALLOWED: Dict[str, str] = {}
 
 Edge = Tuple[str, str, int, str]  # (importing module, its file, line, imported module)
 
@@ -35,9 +43,9 @@ def _modules() -> Dict[str, str]:
     return out
 
 
-def _imports(name: str, path: str, modules: Dict[str, str]) -> List[Edge]:
-    """Every import of realhf (or of the source tree) in one module: the most specific module each one names."""
-    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+def _imports(name: str, path: str, modules: Dict[str, str], tree: ast.Module) -> List[Edge]:
+    """Every import of realhf (or of the source tree) in one module (``tree``, parsed from ``path``): the most
+    specific module each one names."""
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     edges = []
     for node in ast.walk(tree):
@@ -65,10 +73,64 @@ def _imports(name: str, path: str, modules: Dict[str, str]) -> List[Edge]:
     return edges
 
 
+def _long_functions(body: List[ast.stmt], prefix: str = "") -> List[Tuple[str, int, int]]:
+    """``(qualified name, line, length in lines)`` of each function over ``MAX_FUNCTION_LINES`` defined in ``body``,
+    at any depth (methods, nested functions, functions under ``if``/``try``). Only statements are visited: a
+    function is always defined by one."""
+    out = []
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = prefix + node.name
+            length = node.end_lineno - node.lineno + 1
+            if not isinstance(node, ast.ClassDef) and length > MAX_FUNCTION_LINES:
+                out.append((name, node.lineno, length))
+            out += _long_functions(node.body, name + ".")
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            out += _long_functions(getattr(node, field, None) or [], prefix)
+        for part in getattr(node, "handlers", None) or getattr(node, "cases", None) or []:
+            out += _long_functions(part.body, prefix)
+    return out
+
+
+def _oversize_of(rel: str, text: str, tree: Optional[ast.Module]) -> Dict[str, str]:
+    """What of one file is over its limit: ``{"path" or "path:function": why}``; ``tree`` is None for a file too
+    short to hold a function over the limit."""
+    found = {}
+    n_lines = len(text.splitlines())
+    if n_lines > MAX_FILE_LINES:
+        found[rel] = f"{rel}: {n_lines} lines (at most {MAX_FILE_LINES}): split it by idea"
+    for name, line, length in _long_functions(tree.body) if tree is not None else []:
+        found[f"{rel}:{name}"] = (f"{rel}:{line}: {name} is {length} lines (at most {MAX_FUNCTION_LINES}): "
+                                  "split it into named steps")
+    return found
+
+
 @functools.lru_cache(maxsize=None)
-def _graph() -> List[Edge]:
+def _read_source() -> Tuple[List[Edge], Dict[str, str]]:
+    """Every .py file under ``SIZE_CHECKED`` parsed once, for both checks: (the imports of realhf's modules, in
+    module order; what is over the size limits)."""
     modules = _modules()
-    return [e for name, path in sorted(modules.items()) for e in _imports(name, path, modules)]
+    name_of = {path: name for name, path in modules.items()}
+    edges: Dict[str, List[Edge]] = {}
+    oversize: Dict[str, str] = {}
+    for top in SIZE_CHECKED:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for path in sorted(os.path.join(dirpath, f) for f in filenames if f.endswith(".py")):
+                with open(path, encoding="utf-8") as fh:
+                    text = fh.read()
+                name = name_of.get(path)
+                short = text.count("\n") < MAX_FUNCTION_LINES  # no function of it can be over the limit
+                tree = None if short and name is None else ast.parse(text, filename=path)
+                if name is not None:
+                    edges[name] = _imports(name, path, modules, tree)
+                oversize.update(_oversize_of(os.path.relpath(path, ROOT), text, tree))
+    return [e for name in sorted(edges) for e in edges[name]], oversize
+
+
+def _graph() -> List[Edge]:
+    return _read_source()[0]
 
 
 def _where(e: Edge) -> str:
@@ -173,3 +235,12 @@ def test_imports_look_down_without_circles():
     assert not problems, "imports against the layer order (realhf.LAYERS):\n" + "\n".join(problems)
     circles = _circles()
     assert not circles, "import cycles:\n" + "\n".join(circles)
+
+
+def test_files_and_functions_keep_to_their_size():
+    found = _read_source()[1]
+    problems = [why for key, why in sorted(found.items()) if key not in OVERSIZE_ALLOWED]
+    problems += [f"{key} is within its limit now: remove it from OVERSIZE_ALLOWED"
+                 for key in sorted(set(OVERSIZE_ALLOWED) - set(found))]
+    assert not problems, "over the size limits (one module one idea; functions that read as a procedure):\n" + \
+        "\n".join(problems)
