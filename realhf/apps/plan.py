@@ -169,9 +169,10 @@ def main(argv=None) -> int:
         sys.stderr.write(f"error: {msg}\n")
         return 2
     if as_json:
-        out = est.as_dict()
+        out = est.as_dict() if est is not None else {}
         if opts["search"]:
-            out["search"] = found.result.as_dict()
+            out["search"] = (found.result.as_dict(found.backend) if found.estimate is None
+                             else found.result.as_dict())
             out["options"] = found.options
         sys.stdout.write(json.dumps(out) + "\n")
         return 0
@@ -179,7 +180,8 @@ def main(argv=None) -> int:
         sys.stdout.write(found.report() + "\n")
         if opts["write"]:
             sys.stdout.write(f"# written: {opts['write']} (launch it with --config {opts['write']})\n")
-    sys.stdout.write(est.table() + "\n")
+    if est is not None:
+        sys.stdout.write(est.table() + "\n")
     if mem is not None:
         sys.stdout.write(mem.table() + "\n")
     return 0

@@ -54,8 +54,11 @@ class Searched:
     estimate: object  # realhf.plan.simulate.StepEstimate
     memory: object  # realhf.plan.fit.MemoryPlan
     options: Dict[str, object]  # the options set on the user's config to make it
+    backend: str = "gen"  # asynchronous: the generation servers' backend
 
     def report(self) -> str:
+        if self.estimate is None:  # asynchronous: the steady state is the estimate
+            return self.result.table(self.backend) + f"\n# the chosen plan: allocation_mode={self.cfg.allocation_mode}"
         return (self.result.table() + f"\n# the chosen plan as launched: step {self.estimate.step_s:.4g} s "
                 f"(allocation_mode=manual; each MFC's device_mesh and parallel)")
 
@@ -72,6 +75,8 @@ def search_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None
     if cluster is not None:
         cfg = copy.deepcopy(cfg)
         cfg.n_devices_per_node, cfg.n_nodes = cluster[1], cluster[2]
+    if hasattr(cfg, "async_rl"):
+        return search_async_config(name, cfg, cluster)
     ctx, errors = None, []
     for mode in ("heuristic", "*:d1m1p1"):  # any allocation gives the same MFCs, models and workloads
         try:
@@ -113,6 +118,57 @@ def search_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None
         return Searched(chosen_cfg, result, cand, est, mem, options)
     raise SearchError("every plan the search ranked first is refused by the experiment's checks: "
                       + "; ".join(errors))
+
+
+def search_async_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None,
+                        mean_new: Optional[float] = None) -> Searched:
+    """An asynchronous run's split of the devices between generation servers and the trainer, chosen under its
+    staleness bound (``async_rl.max_head_offpolicyness``) on the steady-state model (:mod:`realhf.plan.async_search`);
+    the servers keep the config's backend (``gen`` when it gives none). The chosen config is checked by the launcher's
+    memory plan; a refused plan gives way to the runner-up."""
+    from realhf.apps.planning import _hardware_and_capacity, _is_auto, actor_shape, context
+    from realhf.experiments import build_spec
+    from realhf.experiments.memory_plan import capacity as run_capacity, model_configs
+    from realhf.plan import hardware
+    from realhf.plan.async_search import given_split, search_async, setting_of
+    from realhf.plan.cost import capacity
+    from realhf.plan.search import SearchError
+
+    mode = cfg.allocation()
+    backend = mode.gen_backend if mode.kind == "decoupled" else "gen"
+    shape = actor_shape(cfg)
+    if cluster is not None:
+        hw = dataclasses.replace(hardware.get(cluster[0]), devices_per_node=cluster[1])
+        cap, dtype = capacity(hw), "bfloat16"
+    else:
+        given = cfg if mode.kind != "search" else with_options(cfg, {"allocation_mode": f"{backend}.d1m1p1+d{max(1, cfg.n_devices - 1)}m1p1"})
+        spec = build_spec(name, given)
+        hw, _ = _hardware_and_capacity(None, given, spec, model_configs(spec))
+        cap, dtype = run_capacity(given, spec).per_rank, ("bfloat16" if hw.device == "cuda" else "float32")
+    eta = cfg.async_rl.max_head_offpolicyness
+    try:
+        result = search_async(setting_of(cfg, shape, mean_new, dtype), hw, cfg.n_devices, cfg.n_devices_per_node, eta,
+                              cap)
+    except ValueError as e:
+        raise SearchError(str(e)) from None
+    if mode.kind == "decoupled":  # the config's own split, for comparison
+        t = mode.per_mfc.get("actor_train", mode.default)
+        result.given = (cfg.allocation_mode, given_split(setting_of(cfg, shape, mean_new, dtype), hw, eta,
+                                                         mode.gen.world_size, mode.gen.tp, (t.dp, t.tp, t.pp), cap))
+    errors = []
+    for cand in [result.best] + result.runners_up:
+        options: Dict[str, object] = {"allocation_mode": cand.allocation(backend)}
+        for k in ("actor_train", "actor_inf"):
+            if not _is_auto(cfg, k) and cand.setting.train_max_tokens < 2**31 - 1:
+                options[f"{k}.mb_spec.max_tokens_per_mb"] = cand.setting.train_max_tokens
+        try:
+            chosen = with_options(cfg, options)
+            ctx = context(name, copy.deepcopy(chosen), cluster)
+        except ValueError as e:
+            errors.append(f"{cand.allocation(backend)}: {e}")
+            continue
+        return Searched(chosen, result, cand, None, ctx.mem, options, backend)
+    raise SearchError("every split the search ranked first is refused by the experiment's checks: " + "; ".join(errors))
 
 
 def resolve_search(name: str, cfg):

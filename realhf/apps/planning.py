@@ -102,3 +102,14 @@ def estimate(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, pro
     if prompt_len is not None and hasattr(ctx.cfg.dataset, "max_prompt_len"):
         work = with_prompt_len(work, ctx.cfg.dataset.max_prompt_len, prompt_len)
     return simulate_step(plan_of(ctx.spec, ctx.cfgs, work, ctx.hw.device, ctx.budgets), ctx.hw), ctx.mem
+
+
+def actor_shape(cfg):
+    """The actor's ``ReaLModelConfig``: from its folder, or from the tabled shape standing in for it."""
+    from realhf.api.quickstart import stand_ins
+    from realhf.plan.shapes import config_from_hf_dict, model_config
+
+    path = cfg.actor.path
+    if stand_ins.is_stand_in(path):
+        return config_from_hf_dict(stand_ins.hf_config(path))
+    return model_config(path)

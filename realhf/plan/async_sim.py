@@ -36,9 +36,10 @@ DECODE_CHUNK = 64  # decode steps evaluated together in the tail-bound (eta = 0)
 
 @dataclasses.dataclass(frozen=True)
 class AsyncSetting:
-    """An asynchronous run: the model, ``gen_gpus`` generation servers of one GPU, ``train_gpus`` data-parallel
-    trainer GPUs, ``prompts`` x ``n`` answers per batch of ``prompt_len`` + up to ``max_new`` tokens (``mean_new``
-    on average), ``minibatches`` optimizer steps per batch, the trainer's extra forward pass (the proximal policy's
+    """An asynchronous run: the model, ``gen_gpus`` GPUs of generation servers of ``gen_tp`` GPUs each,
+    ``train_gpus`` trainer GPUs in the layout data x ``train_tp`` x ``train_pp``, ``prompts`` x ``n`` answers per batch
+    of ``prompt_len`` + up to ``max_new`` tokens (``mean_new`` on average), ``minibatches`` optimizer steps per batch
+    (in micro-batches of at most ``train_max_tokens`` tokens), the trainer's extra forward pass (the proximal policy's
     log-probs of decoupled PPO) when ``recompute_logprobs``."""
 
     cfg: ReaLModelConfig
@@ -53,11 +54,26 @@ class AsyncSetting:
     recompute_logprobs: bool = True
     dtype: str = "bfloat16"
     weight_sync: str = "disk"
+    gen_tp: int = 1
+    train_tp: int = 1
+    train_pp: int = 1
+    train_max_tokens: int = 2**31 - 1
+
+    @property
+    def servers(self) -> int:
+        return self.gen_gpus // self.gen_tp
+
+    @property
+    def train_mesh(self) -> Mesh:
+        return Mesh(self.train_gpus // (self.train_tp * self.train_pp), self.train_tp, self.train_pp, 0)
 
     def __post_init__(self):
         if self.gen_gpus < 1 or self.train_gpus < 1:
             raise ValueError(f"AsyncSetting: gen_gpus and train_gpus must be >= 1, got {self.gen_gpus}, "
                              f"{self.train_gpus}")
+        if self.gen_gpus % self.gen_tp or self.train_gpus % (self.train_tp * self.train_pp):
+            raise ValueError(f"AsyncSetting: gen_tp={self.gen_tp} must divide gen_gpus={self.gen_gpus} and "
+                             f"train_tp x train_pp={self.train_tp}x{self.train_pp} train_gpus={self.train_gpus}")
         if not 0 < self.mean_new <= self.max_new:
             raise ValueError(f"AsyncSetting.mean_new={self.mean_new}: expected in (0, max_new={self.max_new}]")
 
@@ -82,7 +98,7 @@ def _lengths(s: AsyncSetting, rng: random.Random) -> List[int]:
 class _Fleet:
     def __init__(self, s: AsyncSetting, hw: Hardware):
         self.s, self.cm = s, CostModel(s.cfg, hw, s.dtype)
-        shard = Shard(s.cfg, 1, 1, 0, dtype_bytes(s.dtype))
+        shard = Shard(s.cfg, s.gen_tp, 1, 0, dtype_bytes(s.dtype))
         from realhf.plan.cost import capacity
 
         # rows a server keeps in flight: what its memory holds at full length
@@ -91,15 +107,15 @@ class _Fleet:
     def tail_bound(self, lengths: List[int]) -> float:
         """One batch alone: prefill, then decode steps over the answers still alive (per server), in waves of the
         server's rows."""
-        s, per = self.s, math.ceil(len(lengths) / self.s.gen_gpus)
-        mine = sorted(lengths[::s.gen_gpus], reverse=True)[:per]
-        t = self.cm.prefill(s.prompt_len * math.ceil(per / s.n), math.ceil(per / s.n))
+        s, per = self.s, math.ceil(len(lengths) / self.s.servers)
+        mine = sorted(lengths[::s.servers], reverse=True)[:per]
+        t = self.cm.prefill(s.prompt_len * math.ceil(per / s.n), math.ceil(per / s.n), tp=s.gen_tp)
         for w in range(0, len(mine), self.rows):
             wave = sorted(mine[w:w + self.rows])
             alive, k, i = len(wave), 0, 0
             while alive > 0:
                 step = min(DECODE_CHUNK, wave[i] - k) if wave[i] > k else 1
-                t += step * self.cm.decode_step(alive, s.prompt_len + k + step / 2)
+                t += step * self.cm.decode_step(alive, s.prompt_len + k + step / 2, tp=s.gen_tp)
                 k += step
                 while i < len(wave) and wave[i] <= k:
                     i, alive = i + 1, alive - 1
@@ -108,26 +124,27 @@ class _Fleet:
     def streamed(self, lengths: List[int], rows_cap: int) -> float:
         """A batch's tokens at the fleet's rate with every server's rows full (at most ``rows_cap`` rows in all)."""
         s = self.s
-        rows = max(1, min(self.rows, rows_cap // s.gen_gpus))
+        rows = max(1, min(self.rows, rows_cap // s.servers))
         mean = sum(lengths) / len(lengths)
-        step = self.cm.decode_step(rows, s.prompt_len + mean / 2)
-        prefill = self.cm.prefill(s.prompt_len * s.prompts, s.prompts) / s.gen_gpus
-        return sum(lengths) / (s.gen_gpus * rows) * step + prefill
+        step = self.cm.decode_step(rows, s.prompt_len + mean / 2, tp=s.gen_tp)
+        prefill = self.cm.prefill(s.prompt_len * s.prompts, s.prompts, tp=s.gen_tp) / s.servers
+        return sum(lengths) / (s.servers * rows) * step + prefill
 
 
-def _train_time(s: AsyncSetting, hw: Hardware, lengths: List[int]) -> float:
+def _train_time(s: AsyncSetting, hw: Hardware, lengths: List[int], cm: Optional[CostModel] = None) -> float:
     seq = s.prompt_len + sum(lengths) / len(lengths)
-    mesh = Mesh(s.train_gpus, 1, 1, 0)
-    m = PlanModel("actor", s.cfg, mesh, s.dtype, trains=True)
+    m = PlanModel("actor", s.cfg, s.train_mesh, s.dtype, trains=True)
     seqs = len(lengths)
     t = compute_time(hw, m, PlanCall("actor_train", "actor", (),
                                      Workload("train", seqs, int(seq), 1.0 - s.prompt_len / seq,
-                                              minibatches=s.minibatches, checkpointing=True)))
+                                              minibatches=s.minibatches, checkpointing=True),
+                                     max_tokens=s.train_max_tokens), cm)
     if s.recompute_logprobs:
-        t += compute_time(hw, m, PlanCall("actor_inf", "actor", (), Workload("inference", seqs, int(seq), 1.0)))
+        t += compute_time(hw, m, PlanCall("actor_inf", "actor", (), Workload("inference", seqs, int(seq), 1.0),
+                                          max_tokens=s.train_max_tokens), cm)
     n = params(Shard(s.cfg, 1, 1, 0, dtype_bytes(s.dtype)))
     method = "disk" if s.weight_sync == "disk" else "broadcast"
-    return t + comm_cost.publish_weights(hw, n, dtype_bytes(s.dtype), s.gen_gpus, method)
+    return t + comm_cost.publish_weights(hw, n, dtype_bytes(s.dtype), s.servers, method)
 
 
 def steady_state(s: AsyncSetting, hw: Hardware, eta: int, batches: int = 48, warmup: int = 8,
@@ -137,6 +154,7 @@ def steady_state(s: AsyncSetting, hw: Hardware, eta: int, batches: int = 48, war
         raise ValueError(f"eta={eta}: the staleness bound must be >= 0")
     rng = random.Random(seed)
     fleet = _Fleet(s, hw)
+    cm = fleet.cm
     gen_end: List[float] = []
     train_end: List[float] = []
     gen_busy = train_busy = 0.0
@@ -150,7 +168,7 @@ def steady_state(s: AsyncSetting, hw: Hardware, eta: int, batches: int = 48, war
         g = fleet.tail_bound(lengths) if eta == 0 else fleet.streamed(lengths, (eta + 1) * len(lengths))
         gen_free = start + g
         gen_end.append(gen_free)
-        t = _train_time(s, hw, lengths)
+        t = _train_time(s, hw, lengths, cm)
         t0 = max(gen_free, train_end[-1] if train_end else 0.0)
         train_end.append(t0 + t)
         if b >= warmup:

@@ -101,3 +101,16 @@ def test_gpu_example_planned_for_8_gpus():
                                             ("grpo-qwen7b-16nodes.yaml", "h800x8x64")])
 def test_gpu_examples_planned_for_large_clusters(config, cluster):
     _example(config, cluster)
+
+
+def test_async_example_split_planned_for_8_gpus():
+    from realhf.api.quickstart.allocation import parse_allocation_mode
+
+    p = _run("realhf.apps.plan", ["async-ppo-math", "--config", os.path.join(EXAMPLES, "async-grpo-qwen1.5b-1node.yaml"),
+                                  "--cluster", "h800x8x1", "--search", "--json"], timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(p.stdout)["search"]
+    mode = parse_allocation_mode(s["chosen"]["allocation"], n_devices=8)  # servers and trainer use all 8 GPUs
+    assert mode.kind == "decoupled" and mode.gen_backend == "vllm"
+    assert s["chosen"]["tokens_per_s"] >= s["config"]["tokens_per_s"] > 0
+    assert s["by_eta"]["1"]["tokens_per_s"] > s["by_eta"]["0"]["tokens_per_s"]

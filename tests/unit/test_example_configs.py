@@ -37,7 +37,9 @@ def test_example_config_builds(path, tmp_path):
     assert spec.n_workers >= 1 and spec.mfcs
 
 
-GPU_EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "gpu", "*.yaml")))
+GPU_EXAMPLES = sorted(p for p in glob.glob(os.path.join(ROOT, "examples", "configs", "gpu", "*.yaml"))
+                      if not os.path.basename(p).startswith("async-"))
+ASYNC_GPU_EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "gpu", "async-*.yaml")))
 
 
 @pytest.mark.parametrize("path", GPU_EXAMPLES, ids=[os.path.basename(p) for p in GPU_EXAMPLES])
@@ -64,6 +66,27 @@ def test_gpu_example_config_builds(path, tmp_path):
     assert spec.device_slots() == cfg.n_nodes * 8 and fleet.first_slot == spec.n_workers
     assert fleet.n_servers * fleet.tp == cfg.allocation().gen.world_size
     assert len(spec.model("actor").ranks) == spec.n_workers
+
+
+@pytest.mark.parametrize("path", ASYNC_GPU_EXAMPLES, ids=[os.path.basename(p) for p in ASYNC_GPU_EXAMPLES])
+def test_async_gpu_example_config_builds(path, tmp_path):
+    """The asynchronous GPU config builds its experiment: servers on their own GPUs, the trainer on the rest."""
+    pytest.importorskip("vllm")
+    from realhf.api.quickstart.entry import load_config
+    from realhf.experiments import build_spec, config_class
+    from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
+
+    model = ensure_tiny_model("qwen2", num_attention_heads=8, num_key_value_heads=8, hidden_size=64,
+                               max_position_embeddings=32768)
+    math = tmp_path / "math.jsonl"
+    write_math_jsonl(make_arithmetic_problems(128, seed=1, kind="add"), str(math))
+    cfg = load_config(config_class("async-ppo-math"), [path], [f"actor.path={model}", f"dataset.path={math}",
+                                                               f"fileroot={tmp_path}"])
+    spec = build_spec("async-ppo-math", cfg)
+    fleet = spec.served().gen_servers
+    assert fleet.backend == "vllm" and fleet.first_slot == spec.n_workers
+    assert fleet.n_servers * fleet.tp + spec.n_workers == cfg.n_nodes * cfg.n_devices_per_node
+    assert cfg.async_rl.max_head_offpolicyness >= 1
 
 
 def test_compile_options_reach_the_workers(tmp_path):

@@ -122,3 +122,24 @@ def test_placements_read_back_through_the_allocation_grammar():
     # meshes: aligned powers of two inside a node, aligned runs of whole nodes (and all of them)
     assert sorted(mesh_choices(1, 4)) == [(0, 1), (0, 2), (0, 4), (1, 1), (2, 1), (2, 2), (3, 1)]
     assert (0, 24) in mesh_choices(3, 8) and (8, 16) not in mesh_choices(3, 8)
+
+
+def test_async_search_splits_the_devices_within_memory():
+    from realhf.plan.async_search import given_split, search_async
+    from realhf.plan.async_sim import AsyncSetting
+    from realhf.plan.cost import capacity
+
+    hw = get("h800")
+    base = AsyncSetting(model_config("r1-distill-qwen-1.5b"), 1, 1, 64, 16, 256, 8192, 4096.0)
+    r = search_async(base, hw, 8, 8, 4, capacity(hw))
+    s = r.best.setting
+    assert s.gen_gpus + s.train_gpus == 8 and s.servers * s.gen_tp == s.gen_gpus
+    assert all(r.best.state.tokens_per_s >= c.state.tokens_per_s for c in r.runners_up)
+    assert r.by_eta[1].tokens_per_s > r.by_eta[0].tokens_per_s  # overlap beats alternation
+    assert r.by_eta[4].mean_staleness <= 4
+    # the chosen split, given by hand, runs as the search estimated it
+    t = s.train_mesh
+    assert given_split(base, hw, 4, s.gen_gpus, s.gen_tp, (t.dp, t.tp, t.pp), capacity(hw)) == \
+        pytest.approx(r.best.state.tokens_per_s, rel=1e-9)
+    with pytest.raises(ValueError, match="no split of 8 devices"):
+        search_async(base, hw, 8, 8, 4, 2 * GiB)  # a 1.5B model's training state alone is ~28 GB

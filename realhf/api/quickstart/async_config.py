@@ -94,10 +94,10 @@ class AsyncPPOMathConfig(PPOMathConfig):
         if self.param_realloc != "disk":
             raise ValueError(f"param_realloc={self.param_realloc!r}: async-ppo-math publishes weights through the rollout "
                              "manager from disk; use param_realloc=disk")
-        if self.allocation().kind != "decoupled":
+        if self.allocation().kind not in ("decoupled", "search"):
             raise ValueError(f"allocation_mode={self.allocation_mode!r}: async-ppo-math generates on generation servers "
                              "on their own devices; give a decoupled allocation such as gen.d1m1p1+d1m1p1 or "
-                             "vllm.d1m1p1+d1m1p1")
+                             "vllm.d1m1p1+d1m1p1 (or search: the split chosen for you)")
         # options of the synchronous DFG that nothing reads here: refused, so that no setting is silently lost
         for f in dataclasses.fields(MicroBatchConfig):
             v = getattr(self.actor_gen.mb_spec, f.name)
