@@ -12,6 +12,7 @@ import copy
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
+from realhf.api.quickstart.allocation import parse_allocation_mode
 from realhf.base import logging
 
 logger = logging.getLogger("realhf.apps.plan")
@@ -63,6 +64,25 @@ class Searched:
                 f"(allocation_mode=manual; each MFC's device_mesh and parallel)")
 
 
+def _ties(cfg, placeable: List[str]) -> Dict[str, str]:
+    """MFCs the experiment runs on another's replica: the critic's inference and training under value
+    normalisation (the running statistics training updates are the ones inference denormalises with)."""
+    ppo = getattr(cfg, "ppo", None)
+    if getattr(cfg, "use_critic", False) and ppo is not None and ppo.value_norm \
+            and {"critic_inf", "critic_train"} <= set(placeable):
+        return {"critic_inf": "critic_train"}
+    return {}
+
+
+def _comparable(cfg) -> bool:
+    """Whether the config gives an allocation of its own for its device count (one to compare the search's with)."""
+    try:
+        mode = parse_allocation_mode(cfg.allocation_mode)
+        return mode.kind not in ("search", "heuristic", "manual") and mode.n_devices() == cfg.n_devices
+    except ValueError:
+        return False
+
+
 def search_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, seed: int = 0,
                   max_evals: int = LAUNCH_EVALS, time_limit_s: float = LAUNCH_TIME_LIMIT_S) -> Searched:
     """Search experiment ``name``'s plan under ``cfg`` (its allocation mode ignored) on a tabled ``cluster`` (device,
@@ -96,11 +116,11 @@ def search_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None
     auto = sorted(set(budgeted) | {f.name for f in ctx.spec.mfcs if _is_auto(ctx.cfg, f.name)})
     written = [k for k in budgeted if not _is_auto(ctx.cfg, k)]
     problem = Problem.from_spec(ctx.spec, ctx.cfgs, ctx.work, ctx.hw, ctx.cap.per_rank, ctx.cfg.n_nodes,
-                                ctx.cfg.n_devices_per_node, placeable, auto)
+                                ctx.cfg.n_devices_per_node, placeable, auto, ties=_ties(ctx.cfg, placeable))
     h = AllocationMode("heuristic").resolve_heuristic(problem.n_devices).default
     heuristic = {k: Placement(0, h.dp, h.tp, h.pp) for k in problem.placeable}
     result = search(problem, seed=seed, time_limit_s=time_limit_s, max_evals=max_evals, heuristic=heuristic)
-    if cfg.allocation_mode.strip() not in ("search", "heuristic"):  # the config's own allocation, for comparison
+    if _comparable(cfg):  # the config's own allocation, for comparison
         try:
             result.given = (cfg.allocation_mode, estimate(name, copy.deepcopy(cfg), cluster)[0].step_s, "")
         except ValueError as e:
@@ -134,7 +154,7 @@ def search_async_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] 
     from realhf.plan.cost import capacity
     from realhf.plan.search import SearchError
 
-    mode = cfg.allocation()
+    mode = parse_allocation_mode(cfg.allocation_mode)  # (its device count may be another cluster's)
     backend = mode.gen_backend if mode.kind == "decoupled" else "gen"
     shape = actor_shape(cfg)
     if cluster is not None:
@@ -151,7 +171,7 @@ def search_async_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] 
                               cap)
     except ValueError as e:
         raise SearchError(str(e)) from None
-    if mode.kind == "decoupled":  # the config's own split, for comparison
+    if mode.kind == "decoupled" and mode.n_devices() == cfg.n_devices:  # the config's own split, for comparison
         t = mode.per_mfc.get("actor_train", mode.default)
         result.given = (cfg.allocation_mode, given_split(setting_of(cfg, shape, mean_new, dtype), hw, eta,
                                                          mode.gen.world_size, mode.gen.tp, (t.dp, t.tp, t.pp), cap))
@@ -171,9 +191,9 @@ def search_async_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] 
     raise SearchError("every split the search ranked first is refused by the experiment's checks: " + "; ".join(errors))
 
 
-def resolve_search(name: str, cfg):
+def resolve_search(name: str, cfg, write: bool = True):
     """A launch's ``allocation_mode=search``: the config of the plan the search chooses on this machine (profiled),
-    its report logged and the config written beside the run (``<run dir>/searched_plan.yaml``); ``cfg`` itself when
+    its report logged and (``write``) the config written beside the run (``<run dir>/searched_plan.yaml``); ``cfg`` itself when
     its allocation is not ``search``. ValueError for a run this machine cannot profile (a cluster launch)."""
     import os
 
@@ -188,6 +208,8 @@ def resolve_search(name: str, cfg):
                          "launch with --config plan.yaml")
     found = search_config(name, cfg)
     logger.info("allocation_mode=search:\n" + found.report())
+    if not write:  # a dry run writes nothing
+        return found.cfg
     path = os.path.join(cfg.run_dir(), "searched_plan.yaml")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

@@ -28,7 +28,7 @@ def run(name: str, cfg, console=None, dry_run: bool = False) -> int:
 
     try:
         launcher = get_launcher(cfg.mode)
-        cfg = resolve_search(name, cfg)  # allocation_mode=search: the chosen plan, as a manual allocation
+        cfg = resolve_search(name, cfg, write=not dry_run)  # allocation_mode=search: the chosen plan, as a manual allocation
         if dry_run:
             return print_plan(name, cfg)
         # fail fast, with a clear message, before anything starts; a plan that does not fit its devices is refused and

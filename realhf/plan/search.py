@@ -128,9 +128,11 @@ class Problem:
     @classmethod
     def from_spec(cls, spec, cfgs: Dict[str, ReaLModelConfig], workloads: Dict[str, Workload], hw: Hardware,
                   capacity: Optional[float], n_nodes: int, per_node: int, placeable: Sequence[str],
-                  auto: Sequence[str] = ()) -> "Problem":
+                  auto: Sequence[str] = (), ties: Optional[Dict[str, str]] = None) -> "Problem":
         """The problem of an experiment's spec (built for any allocation): ``placeable``, the MFCs with placement
-        options; ``auto``, the MFCs whose budget is ``max_tokens_per_mb=auto``."""
+        options; ``auto``, the MFCs whose budget is ``max_tokens_per_mb=auto``; ``ties``, MFCs the experiment
+        requires on another's placement ({MFC: the MFC it must share a replica with})."""
+        ties = dict(ties or {})
         from realhf.plan.fit import model_dtype
         from realhf.plan.simulate import plan_of
 
@@ -160,7 +162,7 @@ class Problem:
         weighty = [c.name for c in sp.calls if c.name in placeable and roles[c.model.split("@")[0]].has_weights]
         calls = []
         for c in sp.calls:
-            follows = None if c.name in placeable else lead.get(replica_of[c.name])
+            follows = ties.get(c.name) if c.name in placeable else lead.get(replica_of[c.name])
             if c.name in placeable and not roles[c.model.split("@")[0]].has_weights:
                 # computes nothing on the devices (a rule-based reward): where its first parent runs, moving nothing
                 follows = next((p for p, _ in c.parents if p in weighty), weighty[0] if weighty else None)

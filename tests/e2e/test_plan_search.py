@@ -45,6 +45,8 @@ def test_search_writes_a_manual_plan_that_fits_and_is_estimated_as_searched(tiny
     assert s["chosen"]["step_s"] == pytest.approx(res["step_s"], rel=1e-9)  # as launched = as searched
     assert s["chosen"]["step_s"] <= s["best_global"]["step_s"] and s["chosen"]["step_s"] <= s["heuristic"]["step_s"]
     assert res["options"]["allocation_mode"] == "manual"
+    # value normalisation keeps the critic's inference on its training replica (the experiment requires it)
+    assert s["chosen"]["placements"]["critic_inf"] == s["chosen"]["placements"]["critic_train"]
     # the written config loads as a manual allocation; the launcher's own memory plan of its spec fits every rank
     registered()
     name, cfg = entry.parse_cli(["ppo-math", "--config", str(out)])
