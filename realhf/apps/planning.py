@@ -50,7 +50,7 @@ def with_prompt_len(work, bound: int, prompt_len: float):
 @dataclasses.dataclass
 class Context:
     """What planning a run needs: its (resolved) config and spec, each model's shape, the hardware, the capacity,
-    each MFC's workload and budgets (n_mbs, max_tokens_per_mb) where ``auto`` resolved them."""
+    each MFC's workload, the memory plan (None when not checked)."""
 
     cfg: object
     spec: object
@@ -58,37 +58,28 @@ class Context:
     hw: object
     cap: object
     work: dict
-    budgets: Optional[dict]
     mem: object
 
 
 def context(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, check_fit: bool = True) -> Context:
-    """The :class:`Context` of experiment ``name`` under ``cfg``: on a tabled ``cluster`` or on this machine. Raises
-    ValueError (the memory plan's refusal) when ``check_fit`` and the plan does not fit."""
+    """The :class:`Context` of experiment ``name`` under ``cfg``: on a tabled ``cluster`` or on this machine. With
+    ``check_fit``, the launcher's memory plan (:func:`realhf.experiments.memory_plan.plan_run`: ``auto`` budgets
+    resolved into the config and spec; ValueError, its refusal, when the plan does not fit), against the tabled GPU's
+    memory for a cluster."""
     from realhf.experiments import build_spec
-    from realhf.experiments.memory_plan import mfc_config_key, model_configs, plan_run, workloads
-    from realhf.plan.fit import auto_budget, plan, refusal
+    from realhf.experiments.memory_plan import model_configs, plan_run, workloads
 
-    if cluster is None and check_fit:
-        cfg, spec, mem = plan_run(name, cfg, lambda c: build_spec(name, c))
-        cfgs = model_configs(spec)
-        hw, cap = _hardware_and_capacity(None, cfg, spec, cfgs)
-        return Context(cfg, spec, cfgs, hw, cap, workloads(cfg), None, mem)
     if cluster is not None:
         cfg.n_devices_per_node, cfg.n_nodes = cluster[1], cluster[2]
-    spec = build_spec(name, cfg)
+    if check_fit:
+        cap_of = None if cluster is None else (lambda c, s: _hardware_and_capacity(cluster, c, s, None)[1])
+        cfg, spec, mem = plan_run(name, cfg, lambda c: build_spec(name, c), cap_of)
+    else:
+        spec, mem = build_spec(name, cfg), None
     cfgs = model_configs(spec)
     hw, cap = _hardware_and_capacity(cluster, cfg, spec, cfgs)
     work = {k: v for k, v in workloads(cfg).items() if k in {f.name for f in spec.mfcs}}
-    if not check_fit:
-        return Context(cfg, spec, cfgs, hw, cap, work, None, None)
-    budgets = {f.name: auto_budget(spec, cfgs, work, cap, f.name) for f in spec.mfcs
-               if f.name in work and _is_auto(cfg, f.name)}
-    mem = plan(spec, cfgs, work, cap, budgets)
-    bad = mem.unfit()
-    if bad:
-        raise ValueError(refusal(bad[0], cap, mfc_config_key(cfg, bad[0].mfc)))
-    return Context(cfg, spec, cfgs, hw, cap, work, budgets, mem)
+    return Context(cfg, spec, cfgs, hw, cap, work, mem)
 
 
 def estimate(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, prompt_len: Optional[float] = None):
@@ -101,7 +92,7 @@ def estimate(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, pro
     work = ctx.work
     if prompt_len is not None and hasattr(ctx.cfg.dataset, "max_prompt_len"):
         work = with_prompt_len(work, ctx.cfg.dataset.max_prompt_len, prompt_len)
-    return simulate_step(plan_of(ctx.spec, ctx.cfgs, work, ctx.hw.device, ctx.budgets), ctx.hw), ctx.mem
+    return simulate_step(plan_of(ctx.spec, ctx.cfgs, work, ctx.hw.device), ctx.hw), ctx.mem
 
 
 def actor_shape(cfg):

@@ -133,26 +133,31 @@ def capacity(config, spec) -> Capacity:
                                     + (f" and {servers} generation server(s)" if servers else ""))
 
 
-def model_configs(spec) -> Dict[str, object]:
+def shape_of(path: str, is_critic: bool = False):
+    """The ``ReaLModelConfig`` of a model folder, or of the tabled shape standing in for it (planning for another
+    cluster: ``realhf.api.quickstart.stand_ins``)."""
     from realhf.api.quickstart import stand_ins
     from realhf.impl.model.conversion.hf_files import config_from_hf_path
     from realhf.plan.shapes import config_from_hf_dict
 
-    def shape(m):
-        if stand_ins.is_stand_in(m.path):
-            return config_from_hf_dict(stand_ins.hf_config(m.path), is_critic=m.is_critic)
-        return config_from_hf_path(m.path, is_critic=m.is_critic)
+    if stand_ins.is_stand_in(path):
+        return config_from_hf_dict(stand_ins.hf_config(path), is_critic=is_critic)
+    return config_from_hf_path(path, is_critic=is_critic)
 
-    return {m.name: shape(m) for m in spec.models if m.path and m.gen_servers is None}
+
+def model_configs(spec) -> Dict[str, object]:
+    return {m.name: shape_of(m.path, m.is_critic) for m in spec.models if m.path and m.gen_servers is None}
 
 
 def _is_auto(v) -> bool:
     return isinstance(v, str) and v == "auto"
 
 
-def plan_run(exp_name: str, cfg, build) -> Tuple[object, object, Optional[MemoryPlan]]:
+def plan_run(exp_name: str, cfg, build, capacity_of=None) -> Tuple[object, object, Optional[MemoryPlan]]:
     """(the config the processes run with — every ``max_tokens_per_mb=auto`` replaced by its budget —, its spec, the
-    memory plan). Raises ValueError naming the MFC when the plan does not fit. ``build(cfg)`` builds a spec."""
+    memory plan). Raises ValueError naming the MFC when the plan does not fit. ``build(cfg)`` builds a spec;
+    ``capacity_of(cfg, spec)`` gives the capacity (default :func:`capacity`: this launch's; planning for a cluster of
+    a tabled GPU gives that GPU's)."""
     work = workloads(cfg)
     autos = [m for m in work if _mfc_exists(cfg, m) and _is_auto(_mb_config(cfg, m).max_tokens_per_mb)]
     spec = build(cfg)  # auto budgets unresolved: whole micro-batches
@@ -161,7 +166,7 @@ def plan_run(exp_name: str, cfg, build) -> Tuple[object, object, Optional[Memory
     if not work:
         return cfg, spec, None
     cfgs = model_configs(spec)
-    cap = capacity(cfg, spec)
+    cap = (capacity_of or capacity)(cfg, spec)
     resolved = copy.deepcopy(cfg)
     for name in autos:
         if name not in names:  # an MFC this run does not have (its section keeps auto: nothing reads it)
@@ -194,7 +199,6 @@ def _server_rows(cfg, spec, served, cap: Capacity) -> int:
     """``gen_server.max_num_seqs=auto``: the samples a server can have in flight in this run, as many as its memory
     holds (realhf's own server; vLLM and SGLang size their KV cache themselves). A server that cannot hold one
     request's samples is refused."""
-    from realhf.impl.model.conversion.hf_files import config_from_hf_path
     from realhf.plan.fit import model_dtype, server_estimate, server_rows
     from realhf.plan.memory import Shard, dtype_bytes
 
@@ -202,7 +206,7 @@ def _server_rows(cfg, spec, served, cap: Capacity) -> int:
     demand = fleet.max_num_seqs  # the spec holds the rows in flight while auto is unresolved
     if fleet.backend != "gen" or cap.per_rank is None:
         return demand
-    s = Shard(config_from_hf_path(served.path), fleet.tp, 1, 0, dtype_bytes(model_dtype(fleet, cap.device)))
+    s = Shard(shape_of(served.path), fleet.tp, 1, 0, dtype_bytes(model_dtype(fleet, cap.device)))
     room = cap.per_rank
     if fleet.shares_gpus and cap.device == "cuda":  # beside a model worker on one GPU: what its fullest call leaves
         room -= max((c.total for c in plan(spec, model_configs(spec), workloads(cfg), cap).calls), default=0.0)
