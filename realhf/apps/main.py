@@ -2,10 +2,11 @@
 ``mode=ray``), with automatic recovery.
 
 ``run_experiment(exp_name, config)`` validates the config and builds the experiment spec *before*
-anything starts (so bad input fails fast), takes the trial's lock (one launch per
-trial folder), decides whether a recover checkpoint is resumed (only one written by this run: the same
+anything starts (so bad input fails fast; the quickstart hands it the spec it built), takes the trial's lock (one
+launch per trial folder), decides whether a recover checkpoint is resumed (only one written by this run: the same
 options, not finished; a fresh start moves an earlier ``recover/`` aside), clears stale name-resolve
-entries of the same experiment/trial, writes the config next to the logs, starts the processes and waits.
+entries of the same experiment/trial, writes the config and the spec next to the logs (the processes load the spec
+from there instead of building it again: ``realhf.apps.launch_spec``), starts the processes and waits.
 When a process fails, every process is stopped and the failure (process name, exit code, log tail) is
 reported. With ``recover_mode=auto`` a failed run is relaunched (resuming from the last recover
 checkpoint of this run) up to ``recover_retries`` times; ``recover_mode=resume`` must find one to resume.
@@ -21,8 +22,8 @@ import time
 import uuid
 from typing import List, Optional, Tuple
 
-from realhf.api.quickstart.entry import config_to_yaml
 from realhf.apps.console import Console
+from realhf.apps.launch_spec import CONFIG_FILE, write_launch_files
 from realhf.base import logging, name_resolve
 from realhf.base.name_resolve import names
 from realhf.base.progress import clear_progress
@@ -109,11 +110,10 @@ def _launch_once(exp_name: str, config, spec, resume: bool, run_id: str, console
     nr.clear_subtree(names.trial_root(config.experiment_name, config.trial_name))
     os.makedirs(spec.log_dir, exist_ok=True)
     clear_progress(spec.log_dir)
-    cfg_path = os.path.join(spec.log_dir, "config.yaml")
-    with open(cfg_path, "w") as f:
-        f.write(config_to_yaml(config))
+    secret = new_run_secret()  # fresh for every launch and relaunch: it signs this launch's spec file
+    cfg_path = write_launch_files(spec.log_dir, exp_name, config, spec, secret)
     launcher = get_launcher(config.mode)
-    env = _run_env(spec, launcher, new_run_secret().hex())
+    env = _run_env(spec, launcher, secret.hex())
     sched = launcher.make(spec.log_dir, config, spec.device_slots())
     servers = None
     try:
@@ -160,7 +160,7 @@ def dry_run(exp_name: str, config, out=None) -> int:
               + (f", {spec.served().gen_servers.n_servers} generation server(s)" if spec.served() is not None else "")
               + "\n")
     env = _run_env(spec, launcher, "<a fresh secret per launch>")
-    cfg_path = os.path.join(spec.log_dir, "config.yaml")
+    cfg_path = os.path.join(spec.log_dir, CONFIG_FILE)
     _start_jobs(sched, spec, config, launcher, env, None, _common_args(exp_name, cfg_path, False, "<run id>"),
                 wait=False)
     if memory is not None:  # every MFC's estimate on its fullest rank
@@ -226,10 +226,13 @@ def check_process_env() -> None:
     host_memory.mode()
 
 
-def run_experiment(exp_name: str, config, console: Optional[Console] = None) -> int:
-    """Run the experiment; ``console`` shows its progress (default: a normal one on stdout)."""
+def run_experiment(exp_name: str, config, console: Optional[Console] = None, spec=None) -> int:
+    """Run the experiment; ``console`` shows its progress (default: a normal one on stdout). ``spec``: the experiment
+    spec the caller built from ``config`` (the quickstart's memory plan), shipped to the processes as it is; without
+    it the spec is built here."""
     console = console or Console()
-    spec = build_spec(exp_name, config)  # validates: raises before any process starts
+    if spec is None:
+        spec = build_spec(exp_name, config)  # validates: raises before any process starts
     check_process_env()  # (the quickstart checked both already, with exit code 2)
     run_dir = os.path.dirname(spec.log_dir)
     lock = RunLock(run_dir)

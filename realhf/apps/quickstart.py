@@ -41,7 +41,7 @@ def run(name: str, cfg, console=None, dry_run: bool = False) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         sys.stderr.write(f"error: {msg}\n")
         return 2
-    return run_experiment(name, cfg, console)
+    return run_experiment(name, cfg, console, spec=spec)  # the processes load this spec; nobody builds it again
 
 
 def console_flags(argv):

@@ -1,9 +1,11 @@
 """Entry point of one experiment process: ``--role master``, ``--role model_worker --rank i``, and in asynchronous
 runs ``--role rollout_manager`` and ``--role rollout_worker --rank i``.
 
-Every process rebuilds the same experiment spec from the config file the launcher wrote. Each one ends
-itself within about a second when its parent (the launcher, or the Ray actor that started it) is gone,
-so killing the launcher, even with SIGKILL, never leaves a run training unsupervised.
+Every process loads the experiment spec the launcher built from the spec file beside the config file it is given
+(``realhf.apps.launch_spec``), and builds it from the config file only when that file is missing or belongs to another
+launch (a process started by hand). Each one ends itself within about a second when its parent (the launcher, or the
+Ray actor that started it) is gone, so killing the launcher, even with SIGKILL, never leaves a run training
+unsupervised.
 """
 from __future__ import annotations
 
@@ -20,6 +22,19 @@ def load_config(exp_name: str, path: str):
     from realhf.experiments import config_class
 
     return load(config_class(exp_name), [path])
+
+
+def load_run(exp_name: str, config_path: str, secret: bytes):
+    """(config, spec) of this process: the launcher's, from the spec file beside ``config_path`` when it belongs to
+    this launch; else parsed and built from the config file (with every check of the launcher)."""
+    from realhf.apps.launch_spec import load_launch_spec
+    from realhf.experiments import build_spec
+
+    shipped = load_launch_spec(exp_name, config_path, secret)
+    if shipped is not None:
+        return shipped
+    config = load_config(exp_name, config_path)
+    return config, build_spec(exp_name, config)
 
 
 def main(argv=None) -> int:
@@ -40,14 +55,10 @@ def main(argv=None) -> int:
         retain_freed_memory()  # big CPU tensors reuse freed memory instead of fresh mmaps every step
     from realhf.apps.main import name_resolve_root
     from realhf.base import name_resolve
-    from realhf.experiments import build_spec
-    from realhf.experiments.common import tokenizers_checked_by_the_launcher
     from realhf.base.run_secret import run_secret_from_env
 
-    config = load_config(a.exp, a.config)
-    tokenizers_checked_by_the_launcher()
-    spec = build_spec(a.exp, config)
     secret = run_secret_from_env()
+    config, spec = load_run(a.exp, a.config, secret)
     nr = name_resolve.make_repository("file", root=name_resolve_root(config))
     if a.role == "model_worker":
         from realhf.base.runtime_env import detect, local_rank

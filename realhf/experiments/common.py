@@ -52,18 +52,6 @@ def single_layout(config, mfc_name: str) -> ParallelDims:
     return mode.layout_of(mfc_name)
 
 
-# True in a run's own processes (realhf.apps.remote): the launcher loaded every tokenizer of the run before it started
-# them, so building the spec again there skips that check (transformers' import and the load: seconds a process on
-# 2 cores); a process that uses a tokenizer loads it anyway, and names the folder if it no longer loads.
-_TOKENIZERS_CHECKED = False
-
-
-def tokenizers_checked_by_the_launcher() -> None:
-    """Called by a run's processes before they build the spec (see ``_TOKENIZERS_CHECKED``)."""
-    global _TOKENIZERS_CHECKED
-    _TOKENIZERS_CHECKED = True
-
-
 def check_model_fits(path: str, layout: ParallelDims, key: str, seqlen: Optional[Dict[str, int]] = None,
                      tokenizer: bool = False):
     """Fail before any worker starts when the model folder cannot serve the run: config.json unreadable or
@@ -87,7 +75,7 @@ def check_model_fits(path: str, layout: ParallelDims, key: str, seqlen: Optional
     try:
         cfg = config_from_hf_path(path)
         check_weight_files(path)
-        if tokenizer and not _TOKENIZERS_CHECKED:
+        if tokenizer:
             check_tokenizer(path)
     except (ValueError, FileNotFoundError) as e:
         kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError

@@ -1,8 +1,8 @@
 """What the runtime executes: an experiment turned into models, layouts, a dataset and a DFG.
 
 An experiment (``realhf/experiments``) builds an :class:`ExperimentSpec` from its user config. The
-master and every model worker build the same spec from the same config file, so nothing but the
-config path travels to the processes.
+launcher builds it once and ships it (pickled, beside the run's config file) to the master and every
+worker, so it holds plain picklable values only.
 """
 from __future__ import annotations
 

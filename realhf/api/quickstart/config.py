@@ -223,12 +223,21 @@ class BaseExperimentConfig:
         return None
 
     def allocation(self) -> AllocationMode:
-        """The parsed, validated ``allocation_mode`` (``heuristic`` resolved for ``n_devices``)."""
+        """The parsed, validated ``allocation_mode`` (``heuristic`` resolved for ``n_devices``). Parsed once per value
+        of the fields it reads (``allocation_mode``, ``n_nodes``, ``n_devices_per_node``, the MFC names): later calls
+        return the same object (read it, do not change it); a config changed since is parsed again."""
+        names = self.mfc_names()
+        key = (self.allocation_mode, self.n_nodes, self.n_devices_per_node, None if names is None else tuple(names))
+        memo = self.__dict__.get("_allocation_memo")
+        if memo is not None and memo[0] == key:
+            return memo[1]
         try:
-            mode = parse_allocation_mode(self.allocation_mode, self.mfc_names(), self.n_devices)
+            mode = parse_allocation_mode(self.allocation_mode, names, self.n_devices)
         except AllocationError as e:
             raise ValueError(f"allocation_mode={self.allocation_mode!r} is not valid: {e}") from None
-        return mode.resolve_heuristic(self.n_devices)
+        mode = mode.resolve_heuristic(self.n_devices)
+        self.__dict__["_allocation_memo"] = (key, mode)  # not a field: no option, not in the YAML or the fingerprint
+        return mode
 
     def _dp_of(self, mfc_name: str) -> Optional[int]:
         """The MFC's data-parallel size, or None where the allocation does not give its layout (yet): a manual one
