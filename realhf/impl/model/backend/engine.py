@@ -10,6 +10,11 @@ back-propagates ``loss * weight / total_weight`` where ``total_weight`` is summe
 micro-batches of all data-parallel ranks, and sums gradients across data-parallel ranks, so the update
 is that of the whole batch's mean loss however the batch is split.
 
+Statistics: ``stats`` is a :class:`~realhf.base.stats_tracker.StatsTracker` of the micro-batch (weighted means,
+sums, maxima; a plain mapping of floats counts as sums). The engine combines those of every micro-batch and every
+data-parallel rank, riding on the all-reduce of the loss, and returns the batch's tracker (``TrainStats.stats``; its
+numbers: ``TrainStats.extra``); a caller training several minibatches merges theirs.
+
 Non-finite steps: when the batch's loss or global grad norm is NaN or infinite (values reduced over the
 whole replica, so every rank decides alike), the update is not applied (parameters and optimizer state
 stay as they were) and counted; once more than ``skip_nonfinite_steps`` steps were skipped over the run,
@@ -27,6 +32,7 @@ import torch.distributed as dist
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.base import logging
+from realhf.base.stats_tracker import StatsTracker
 from realhf.impl.model.backend.optim import OptimizerConfig, build_adamw, lr_multiplier
 from realhf.impl.model.nn.generation import GenerationOutput, generate
 from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, make_packed_input, tp_shard_dim
@@ -127,9 +133,14 @@ class TrainStats:
     grad_norm: float
     lr: float
     n_mbs: int
-    extra: Dict[str, float]
+    stats: StatsTracker  # the loss function's statistics over the whole batch (every micro-batch and dp rank)
     skipped: bool = False  # this step's update was not applied (non-finite loss or grad norm)
     skipped_nonfinite: int = 0  # steps skipped so far over the run
+
+    @property
+    def extra(self) -> Dict[str, float]:
+        """The batch's statistics: weighted means, sums and maxima by key."""
+        return self.stats.export()
 
 
 class TrainEngine(InferenceEngine):
@@ -202,7 +213,7 @@ class TrainEngine(InferenceEngine):
     def train_batch(
         self,
         sample: SequenceSample,
-        loss_fn: Callable[[torch.Tensor, SequenceSample], Tuple[torch.Tensor, Dict[str, float]]],
+        loss_fn: Callable[[torch.Tensor, SequenceSample], Tuple[torch.Tensor, Any]],
         loss_weight_fn: Callable[[SequenceSample], float],
         max_tokens_per_mb: int = 2**31 - 1,
         n_mbs: int = 1,
@@ -222,14 +233,17 @@ class TrainEngine(InferenceEngine):
         model.flat_grad.zero_()
         inputs = [_mb_inputs(mb, self.device, head_rows_fn, defer_head) for mb in mbs]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        stats_sum: Dict[str, float] = {}
+        stats = StatsTracker()
 
         def weighted_loss(i, out):
             loss, st = loss_fn(out, mbs[i])
             nonlocal loss_sum
             loss_sum += loss.detach().double() * weights[i] / total
-            for k, v in st.items():
-                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
+            if isinstance(st, StatsTracker):
+                stats.merge(st)
+            else:
+                for k, v in st.items():
+                    stats.sum(k, v)
             return loss * (weights[i] / total)
 
         if model.pp == 1:
@@ -247,8 +261,7 @@ class TrainEngine(InferenceEngine):
                 model.stage,
             )
         # before the update, so that every rank of the replica decides alike whether to apply it
-        vals, keys = self._reduce_stats(loss_sum, stats_sum)
-        loss = float(vals[0])
+        loss = self._reduce_stats(loss_sum, stats)
         grad_norm, finite = self._reduce_and_clip(math.isfinite(loss))
         lr = self.optimizer.param_groups[0]["lr"]
         if finite:
@@ -259,11 +272,8 @@ class TrainEngine(InferenceEngine):
             self._set_lr()
         else:
             self._skip_nonfinite(loss, grad_norm)
-        return TrainStats(
-            loss=loss, grad_norm=grad_norm, lr=lr, n_mbs=len(mbs),
-            extra={k: float(v) for k, v in zip(keys, vals[1:].tolist())},
-            skipped=not finite, skipped_nonfinite=self.skipped_nonfinite,
-        )
+        return TrainStats(loss=loss, grad_norm=grad_norm, lr=lr, n_mbs=len(mbs), stats=stats, skipped=not finite,
+                          skipped_nonfinite=self.skipped_nonfinite)
 
     def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
         self.skipped_nonfinite += 1
@@ -279,29 +289,17 @@ class TrainEngine(InferenceEngine):
         logger.warning(f"non-finite {what}: update skipped ({self.skipped_nonfinite} of "
                        f"optimizer.skip_nonfinite_steps={budget} skips used)")
 
-    def _reduce_stats(self, loss_sum: torch.Tensor, stats_sum: Dict[str, float]) -> Tuple[torch.Tensor, List[str]]:
-        """[loss, *stats] of the whole batch on every rank, and the stats' keys. The loss lives on the last
-        stage: share it (and the stats) with the whole replica, then sum the loss and average the stats over dp."""
+    def _reduce_stats(self, loss_sum: torch.Tensor, stats: StatsTracker) -> float:
+        """The whole batch's loss on every rank; ``stats`` made the whole batch's in place. Both live on the last
+        stage: share them with the replica, then sum over dp (the loss and the stats in one all-reduce)."""
         model, grid = self.model, self.grid
-        dev = self.device
-        vals = torch.tensor([float(loss_sum)] + [stats_sum[k] for k in sorted(stats_sum)], dtype=torch.float64, device=dev)
+        head = loss_sum.reshape(1)
         if model.pp > 1:
-            n = torch.tensor([vals.numel()], dtype=torch.long, device=dev)
             src = grid.global_rank_of(model.pp - 1, grid.dp_rank, grid.tp_rank)
-            dist.broadcast(n, src=src, group=grid.pp_group)
-            if not model.is_last:
-                vals = torch.zeros(int(n), dtype=torch.float64, device=dev)
-            dist.broadcast(vals, src=src, group=grid.pp_group)
-            keys = [None] if not model.is_last else sorted(stats_sum)
-            obj = [keys]
-            dist.broadcast_object_list(obj, src=src, group=grid.pp_group)
-            keys = obj[0]
-        else:
-            keys = sorted(stats_sum)
+            head = stats.broadcast_(src, grid.pp_group, head)
         if grid is not None and grid.dp_group is not None:
-            dist.all_reduce(vals, group=grid.dp_group)
-            vals[1:] /= grid.dp_size
-        return vals, keys
+            head = stats.all_reduce_(grid.dp_group, head)
+        return float(head[0])
 
     def _reduce_and_clip(self, loss_finite: bool) -> Tuple[float, bool]:
         """Reduce the gradients over the replica and clip them by the global norm; (norm, whether the norm

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface, register_interface
-from realhf.impl.model.interface.rw_interface import (check_pairs, pair_accuracy, pair_step_stats,
+from realhf.base.stats_tracker import StatsTracker
+from realhf.impl.model.interface.rw_interface import (check_pairs, pair_accuracy, pair_stats, pair_step_stats,
                                                        reduce_over_replica, split_pairs)
 from realhf.impl.model.utils.functional import answer_loss_mask, logprobs_at
 
@@ -50,10 +51,9 @@ def sequence_logprobs(out, mb: SequenceSample, tp_group=None) -> torch.Tensor:
     return torch.zeros(len(cu) - 1, dtype=lp.dtype, device=lp.device).index_add(0, seq, lp)
 
 
-def _sums(chosen_margin: torch.Tensor, pi_c, pi_r, ref_c, ref_r, beta: float) -> Dict[str, float]:
-    return {"n_pairs": float(chosen_margin.numel()), "n_correct": float(pair_accuracy(chosen_margin, torch.zeros_like(chosen_margin))),
-            "margin": float(chosen_margin.sum()), "chosen_reward": float(beta * (pi_c - ref_c).sum()),
-            "rejected_reward": float(beta * (pi_r - ref_r).sum())}
+def _stats(margin: torch.Tensor, pi_c, pi_r, ref_c, ref_r, beta: float) -> StatsTracker:
+    return pair_stats(pair_accuracy(margin, torch.zeros_like(margin)), margin, chosen_reward=beta * (pi_c - ref_c),
+                      rejected_reward=beta * (pi_r - ref_r))
 
 
 class DPOInterface(ModelInterface):
@@ -93,11 +93,11 @@ class DPOInterface(ModelInterface):
             pi_c, pi_r = split_pairs(sequence_logprobs(out, mb, tp))
             ref_c, ref_r = split_pairs(mb.data[REF_KEY].float().to(pi_c.device))
             margin = ((pi_c - ref_c) - (pi_r - ref_r)).detach()
-            return dpo_loss(pi_c, pi_r, ref_c, ref_r, beta), _sums(margin, pi_c.detach(), pi_r.detach(), ref_c, ref_r, beta)
+            return dpo_loss(pi_c, pi_r, ref_c, ref_r, beta), _stats(margin, pi_c.detach(), pi_r.detach(), ref_c, ref_r, beta)
 
         st = model.engine.train_batch(data, loss_fn, lambda mb: float(mb.bs), max_tokens_per_mb=mb_spec.max_tokens_per_mb,
                                       n_mbs=mb_spec.n_mbs, head_rows_fn=answer_rows, defer_head=True)
-        return pair_step_stats(st, model, ("chosen_reward", "rejected_reward"))
+        return pair_step_stats(st, ("chosen_reward", "rejected_reward"))
 
     def _reference_sums(self, model: Model, batches: List[SequenceSample]) -> List[Optional[torch.Tensor]]:
         """The reference's sums of ``batches``, from ``ref_path`` loaded onto the policy's layout for this pass."""

@@ -25,6 +25,7 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface, register_interface
 from realhf.api.quickstart.ppo_config import PPOHyperparameters
 from realhf.base import logging
+from realhf.base.stats_tracker import StatsTracker
 from realhf.impl.model.interface.gen_interface import GenerationInterface
 from realhf.impl.model.utils import ppo_functional as F
 from realhf.impl.model.utils.functional import answer_loss_mask as answer_mask
@@ -328,7 +329,7 @@ class PPOActorInterface(GenerationInterface):
 
     def _loss_fn(self, model: Model, use_ref: bool, loglinear: bool, progress: List[float]):
         """The loss of one micro-batch (the policy loss of ``ppo.policy_loss``, the entropy bonus, the KL loss term,
-        aggregated by ``ppo.loss_agg_mode``) and its stats (sums over its loss tokens). The output head runs only on
+        aggregated by ``ppo.loss_agg_mode``) and its stats (means over its loss tokens). The output head runs only on
         the loss rows (:func:`loss_rows`)."""
         cfg, tp, temp = self.cfg, model.module.tp_group, self.temperature
         agg, norm_const = cfg.loss_aggregation(), float(cfg.gen.max_new_tokens)
@@ -364,8 +365,10 @@ class PPOActorInterface(GenerationInterface):
             if use_ref:
                 kl = F.kl_estimator(cfg.kl_loss_estimator)(lp, at["packed_ref_logprobs"])
                 loss = loss + cfg.kl_loss_coef * F.aggregate_loss(kl, m, agg, sid, norm_const)
-            n = float(m.sum())
-            return loss, {**{k: float(st[s]) * n for k, s in LOSS_STATS.items()}, "n_loss_tokens": n}
+            stats = StatsTracker()
+            for k, s in LOSS_STATS.items():
+                stats.mean(k, st[s], weight=m.sum())
+            return loss, stats
 
         def weight_fn(mb):
             m = mb.data["loss_mask"].bool()
@@ -387,8 +390,7 @@ class PPOActorInterface(GenerationInterface):
                              "train on trajectories from generation servers (async-ppo-math)")
         progress = [0.0]  # m / M at the m-th of the step's M optimizer updates (loglinear proximal log-probs)
         loss_fn, weight_fn = self._loss_fn(model, use_ref, loglinear, progress)
-        sums: Dict[str, float] = {}
-        grad_norms = []
+        tracker, grad_norms = StatsTracker(), []
         # no sample (skip_zero_advantage, and no answer on any rank has an advantage): no update on any rank
         parts = [] if sample is None else sample.split(n_minibatches(cfg.ppo_n_minibatches, sample.bs, grid,
                                                                       model.module.device))
@@ -397,13 +399,12 @@ class PPOActorInterface(GenerationInterface):
             st = model.engine.train_batch(part, loss_fn, weight_fn, max_tokens_per_mb=mb_spec.max_tokens_per_mb,
                                           n_mbs=mb_spec.n_mbs, head_rows_fn=loss_rows, defer_head=True)
             grad_norms.append(st.grad_norm)
-            for k, v in st.extra.items():
-                sums[k] = sums.get(k, 0.0) + v
-        n_tok = max(sums.get("n_loss_tokens", 0.0), 1.0)
+            tracker.merge(st.stats)
+        means = tracker.export()
         keys = ["actor_loss", "importance_weight", "actor_clip_ratio", "ppo_approx_kl"]
         if "proximal_logprobs" in data.keys or loglinear:
             keys += ["behave_imp_weight", "behave_capped_ratio", "behave_logp_abs_diff"]
-        stats = {k: sums.get(k, 0.0) / n_tok for k in keys}
+        stats = {k: means.get(k, 0.0) for k in keys}
         stats["actor_grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         stats.update(kept_stats)
         stats.update(self._batch_stats(model, data, mask, adv_stats))
@@ -479,17 +480,18 @@ class PPOCriticInterface(ModelInterface):
         def loss_fn(out, mb):
             m = mb.data["loss_mask"]
             loss, st = F.critic_loss(out.float(), mb.data["old_values"], mb.data["returns"], cfg.value_eps_clip, m)
-            return loss, {"critic_loss": float(st["loss"]) * float(m.sum()), "value_clip_ratio": float(st["value_clip_ratio"]) * float(m.sum()),
-                          "n_loss_tokens": float(m.sum())}
+            stats = StatsTracker()
+            stats.mean("critic_loss", st["loss"], weight=m.sum())
+            stats.mean("value_clip_ratio", st["value_clip_ratio"], weight=m.sum())
+            return loss, stats
 
-        sums: Dict[str, float] = {}
+        tracker = StatsTracker()
         for part in sample.split(n_minibatches(cfg.ppo_n_minibatches, data.bs, grid, model.module.device)):
             st = model.engine.train_batch(part, loss_fn, lambda mb: float(mb.data["loss_mask"].sum()),
                                           max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs)
-            for k, v in st.extra.items():
-                sums[k] = sums.get(k, 0.0) + v
-        n_tok = max(sums.get("n_loss_tokens", 0.0), 1.0)
-        return {"critic_loss": sums.get("critic_loss", 0.0) / n_tok, "value_clip_ratio": sums.get("value_clip_ratio", 0.0) / n_tok,
+            tracker.merge(st.stats)
+        means = tracker.export()
+        return {"critic_loss": means.get("critic_loss", 0.0), "value_clip_ratio": means.get("value_clip_ratio", 0.0),
                 "critic_skipped_nonfinite": float(model.engine.skipped_nonfinite)}
 
 

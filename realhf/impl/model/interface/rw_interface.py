@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface, register_interface
+from realhf.base.stats_tracker import StatsTracker
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -66,21 +67,26 @@ def reduce_over_replica(tot: torch.Tensor, grid) -> torch.Tensor:
     return tot
 
 
-def pair_step_stats(st, model: Model, per_pair: Tuple[str, ...]) -> Dict[str, float]:
-    """The stats of a training step over preference pairs (``st``: the engine's train_batch result, whose extras are
-    sums over the pairs): the loss, the accuracy, the margin and ``per_pair`` as means per pair, and the step's own."""
-    n = max(st.extra.get("n_pairs", 0.0), 1.0)  # sums averaged over dp alike: their ratios are the batch's
-    out = {"loss": st.loss, **{k: st.extra.get(src, 0.0) / n for k, src in
-                               (("accuracy", "n_correct"), ("margin", "margin"), *((k, k) for k in per_pair))}}
-    out.update(grad_norm=st.grad_norm, lr=st.lr, n_mbs=st.n_mbs, n_pairs=st.extra.get("n_pairs", 0.0) * model.grid.dp_size,
+def pair_step_stats(st, per_pair: Tuple[str, ...]) -> Dict[str, float]:
+    """The stats of a training step over preference pairs (``st``: the engine's train_batch result, its stats those
+    of :func:`pair_stats`): the loss, the accuracy, the margin and ``per_pair`` (means per pair), and the step's own."""
+    ex = st.extra
+    out = {"loss": st.loss, **{k: ex.get(k, 0.0) for k in ("accuracy", "margin", *per_pair)}}
+    out.update(grad_norm=st.grad_norm, lr=st.lr, n_mbs=st.n_mbs, n_pairs=ex.get("n_pairs", 0.0),
                skipped_nonfinite=float(st.skipped_nonfinite))
     return out
 
 
-def _pair_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> Dict[str, float]:
-    return {"n_pairs": float(chosen.numel()), "n_correct": float(pair_accuracy(chosen, rejected)),
-            "margin": float((chosen - rejected).sum()), "chosen_score": float(chosen.sum()),
-            "rejected_score": float(rejected.sum())}
+def pair_stats(n_correct: torch.Tensor, margin: torch.Tensor, **per_pair: torch.Tensor) -> StatsTracker:
+    """The stats of a micro-batch of pairs: means per pair of the accuracy (``n_correct``: :func:`pair_accuracy`),
+    the ``margin`` and each of ``per_pair`` (per-pair tensors), and the number of pairs."""
+    n = margin.numel()
+    stats = StatsTracker()
+    stats.sum("n_pairs", n)
+    stats.mean("accuracy", float(n_correct) / max(n, 1), weight=n)
+    for k, v in (("margin", margin), *per_pair.items()):
+        stats.mean(k, v.float().mean(), weight=n)  # no pairs: weighs nothing
+    return stats
 
 
 class RewardModelInterface(ModelInterface):
@@ -106,11 +112,13 @@ class RewardModelInterface(ModelInterface):
 
         def loss_fn(values, mb):
             chosen, rejected = split_pairs(values.float())
-            return bradley_terry_loss(chosen, rejected), _pair_sums(chosen.detach(), rejected.detach())
+            c, r = chosen.detach(), rejected.detach()
+            return bradley_terry_loss(chosen, rejected), pair_stats(pair_accuracy(c, r), c - r, chosen_score=c,
+                                                                    rejected_score=r)
 
         st = model.engine.train_batch(data, loss_fn, lambda mb: float(mb.bs), max_tokens_per_mb=mb_spec.max_tokens_per_mb,
                                       n_mbs=mb_spec.n_mbs, head_rows_fn=last_token_rows)
-        return pair_step_stats(st, model, ("chosen_score", "rejected_score"))
+        return pair_step_stats(st, ("chosen_score", "rejected_score"))
 
     @torch.no_grad()
     def evaluate(self, model: Model, batches) -> Dict[str, float]:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface, register_interface
+from realhf.base.stats_tracker import StatsTracker
 from realhf.impl.model.utils.functional import answer_loss_mask, packed_logprobs
 
 
@@ -15,13 +16,20 @@ def answer_token_mask(sample: SequenceSample) -> torch.Tensor:
     return answer_loss_mask(sample.data["prompt_mask"], sample.cu_seqlens("packed_input_ids"))
 
 
-def _loss(out, mb: SequenceSample, tp_group):
+def _answer_nll(out, mb: SequenceSample, tp_group):
+    """(mean negative log-likelihood of ``mb``'s answer tokens, their number)."""
     ids = mb.data["packed_input_ids"]
     lp, _ = packed_logprobs(out, ids, mb.cu_seqlens("packed_input_ids"), tp_group)
     mask = answer_token_mask(mb)
     n = mask.sum()
-    loss = -(lp * mask).sum() / n.clamp(min=1)
-    return loss, {"n_answer_tokens": float(n)}
+    return -(lp * mask).sum() / n.clamp(min=1), float(n)
+
+
+def _loss(out, mb: SequenceSample, tp_group):
+    loss, n = _answer_nll(out, mb, tp_group)
+    stats = StatsTracker()
+    stats.sum("n_answer_tokens", n)
+    return loss, stats
 
 
 class SFTInterface(ModelInterface):
@@ -33,7 +41,7 @@ class SFTInterface(ModelInterface):
             max_tokens_per_mb=mb_spec.max_tokens_per_mb, n_mbs=mb_spec.n_mbs, defer_head=True,
         )
         return {"loss": st.loss, "grad_norm": st.grad_norm, "lr": st.lr, "n_mbs": st.n_mbs,
-                "n_answer_tokens": st.extra.get("n_answer_tokens", 0.0) * model.grid.dp_size,
+                "n_answer_tokens": st.extra.get("n_answer_tokens", 0.0),
                 "skipped_nonfinite": float(st.skipped_nonfinite)}
 
     @torch.no_grad()
@@ -42,11 +50,11 @@ class SFTInterface(ModelInterface):
         tp = model.module.tp_group
         tot = torch.zeros(2, dtype=torch.float64, device=model.module.device)
         for b in batches:
-            res = model.engine.forward(b, post_fn=lambda out, mb: _loss(out, mb, tp), defer_head=True)
+            res = model.engine.forward(b, post_fn=lambda out, mb: _answer_nll(out, mb, tp), defer_head=True)
             if res is not None:
-                for loss, st in res:
-                    tot[0] += float(loss) * st["n_answer_tokens"]
-                    tot[1] += st["n_answer_tokens"]
+                for loss, n in res:
+                    tot[0] += float(loss) * n
+                    tot[1] += n
         grid = model.grid
         if grid.pp_size > 1:
             src = grid.global_rank_of(grid.pp_size - 1, grid.dp_rank, grid.tp_rank)
