@@ -89,7 +89,8 @@ def search_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None
     GPUs per node, nodes) or on this machine. Raises :class:`realhf.plan.search.SearchError` when no plan fits or
     the experiment cannot be placed MFC by MFC."""
     from realhf.api.quickstart.allocation import AllocationMode
-    from realhf.apps.planning import _is_auto, context, estimate
+    from realhf.apps.planning import context, estimate
+    from realhf.experiments.memory_plan import mb_auto
     from realhf.plan.search import Placement, Problem, SearchError, search
 
     if cluster is not None:
@@ -113,8 +114,8 @@ def search_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None
     # the budgets are searched with the layouts (as auto chooses them) wherever the config can say them: written
     # into the chosen config where it gives numbers, left to the launch where it says auto
     budgeted = [k for k in placeable if hasattr(getattr(ctx.cfg, k), "mb_spec")]
-    auto = sorted(set(budgeted) | {f.name for f in ctx.spec.mfcs if _is_auto(ctx.cfg, f.name)})
-    written = [k for k in budgeted if not _is_auto(ctx.cfg, k)]
+    auto = sorted(set(budgeted) | {f.name for f in ctx.spec.mfcs if mb_auto(ctx.cfg, f.name)})
+    written = [k for k in budgeted if not mb_auto(ctx.cfg, k)]
     problem = Problem.from_spec(ctx.spec, ctx.cfgs, ctx.work, ctx.hw, ctx.cap.per_rank, ctx.cfg.n_nodes,
                                 ctx.cfg.n_devices_per_node, placeable, auto, ties=_ties(ctx.cfg, placeable))
     h = AllocationMode("heuristic").resolve_heuristic(problem.n_devices).default
@@ -146,17 +147,19 @@ def search_async_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] 
     staleness bound (``async_rl.max_head_offpolicyness``) on the steady-state model (:mod:`realhf.plan.async_search`);
     the servers keep the config's backend (``gen`` when it gives none). The chosen config is checked by the launcher's
     memory plan; a refused plan gives way to the runner-up."""
-    from realhf.apps.planning import _hardware_and_capacity, _is_auto, actor_shape, context
+    from realhf.apps.planning import _hardware_and_capacity, context
     from realhf.experiments import build_spec
-    from realhf.experiments.memory_plan import capacity as run_capacity, model_configs
+    from realhf.experiments.memory_plan import capacity as run_capacity, mb_auto, model_configs
     from realhf.plan import hardware
     from realhf.plan.async_search import given_split, search_async, setting_of
     from realhf.plan.cost import capacity
+    from realhf.plan.fit import UNBOUNDED
     from realhf.plan.search import SearchError
+    from realhf.plan.shapes import shape_of
 
     mode = parse_allocation_mode(cfg.allocation_mode)  # (its device count may be another cluster's)
     backend = mode.gen_backend if mode.kind == "decoupled" else "gen"
-    shape = actor_shape(cfg)
+    shape = shape_of(cfg.actor.path)
     if cluster is not None:
         hw = dataclasses.replace(hardware.get(cluster[0]), devices_per_node=cluster[1])
         cap, dtype = capacity(hw), "bfloat16"
@@ -179,7 +182,7 @@ def search_async_config(name: str, cfg, cluster: Optional[Tuple[str, int, int]] 
     for cand in [result.best] + result.runners_up:
         options: Dict[str, object] = {"allocation_mode": cand.allocation(backend)}
         for k in ("actor_train", "actor_inf"):
-            if not _is_auto(cfg, k) and cand.setting.train_max_tokens < 2**31 - 1:
+            if not mb_auto(cfg, k) and cand.setting.train_max_tokens < UNBOUNDED:
                 options[f"{k}.mb_spec.max_tokens_per_mb"] = cand.setting.train_max_tokens
         try:
             chosen = with_options(cfg, options)

@@ -31,13 +31,6 @@ def _hardware_and_capacity(cluster, cfg, spec, cfgs):
     return hw_of(profile(shape, dtype, comm=spec.n_workers > 1)), run_capacity(cfg, spec)
 
 
-def _is_auto(cfg, mfc_name: str) -> bool:
-    """Whether the config leaves MFC ``mfc_name``'s micro-batch budget to the memory plan (``auto``)."""
-    section = getattr(cfg, mfc_name, None)
-    mb = getattr(section, "mb_spec", None) if section is not None else getattr(cfg, "mb_spec", None)
-    return mb is not None and mb.max_tokens_per_mb == "auto"
-
-
 def with_prompt_len(work, bound: int, prompt_len: float):
     """``work`` (the MFCs' workloads, sized for prompts of ``bound`` tokens) for prompts of ``prompt_len`` tokens."""
     out = {}
@@ -94,13 +87,3 @@ def estimate(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, pro
         work = with_prompt_len(work, ctx.cfg.dataset.max_prompt_len, prompt_len)
     return simulate_step(plan_of(ctx.spec, ctx.cfgs, work, ctx.hw.device), ctx.hw), ctx.mem
 
-
-def actor_shape(cfg):
-    """The actor's ``ReaLModelConfig``: from its folder, or from the tabled shape standing in for it."""
-    from realhf.api.quickstart import stand_ins
-    from realhf.plan.shapes import config_from_hf_dict, model_config
-
-    path = cfg.actor.path
-    if stand_ins.is_stand_in(path):
-        return config_from_hf_dict(stand_ins.hf_config(path))
-    return model_config(path)

@@ -60,22 +60,15 @@ def check_model_fits(path: str, layout: ParallelDims, key: str, seqlen: Optional
     positions (``seqlen``: the config keys whose values add up to the longest sequence, e.g.
     ``{"dataset.max_prompt_len": 256, "gen.max_new_tokens": 256}``). Errors name ``key``."""
     from realhf.api.quickstart import stand_ins
-    from realhf.impl.model.conversion.hf_files import (check_tokenizer, check_weight_files, config_from_hf_path,
-                                                       max_positions)
+    from realhf.impl.model.conversion.hf_files import check_tokenizer, check_weight_files, max_positions
+    from realhf.plan.shapes import shape_of
 
-    if stand_ins.is_stand_in(path):  # planning for another cluster: the tabled shape, no files to check
-        from realhf.plan.shapes import config_from_hf_dict
-
-        cfg = config_from_hf_dict(stand_ins.hf_config(path))
-        try:
-            cfg.check_layout(layout.tp, layout.pp)
-        except ValueError as e:
-            raise ValueError(f"{key}={path!r} under layout {layout}: {e}") from None
-        return cfg
+    stand_in = stand_ins.is_stand_in(path)  # planning for another cluster: the tabled shape, no files to check
     try:
-        cfg = config_from_hf_path(path)
-        check_weight_files(path)
-        if tokenizer:
+        cfg = shape_of(path)
+        if not stand_in:
+            check_weight_files(path)
+        if tokenizer and not stand_in:
             check_tokenizer(path)
     except (ValueError, FileNotFoundError) as e:
         kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
@@ -84,7 +77,7 @@ def check_model_fits(path: str, layout: ParallelDims, key: str, seqlen: Optional
         cfg.check_layout(layout.tp, layout.pp)
     except ValueError as e:
         raise ValueError(f"{key}={path!r} under layout {layout}: {e}") from None
-    limit = max_positions(path) if seqlen else None
+    limit = max_positions(path) if seqlen and not stand_in else None
     total = sum(seqlen.values()) if seqlen else 0
     if limit is not None and total > limit[1]:
         what = " + ".join(f"{k}={v}" for k, v in seqlen.items()) + (f" = {total}" if len(seqlen) > 1 else "")

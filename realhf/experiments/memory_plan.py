@@ -11,6 +11,7 @@ from realhf.base import logging
 from realhf.plan.fit import (GPU_RESERVED, GPU_USABLE, HOST_USABLE, PROCESS_BASE, UNBOUNDED, Capacity, MemoryPlan,
                               Workload, auto_budget, plan, refusal)
 from realhf.plan.memory import GiB
+from realhf.plan.shapes import shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -133,18 +134,6 @@ def capacity(config, spec) -> Capacity:
                                     + (f" and {servers} generation server(s)" if servers else ""))
 
 
-def shape_of(path: str, is_critic: bool = False):
-    """The ``ReaLModelConfig`` of a model folder, or of the tabled shape standing in for it (planning for another
-    cluster: ``realhf.api.quickstart.stand_ins``)."""
-    from realhf.api.quickstart import stand_ins
-    from realhf.impl.model.conversion.hf_files import config_from_hf_path
-    from realhf.plan.shapes import config_from_hf_dict
-
-    if stand_ins.is_stand_in(path):
-        return config_from_hf_dict(stand_ins.hf_config(path), is_critic=is_critic)
-    return config_from_hf_path(path, is_critic=is_critic)
-
-
 def model_configs(spec) -> Dict[str, object]:
     return {m.name: shape_of(m.path, m.is_critic) for m in spec.models if m.path and m.gen_servers is None}
 
@@ -153,13 +142,18 @@ def _is_auto(v) -> bool:
     return isinstance(v, str) and v == "auto"
 
 
+def mb_auto(cfg, mfc_name: str) -> bool:
+    """Whether the config leaves MFC ``mfc_name``'s micro-batch budget to the memory plan (``max_tokens_per_mb=auto``)."""
+    return _mfc_exists(cfg, mfc_name) and _is_auto(_mb_config(cfg, mfc_name).max_tokens_per_mb)
+
+
 def plan_run(exp_name: str, cfg, build, capacity_of=None) -> Tuple[object, object, Optional[MemoryPlan]]:
     """(the config the processes run with — every ``max_tokens_per_mb=auto`` replaced by its budget —, its spec, the
     memory plan). Raises ValueError naming the MFC when the plan does not fit. ``build(cfg)`` builds a spec;
     ``capacity_of(cfg, spec)`` gives the capacity (default :func:`capacity`: this launch's; planning for a cluster of
     a tabled GPU gives that GPU's)."""
     work = workloads(cfg)
-    autos = [m for m in work if _mfc_exists(cfg, m) and _is_auto(_mb_config(cfg, m).max_tokens_per_mb)]
+    autos = [m for m in work if mb_auto(cfg, m)]
     spec = build(cfg)  # auto budgets unresolved: whole micro-batches
     names = {m.name for m in spec.mfcs}
     work = {k: v for k, v in work.items() if k in names}

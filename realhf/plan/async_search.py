@@ -23,20 +23,7 @@ from realhf.plan.async_sim import AsyncSetting, SteadyState, _Fleet, _lengths, _
 from realhf.plan.fit import UNBOUNDED, Workload, budget_search, call_estimate
 from realhf.plan.hardware import Hardware
 from realhf.plan.memory import Shard, dtype_bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:  # what fit.call_estimate reads of a model spec
-    dp: int
-    tp: int
-    pp: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _View:
-    layout: _Layout
-    realloc_from: Optional[str] = None
-    offload: bool = False
+from realhf.plan.search import Placement, ModelView, layouts
 
 
 @dataclasses.dataclass
@@ -116,27 +103,21 @@ def _tp_choices(s: AsyncSetting, size: int, per_node: int) -> List[int]:
     return out
 
 
+def _train_work(s: AsyncSetting) -> Workload:
+    """A batch's training at full length (the memory bound)."""
+    seq = s.prompt_len + s.max_new
+    return Workload("train", s.prompts * s.n, seq, 1.0 - s.prompt_len / seq, minibatches=s.minibatches,
+                    checkpointing=True)
+
+
 def _trainer_layouts(s: AsyncSetting, size: int, per_node: int) -> List[Tuple[int, int]]:
-    out = []
-    for tp in _tp_choices(s, size, per_node):
-        for pp in range(1, size // tp + 1):
-            if (size // tp) % pp:
-                continue
-            try:
-                s.cfg.check_layout(tp, pp)
-            except ValueError:
-                continue
-            if size // tp // pp > max(1, s.prompts * s.n // max(1, s.minibatches)):
-                continue
-            out.append((tp, pp))
-    return out
+    """(tp, pp) of the trainer's layouts on ``size`` GPUs, tensor parallel degrees of 1, 2, 4 or 8."""
+    return [(tp, pp) for _, tp, pp in layouts(size, s.cfg, _train_work(s), per_node) if tp in (1, 2, 4, 8)]
 
 
 def _trainer_budget(s: AsyncSetting, tp: int, pp: int, dp: int, cap: Optional[float]) -> Optional[int]:
     """The trainer's ``max_tokens_per_mb`` (``auto``'s choice) on its layout, None when its replica does not fit."""
-    seq = s.prompt_len + s.max_new
-    work = Workload("train", s.prompts * s.n, seq, 1.0 - s.prompt_len / seq, minibatches=s.minibatches,
-                    checkpointing=True)
+    work = _train_work(s)
     if cap is None:
         return UNBOUNDED
     b = dtype_bytes(s.dtype)
@@ -144,7 +125,7 @@ def _trainer_budget(s: AsyncSetting, tp: int, pp: int, dp: int, cap: Optional[fl
     held = {st: memory.replica_state(Shard(s.cfg, tp, pp, st, b), True).total for st in stages}
     if max(held.values()) > cap:
         return None
-    view = _View(_Layout(dp, tp, pp))
+    view = ModelView(Placement(0, dp, tp, pp), None, False)
 
     def fits(budget):
         return all(held[st] + call_estimate(view, Shard(s.cfg, tp, pp, st, b), work, budget[0], budget[1]).total

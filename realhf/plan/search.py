@@ -195,7 +195,9 @@ def mesh_choices(n_nodes: int, per_node: int) -> List[Tuple[int, int]]:
     return out
 
 
-def _layouts(size: int, role: Role, work: Optional[Workload], per_node: int) -> List[Tuple[int, int, int]]:
+def layouts(size: int, cfg: ReaLModelConfig, work: Optional[Workload], per_node: int) -> List[Tuple[int, int, int]]:
+    """(dp, tp, pp) of every layout of ``size`` devices: tensor parallelism inside a node, every degree dividing
+    ``cfg`` (``check_layout``), data parallelism no larger than ``work``'s batch feeds."""
     out = []
     for tp in range(1, min(size, per_node) + 1):
         if size % tp:
@@ -205,7 +207,7 @@ def _layouts(size: int, role: Role, work: Optional[Workload], per_node: int) -> 
                 continue
             dp = size // tp // pp
             try:
-                role.cfg.check_layout(tp, pp)
+                cfg.check_layout(tp, pp)
             except ValueError:
                 continue
             if work is not None:
@@ -255,7 +257,9 @@ class Evaluated:
 
 
 @dataclasses.dataclass(frozen=True)
-class _View:  # what fit.call_estimate reads of a model spec
+class ModelView:
+    """What :func:`realhf.plan.fit.call_estimate` reads of a model spec: its layout, the replica it mirrors, offload."""
+
     layout: Placement
     realloc_from: Optional[str]
     offload: bool
@@ -326,7 +330,7 @@ class Evaluator:
             b = dtype_bytes(r.dtype)
             s = Shard(r.cfg, pl.tp, pl.pp, stage, b)
             ss = Shard(r.cfg, src.tp, src.pp, src_stage, b) if src is not None and src_stage is not None else None
-            view = _View(pl, r.name if src is not None else None, r.offload and not (r.trains and src is None))
+            view = ModelView(pl, r.name if src is not None else None, r.offload and not (r.trains and src is None))
             v = self._call[key] = call_estimate(view, s, c.work, budget[0], budget[1], ss).total
         return v
 
@@ -447,12 +451,12 @@ class SearchResult:
 def _global_plans(problem: Problem) -> List[Dict[str, Placement]]:
     n = problem.n_devices
     names = problem.placeable
-    layouts = None
+    common = None  # the layouts of all n devices every MFC can take
     for name in names:
         c = problem.call(name)
-        ls = set(_layouts(n, problem.roles[c.role], c.work, problem.per_node))
-        layouts = ls if layouts is None else layouts & ls
-    return [{k: Placement(0, *l) for k in names} for l in sorted(layouts or ())]
+        ls = set(layouts(n, problem.roles[c.role].cfg, c.work, problem.per_node))
+        common = ls if common is None else common & ls
+    return [{k: Placement(0, *l) for k in names} for l in sorted(common or ())]
 
 
 def _choices(problem: Problem) -> Dict[str, Dict[int, List[Tuple[int, Tuple[int, int, int]]]]]:
@@ -465,7 +469,7 @@ def _choices(problem: Problem) -> Dict[str, Dict[int, List[Tuple[int, Tuple[int,
         lay_of: Dict[int, List] = {}
         for first, size in meshes:
             if size not in lay_of:
-                lay_of[size] = _layouts(size, problem.roles[c.role], c.work, problem.per_node)
+                lay_of[size] = layouts(size, problem.roles[c.role].cfg, c.work, problem.per_node)
             if lay_of[size]:
                 by_size.setdefault(size, []).append((first, lay_of[size]))
         out[name] = by_size
@@ -490,6 +494,13 @@ def search(problem: Problem, seed: int = 0, time_limit_s: float = 10.0, max_eval
     heur = evaluate(heuristic) if heuristic is not None else None
     choices = _choices(problem)
     names = problem.placeable
+    lay_cache: Dict[Tuple[str, int], List[Tuple[int, int, int]]] = {}
+
+    def lays_of(k: str, size: int) -> List[Tuple[int, int, int]]:  # MFC k's layouts on a mesh of ``size`` devices
+        if (k, size) not in lay_cache:
+            c = problem.call(k)
+            lay_cache[(k, size)] = layouts(size, problem.roles[c.role].cfg, c.work, problem.per_node)
+        return lay_cache[(k, size)]
 
     def random_assign():
         out = {}
@@ -527,14 +538,12 @@ def search(problem: Problem, seed: int = 0, time_limit_s: float = 10.0, max_eval
         elif move < 0.8:
             other = rng.choice([n for n in names if n != k])
             pl = assign[other]
-            lays = _layouts(pl.world, problem.roles[problem.call(k).role], problem.call(k).work, problem.per_node)
-            if (pl.dp, pl.tp, pl.pp) not in lays:
+            if (pl.dp, pl.tp, pl.pp) not in lays_of(k, pl.world):
                 continue
             assign[k] = pl
         else:
             pl = assign[k]
-            lays = _layouts(pl.world, problem.roles[problem.call(k).role], problem.call(k).work, problem.per_node)
-            assign[k] = Placement(pl.first, *rng.choice(lays))
+            assign[k] = Placement(pl.first, *rng.choice(lays_of(k, pl.world)))
         e = evaluate(assign)
         if not e.fits:
             continue

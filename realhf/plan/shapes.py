@@ -109,6 +109,18 @@ def model_config(model: Union[str, Dict, ReaLModelConfig], is_critic: bool = Fal
     raise ValueError(f"model {model!r} is neither a model folder nor a known shape; known shapes: {sorted(SHAPES)}")
 
 
+def shape_of(path: str, is_critic: bool = False) -> ReaLModelConfig:
+    """The shape of the model folder ``path``: its ``config.json``, or, when planning for another cluster, the tabled
+    shape standing in for it (``realhf.api.quickstart.stand_ins``)."""
+    from realhf.api.quickstart import stand_ins
+
+    if stand_ins.is_stand_in(path):
+        return config_from_hf_dict(stand_ins.hf_config(path), is_critic)
+    from realhf.impl.model.conversion.hf_files import config_from_hf_path
+
+    return config_from_hf_path(path, is_critic)
+
+
 def n_params(cfg: ReaLModelConfig) -> int:
     """Parameters of the whole model (tied embeddings counted once)."""
     from realhf.plan.memory import Shard, params
