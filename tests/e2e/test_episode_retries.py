@@ -12,7 +12,6 @@ the first such failure is a warning on the console.
 import asyncio
 import io
 import json
-import logging
 import os
 import threading
 import time
@@ -22,6 +21,7 @@ import pytest
 
 from realhf.api.core.workflow_api import RolloutWorkflow
 from realhf.testing import start_quickstart, wait_until_gone
+from support.log_lines import LogLines
 
 HANGING_REWARD = '''
 import time
@@ -48,15 +48,6 @@ class GradeOnly(RolloutWorkflow):
         from realhf.impl.workflow.rewards import call_reward
 
         await call_reward(self.reward_fn, "4", data)
-
-
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def test_a_prompt_that_keeps_timing_out_stops_the_rollout_manager(tiny_math_run, tmp_path):
@@ -90,7 +81,7 @@ def test_a_prompt_that_keeps_timing_out_stops_the_rollout_manager(tiny_math_run,
     console_out = io.StringIO()
     console = Console(stream=console_out)
     console.watch(spec.log_dir)
-    log = _Lines()
+    log = LogLines()
     rlogging.getLogger("realhf.rollout_manager").addHandler(log)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -2,20 +2,11 @@
 the launch's run secret, and every process loads it from there instead of building it again; a spec file that is not
 this launch's (another launch's secret, a config file edited since) is not used: the process builds the spec from
 the config file, as before, and says why in its log."""
-import logging
 import os
 
 from realhf.impl.model.tiny import ensure_tiny_model
 from realhf.testing import run_quickstart, sft_cmd, write_sum_rows
-
-
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
+from support.log_lines import LogLines
 
 
 def test_processes_load_the_launchers_spec_and_refuse_another_launchs(tmp_path):
@@ -38,7 +29,7 @@ def test_processes_load_the_launchers_spec_and_refuse_another_launchs(tmp_path):
     from realhf.base.run_secret import new_run_secret
     from realhf.experiments import build_spec
 
-    lines = _Lines()
+    lines = LogLines()
     rlogging.getLogger("realhf.launch_spec").addHandler(lines)
     try:
         # the launch's own file, read by a process of another launch (another secret): rebuilt from config.yaml
