@@ -31,12 +31,9 @@ def recipe():
 
 
 @pytest.fixture(scope="module")
-def start(recipe, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("tiny_arith_algorithms"))
-    s = recipe.prepare(out, eval_threads=None)
-    s["out"] = out
-    assert 0.15 <= s["heldout_acc_before"] <= 0.45, s["heldout_acc_before"]
-    return s
+def start(tiny_arith_start):
+    """The SFT start (tests/conftest.py), shared with tests/e2e/test_grpo_learns.py."""
+    return tiny_arith_start
 
 
 def _learn(recipe, start, name, steps):

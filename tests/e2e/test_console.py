@@ -6,6 +6,7 @@ import os
 import pty
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from PIL import Image
 
 from realhf.base.process import env_with_source_path, source_root
 from realhf.base.progress import read_progress
-from realhf.testing import read_stats, run_quickstart, sft_cmd, start_quickstart, wait_for_steps
+from realhf.testing import read_stats, run_processes, run_quickstart, sft_cmd, start_quickstart, wait_for_steps
 
 
 def _run_in_pty(args, sized=True):
@@ -104,26 +105,34 @@ def test_totals_with_benchmark_steps_and_after_a_resume(tiny_sft, tmp_path):
 def test_rl_run_warns_once_and_plots_and_plot_reads_a_running_run(tiny_math_run, tmp_path):
     model, d = tiny_math_run
     root = str(tmp_path)
+    # worker_timeout_secs: the master is held stopped while the plot reads the run
     args = ["ppo-math", f"actor.path={model}", f"dataset.path={d}/math.jsonl", "dataset.train_bs_n_seqs=4",
             "group_size=4", "ppo.gen.max_new_tokens=3", "use_critic=false", "ppo.kl_ctl=0", "use_chat_template=false",
             "prompt_template={prompt}", "reward_allow_last_number=true", f"fileroot={root}", "experiment_name=rl",
-            "exp_ctrl.total_train_epochs=100"]
+            "exp_ctrl.benchmark_steps=6", "worker_timeout_secs=120"]
     p = start_quickstart(args)
     try:
         wait_for_steps(root, "rl", 3, proc=p)
-        log_dir = os.path.join(root, "rl", "trial0", "logs")
-        running = subprocess.run([sys.executable, "-m", "realhf.apps.plot", log_dir], capture_output=True, text=True,
-                                 env=env_with_source_path(), timeout=120)
+        (master,) = [q for q in run_processes(root) if "master" in q.cmdline()]
+        master.send_signal(signal.SIGSTOP)  # the run is mid-way while the plot reads it
+        try:
+            log_dir = os.path.join(root, "rl", "trial0", "logs")
+            running = subprocess.run([sys.executable, "-m", "realhf.apps.plot", log_dir], capture_output=True,
+                                     text=True, env=env_with_source_path(), timeout=120)
+        finally:
+            master.send_signal(signal.SIGCONT)
         assert running.returncode == 0, running.stderr
         summary = json.loads(running.stdout)
-        assert summary["steps"] >= 3 and "task_reward" in summary and summary["plot"].endswith("reward_curve.png")
+        assert 3 <= summary["steps"] < 6 and "task_reward" in summary and summary["plot"].endswith("reward_curve.png")
         assert Image.open(summary["plot"]).size == (800, 600)
+        out, _ = p.communicate(timeout=300)
     finally:
-        p.kill()
-        p.communicate()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
     # the same run, finished: 3-token answers never end, which the console says once
-    done = run_quickstart(args[:-1] + ["experiment_name=rl2", "exp_ctrl.benchmark_steps=3"], timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("hit the max-new-tokens limit") == 1, done.stdout
-    assert "task_reward:" in done.stdout
-    assert Image.open(os.path.join(root, "rl2", "trial0", "logs", "reward_curve.png")).size == (800, 600)
+    assert p.returncode == 0, out[-3000:]
+    assert out.count("hit the max-new-tokens limit") == 1, out
+    assert "task_reward:" in out
+    assert Image.open(os.path.join(root, "rl", "trial0", "logs", "reward_curve.png")).size == (800, 600)
+    assert [r["global_step"] for r in read_stats(root, "rl")] == list(range(1, 7))

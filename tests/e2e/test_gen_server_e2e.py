@@ -9,27 +9,15 @@ import time
 
 import pytest
 
+from support.tiny_ppo import STEPS, ppo_args
+
 from realhf.testing import (read_stats, run_processes, run_quickstart, start_quickstart, wait_for_steps,
                                  wait_until_gone)
 
-STEPS = 3
-
-
-def _args(model, d, exp, n_devices, *extra):
-    return ["ppo-math", f"actor.path={model}", f"dataset.path={d}/math.jsonl", "dataset.train_bs_n_seqs=4",
-            "group_size=4", "ppo.gen.max_new_tokens=6", "ppo.gen.temperature=1.0", "ppo.ppo_n_minibatches=1",
-            "use_chat_template=false", "prompt_template={prompt}", "reward_allow_last_number=true",
-            "actor.optimizer.lr=1e-3", "use_critic=false", "ppo.kl_ctl=0", "ppo.entropy_coef=0.05",
-            f"exp_ctrl.benchmark_steps={STEPS}", f"fileroot={d}", f"experiment_name={exp}",
-            f"n_devices_per_node={n_devices}", *extra]
-
-
 @pytest.fixture(scope="module")
-def colocated(tiny_math_run):
-    model, d = tiny_math_run
-    p = run_quickstart(_args(model, d, "colocated", 1, "allocation_mode=d1m1p1"))
-    assert p.returncode == 0, p.stderr[-3000:]
-    return read_stats(d, "colocated")
+def colocated(tiny_ppo_colocated):
+    """The run on one device (allocation_mode=d1m1p1; tests/conftest.py)."""
+    return tiny_ppo_colocated
 
 
 def test_served_generation_matches_the_colocated_run(tiny_math_run, colocated, sync="disk"):
@@ -38,7 +26,7 @@ def test_served_generation_matches_the_colocated_run(tiny_math_run, colocated, s
     weight group from tensor- and pipeline-parallel trainers in tests/e2e/test_realloc_e2e.py.)"""
     model, d = tiny_math_run
     exp = f"served-{sync}"
-    p = run_quickstart(_args(model, d, exp, 2, "allocation_mode=gen.d1m1p1+d1m1p1", f"param_realloc={sync}"))
+    p = run_quickstart(ppo_args(model, d, exp, 2, "allocation_mode=gen.d1m1p1+d1m1p1", f"param_realloc={sync}"))
     assert p.returncode == 0, p.stderr[-3000:]
     st = read_stats(d, exp)
     assert len(st) == len(colocated) == STEPS
@@ -58,8 +46,8 @@ def test_a_killed_server_stops_the_run_naming_it(tiny_math_run, tmp_path):
     model, data = tiny_math_run
     d = str(tmp_path)
     os.link(os.path.join(data, "math.jsonl"), os.path.join(d, "math.jsonl"))
-    p = start_quickstart(_args(model, d, "kill", 2, "allocation_mode=gen.d1m1p1+d1m1p1", "exp_ctrl.benchmark_steps=200",
-                               "worker_timeout_secs=10"))
+    p = start_quickstart(ppo_args(model, d, "kill", 2, "allocation_mode=gen.d1m1p1+d1m1p1",
+                                  "exp_ctrl.benchmark_steps=200", "worker_timeout_secs=10"))
     try:
         wait_for_steps(d, "kill", 1, timeout=240, proc=p)
         server = [q for q in run_processes(d) if "realhf.gen_server.server" in " ".join(q.cmdline())]
@@ -79,7 +67,7 @@ def test_a_killed_server_stops_the_run_naming_it(tiny_math_run, tmp_path):
 
 def test_a_server_that_cannot_start_fails_the_run_before_training(tiny_math_run):
     model, d = tiny_math_run
-    p = run_quickstart(_args(model, d, "nostart", 2, "allocation_mode=gen.d1m1p1+d1m1p1",
+    p = run_quickstart(ppo_args(model, d, "nostart", 2, "allocation_mode=gen.d1m1p1+d1m1p1",
                              'gen_server.extra={"no_such_option": 1}'), timeout=240)
     assert p.returncode != 0
     err = p.stderr + p.stdout

@@ -29,6 +29,8 @@ def setup(tmp_path_factory):
     return ensure_tiny_model("qwen2", tie_word_embeddings=True), str(path), str(d)
 
 
+@pytest.mark.slow  # test_ray_starts_generation_servers_first runs through a private Ray instance with these checks;
+# test_ray_multinode.py trains data-parallel workers through Ray like a local run
 def test_ray_run_trains_like_local(setup):
     model, data, root = setup
     p = run_quickstart(_sft(model, data, root, "viaray", "mode=ray"), timeout=300)
@@ -126,22 +128,29 @@ def _served_args(model, d, exp, *extra):
             "allocation_mode=gen.d1m1p1+d1m1p1", *extra]
 
 
-def test_ray_starts_generation_servers_first(tiny_math_run):
+def test_ray_starts_generation_servers_first(tiny_math_run, tiny_ppo_colocated):
     """ppo-math with gen.d1m1p1+d1m1p1 under mode=ray: the generation server is a Ray job too, started and up
-    before the master and the worker; the run trains as the local one does."""
+    before the master and the worker; the run trains as the local one does (a served run samples what the colocated
+    run samples, step for step: tests/e2e/test_gen_server_e2e.py)."""
+    from support.tiny_ppo import ppo_args
+
     model, d = tiny_math_run
-
-    args = functools.partial(_served_args, model, d)
-
-    p = run_quickstart(args("served-ray", "mode=ray"), timeout=300)
+    p = run_quickstart(ppo_args(model, d, "served-ray", 2, "allocation_mode=gen.d1m1p1+d1m1p1", "mode=ray"),
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     out = p.stdout + p.stderr
-    started = [n for n, _, _ in re.findall(r"started (\S+) through Ray on (\S+) \(pid (\d+)\)", out)]
-    assert started == ["gen_server_0", "master", "model_worker_0"], out[-3000:]
-    q = run_quickstart(args("served-local"), timeout=300)
-    assert q.returncode == 0, q.stderr[-4000:]
-    a, b = read_stats(d, "served-ray"), read_stats(d, "served-local")
+    started = re.findall(r"started (\S+) through Ray on (\S+) \(pid (\d+)\)", out)
+    assert [n for n, _, _ in started] == ["gen_server_0", "master", "model_worker_0"], out[-3000:]
+    for _, _, pid in started:  # every job is gone after the run
+        assert not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+    a, b = read_stats(d, "served-ray"), tiny_ppo_colocated
+    assert len(a) == len(b)
     assert [(s["n_tokens"], s["task_reward"]) for s in a] == [(s["n_tokens"], s["task_reward"]) for s in b]
+    # the jobs bound and advertised the node's address Ray gave them, not the loopback default
+    host = started[0][1]
+    nr_files = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(str(d), "name_resolve")) for f in fs]
+    if host != "127.0.0.1":
+        assert any(host in open(f).read() for f in nr_files if "served-ray" in f), "no address on the node's IP"
 
 
 @pytest.mark.slow

@@ -218,6 +218,7 @@ def local_losses(setup):
     return [s["loss"] for s in read_stats(root, "mn-local")]
 
 
+@pytest.mark.slow  # test_auto_recover_after_a_kill_on_other_node trains on both nodes like local with these checks
 def test_workers_on_their_nodes_train_like_local(cluster, setup, local_losses):
     model, root = setup
     p = run_quickstart(_sft(model, root, "mn-ray", *_ray(cluster)), timeout=300)
@@ -241,6 +242,8 @@ def _kill_worker_on_node1(root, exp, names, proc, after_steps):
     return f"model_worker_{victim}"
 
 
+@pytest.mark.slow  # test_auto_recover_after_a_kill_on_other_node names the worker killed on the other node; a lost
+# worker failing the run (exit 1, nothing left): tests/e2e/test_runtime_e2e.py, and under Slurm
 def test_killed_worker_on_other_node_ends_the_run_named(cluster, setup):
     model, root = setup
     exp = "mn-kill"
@@ -254,10 +257,15 @@ def test_killed_worker_on_other_node_ends_the_run_named(cluster, setup):
 
 def test_auto_recover_after_a_kill_on_other_node(cluster, setup, local_losses):
     """recover_mode=auto: a worker killed on the non-head node, the run relaunched (a new placement group) resumes
-    from its last recover checkpoint and ends with the losses of the uninterrupted local run."""
+    from its last recover checkpoint and ends with the losses of the uninterrupted local run. Before the kill, as after
+    the relaunch, one allocation node's worker runs on each Ray node; the master holds no device slot."""
     model, root = setup
     exp = "mn-recover"
     p = start_quickstart(_sft(model, root, exp, *_ray(cluster), "recover_mode=auto", "exp_ctrl.ckpt_freq_steps=2"))
+    wait_for_steps(root, exp, 1, proc=p)
+    nodes, where = _worker_nodes(root, exp, cluster[1])
+    assert sorted(nodes.values()) == ["node0", "node1"], where  # one allocation node on each Ray node
+    assert where["master"]["slots"] == [] and [where[f"model_worker_{r}"]["slots"] for r in range(2)] == [[0], [1]]
     victim = _kill_worker_on_node1(root, exp, cluster[1], p, 3)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]

@@ -10,26 +10,14 @@ import os
 
 import pytest
 
+from support.tiny_ppo import STEPS, ppo_args
+
 from realhf.testing import read_stats, run_quickstart
 
-STEPS = 3
 EXACT = ("n_tokens", "n_valid_tokens", "n_seqs", "avg_seq_len", "no_eos_ratio", "task_reward")
 CLOSE = ("importance_weight", "actor_loss", "ppo_approx_kl", "final_reward", "advantage")
-
-
-def _args(model, d, exp, n_devices, *extra):
-    return ["ppo-math", f"actor.path={model}", f"dataset.path={d}/math.jsonl", "dataset.train_bs_n_seqs=4",
-            "group_size=4", "ppo.gen.max_new_tokens=6", "ppo.gen.temperature=1.0", "ppo.ppo_n_minibatches=1",
-            "use_chat_template=false", "prompt_template={prompt}", "reward_allow_last_number=true",
-            "actor.optimizer.lr=1e-3", "use_critic=false", "ppo.kl_ctl=0",
-            # an entropy bonus: even when every answer of a group is wrong (zero advantage) there is a gradient,
-            # so the parameters really change every step and a stale generation replica shows in the stats
-            "ppo.entropy_coef=0.05", f"exp_ctrl.benchmark_steps={STEPS}",
-            f"fileroot={d}", f"experiment_name={exp}", f"n_devices_per_node={n_devices}", *extra]
-
-
 def run(model, d, exp, n_devices, *extra):
-    p = run_quickstart(_args(model, d, exp, n_devices, *extra))
+    p = run_quickstart(ppo_args(model, d, exp, n_devices, *extra))
     assert p.returncode == 0, p.stderr[-4000:]
     return read_stats(d, exp)
 
@@ -44,9 +32,9 @@ def _same(ref, got, what):
 
 
 @pytest.fixture(scope="module")
-def single(tiny_math_run):
-    model, d = tiny_math_run
-    return run(model, d, "single", 1, "allocation_mode=d1m1p1")
+def single(tiny_ppo_colocated):
+    """The run on one device (allocation_mode=d1m1p1; tests/conftest.py)."""
+    return tiny_ppo_colocated
 
 
 def test_gen_and_train_on_different_layouts(tiny_math_run, single):
@@ -104,7 +92,7 @@ def test_manual_meshes_and_disk_reallocation(tiny_math_run, single):
 ])
 def test_bad_allocations_fail_before_workers_start(tiny_math_run, extra, fragments):
     model, d = tiny_math_run
-    p = run_quickstart(_args(model, d, "bad", 2, *extra), timeout=120)
+    p = run_quickstart(ppo_args(model, d, "bad", 2, *extra), timeout=120)
     assert p.returncode != 0
     for f in fragments:
         assert f in p.stderr, f"{f!r} not in:\n{p.stderr[-2000:]}"
@@ -113,6 +101,6 @@ def test_bad_allocations_fail_before_workers_start(tiny_math_run, extra, fragmen
 
 def test_unknown_launcher_is_refused(tiny_math_run):
     model, d = tiny_math_run
-    p = run_quickstart(_args(model, d, "k8s", 1, "mode=kubernetes"), timeout=120)
+    p = run_quickstart(ppo_args(model, d, "k8s", 1, "mode=kubernetes"), timeout=120)
     assert p.returncode == 2 and "mode='kubernetes'" in p.stderr and "local" in p.stderr, p.stderr[-2000:]
     assert not os.path.exists(os.path.join(d, "k8s", "trial0", "logs", "master.log"))

@@ -56,7 +56,10 @@ def test_a_relaunch_never_resumes_another_runs_checkpoint(tiny_sft, tmp_path):
 
 def test_resume_checks_and_planted_files(tiny_sft, tmp_path):
     root = str(tmp_path)
-    base = ["exp_ctrl.total_train_epochs=3", "exp_ctrl.ckpt_freq_steps=2", "exp_ctrl.save_freq_epochs=3"]
+    # one model worker: these checks are the launcher's and the resuming worker's (a data-parallel resume to the
+    # parameters of an uninterrupted run: tests/e2e/test_runtime_e2e.py)
+    base = ["exp_ctrl.total_train_epochs=3", "exp_ctrl.ckpt_freq_steps=2", "exp_ctrl.save_freq_epochs=3",
+            "allocation_mode=d1m1p1", "n_devices_per_node=1"]
     # recover_mode=resume with nothing to resume is an error before any process starts
     out = run(sft(tiny_sft, root, "r", *base, "recover_mode=resume"), code=2)
     assert "holds no recover checkpoint" in out and not os.path.exists(os.path.join(root, "r", "trial0", "logs"))

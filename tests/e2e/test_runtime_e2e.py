@@ -63,12 +63,28 @@ def model():
     return ensure_tiny_model("qwen2", tie_word_embeddings=True)
 
 
-def test_sft_learns_and_layouts_agree(model, data, tmp_path):
+# a data-parallel SFT run of 18 steps (3 epochs of 6), evaluated every epoch, saved at its end, with a recover
+# checkpoint every 5 steps: the run of test_sft_learns_and_layouts_agree and the uninterrupted reference of
+# test_kill_worker_fails_fast_and_auto_recovery_matches
+D2_RUN = ("d2m1p1", "exp_ctrl.total_train_epochs=3", "exp_ctrl.save_freq_epochs=3", "exp_ctrl.ckpt_freq_steps=5")
+
+
+def d2_args(model, data, root, exp, *extra):
+    return sft_args(model, data, root, exp, *D2_RUN, f"dataset.valid_path={data}/valid.jsonl", *extra)
+
+
+@pytest.fixture(scope="module")
+def d2_run(model, data, tmp_path_factory):
+    """The fileroot holding the finished run "d2" (``D2_RUN``)."""
+    root = str(tmp_path_factory.mktemp("d2"))
+    quickstart(d2_args(model, data, root, "d2"))
+    return root
+
+
+def test_sft_learns_and_layouts_agree(model, data, d2_run, tmp_path):
     import transformers
 
-    root = str(tmp_path)
-    quickstart(sft_args(model, data, root, "d2", "d2m1p1", f"dataset.valid_path={data}/valid.jsonl",
-                        "exp_ctrl.total_train_epochs=3", "exp_ctrl.save_freq_epochs=3"))
+    root = d2_run
     st = stats(root, "d2")
     losses = [s["loss"] for s in st if "loss" in s]
     assert len(losses) == 18 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
@@ -81,6 +97,7 @@ def test_sft_learns_and_layouts_agree(model, data, tmp_path):
     m = transformers.AutoModelForCausalLM.from_pretrained(saved[0])
     assert torch.isfinite(m(torch.tensor([[1, 2, 3]])).logits).all()
     # the same first steps in one process (same data order: the global batch is layout independent)
+    root = str(tmp_path)
     quickstart(sft_args(model, data, root, "d1m1p1", "d1m1p1", "exp_ctrl.benchmark_steps=3"))
     for a, b in zip([s["loss"] for s in stats(root, "d1m1p1")], losses[:3]):
         assert abs(a - b) < 1e-4, "data-parallel training must give the same losses as one process"
@@ -139,14 +156,11 @@ def _load_saved(root, exp):
     return sd
 
 
-def test_kill_worker_fails_fast_and_auto_recovery_matches(model, data, tmp_path):
+def test_kill_worker_fails_fast_and_auto_recovery_matches(model, data, d2_run, tmp_path):
     root = str(tmp_path)
-    base = ["dataset.train_bs_n_seqs=4", "exp_ctrl.total_train_epochs=4", "exp_ctrl.save_freq_epochs=4",
-            "exp_ctrl.ckpt_freq_steps=5"]
-    quickstart(sft_args(model, data, root, "ref", "d2m1p1", *base))
 
     def launch(exp, mode):
-        return start_quickstart(sft_args(model, data, root, exp, "d2m1p1", *base, f"recover_mode={mode}"))
+        return start_quickstart(d2_args(model, data, root, exp, f"recover_mode={mode}"))
 
     def kill_worker_after(exp, n_steps, proc):
         wait_for_steps(root, exp, n_steps, proc=proc)
@@ -160,18 +174,19 @@ def test_kill_worker_fails_fast_and_auto_recovery_matches(model, data, tmp_path)
     assert p.returncode != 0
     assert "model_worker_1" in out and "-9" in out, out[-2000:]
     assert not wait_until_gone(os.path.join(root, "killed")), "processes left behind"
-    # 2. recover_mode=auto: relaunch, resume from the last recover checkpoint, same final parameters
+    # 2. recover_mode=auto: relaunch, resume from the last recover checkpoint, the final parameters of the
+    # uninterrupted run
     p = launch("auto", "auto")
     kill_worker_after("auto", 7, p)
     out, _ = p.communicate(timeout=240)
     assert p.returncode == 0, out[-3000:]
     assert "relaunching" in out and "resum" in out
-    ref, got = _load_saved(root, "ref"), _load_saved(root, "auto")
+    ref, got = _load_saved(d2_run, "d2"), _load_saved(root, "auto")
     assert ref.keys() == got.keys()
     for k in ref:
         assert torch.allclose(ref[k], got[k], atol=1e-5), f"{k} differs after recovery"
     steps = [s["global_step"] for s in stats(root, "auto")]
-    assert steps == list(range(1, 49)), "every step of the run must appear exactly once, in order, after resume"
+    assert steps == list(range(1, 19)), "every step of the run must appear exactly once, in order, after resume"
     # the crashed attempt's steps after its recover checkpoint (redone after the resume) are kept aside
     aside = glob.glob(os.path.join(root, "auto", "trial0", "logs", "stats.before-*.jsonl"))
     assert len(aside) == 1

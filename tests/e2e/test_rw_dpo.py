@@ -369,7 +369,7 @@ def test_dpo_run_raises_the_margin_and_accuracy_on_held_out_pairs(task):
 
 
 @pytest.mark.slow
-def test_ppo_math_learns_tiny_arithmetic_from_a_trained_reward_model(tmp_path_factory):
+def test_ppo_math_learns_tiny_arithmetic_from_a_trained_reward_model(tiny_arith_start):
     """The tiny arithmetic recipe (tests/e2e/test_grpo_learns.py) with the grader replaced by a reward model: rw trains it
     from the SFT checkpoint on right-vs-wrong answers to the RL prompts, then GRPO with reward.type=model raises the
     held-out greedy accuracy (graded by the rule-based grader, which the run never sees)."""
@@ -377,8 +377,8 @@ def test_ppo_math_learns_tiny_arithmetic_from_a_trained_reward_model(tmp_path_fa
     from realhf.impl.dataset.preference import preference_rows_from_math
 
     recipe = tiny_arith_recipe()
-    out = str(tmp_path_factory.mktemp("rm_arith"))
-    start = recipe.prepare(out, eval_threads=None)
+    start = tiny_arith_start  # the SFT start of the learning tests (tests/conftest.py)
+    out = start["out"]
     with open(start["data"]["paths"]["rl"]) as f:
         rl = [json.loads(line) for line in f]
     train = _write(os.path.join(out, "pairs.jsonl"), preference_rows_from_math(rl, seed=1))

@@ -55,6 +55,8 @@ def _long(tiny_sft, root, *extra):
                                     "exp_ctrl.total_train_epochs=500", *SLURM_CPU, *extra))
 
 
+@pytest.mark.slow  # test_recover_auto_under_slurm_matches_an_uninterrupted_run kills a worker in the job with these
+# checks (named, no job or process left); a lost worker failing the run (exit 1): tests/e2e/test_runtime_e2e.py
 def test_killed_worker_in_the_job_ends_the_run_named(slurm_cluster, tiny_sft, tmp_path):
     root = str(tmp_path)
     p = _long(tiny_sft, root)
@@ -117,9 +119,11 @@ def test_recover_auto_under_slurm_matches_an_uninterrupted_run(slurm_cluster, ti
     p = start_quickstart(sft_cmd(*tiny_sft, root, "auto", *base, *SLURM_CPU, "recover_mode=auto"))
     try:
         wait_for_steps(root, "auto", 6, proc=p)
+        assert len(slurm_cluster.jobs()) == 2  # the master's job and the model workers' job
         run_worker(root, 1).send_signal(signal.SIGKILL)
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out[-3000:]
+        assert "model_worker_1 exited with code -9 (killed by signal 9)" in out, out[-3000:]
         assert "relaunching" in out and "resuming from the last recover checkpoint" in out, out[-3000:]
     finally:
         p.kill()

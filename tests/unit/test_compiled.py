@@ -78,8 +78,10 @@ def test_compile_failure_falls_back_to_eager(tmp_path):
         assert a.tokens == b.tokens and a.logprobs == b.logprobs
         print("FELL_BACK_OK")
     """)
+    # TORCHINDUCTOR_COMPILE_THREADS=1: no pool of compile workers (each a fresh interpreter importing torch) is started
+    # for a compile that fails
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"),
-               PYTHONPATH=ROOT)
+               TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONPATH=ROOT)
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "FELL_BACK_OK" in p.stdout
