@@ -210,8 +210,49 @@ def _warn_dropped(path: str, what: str, lines: List[int], total: int, key: str) 
     return msg
 
 
+# ----------------------------------------------------------------------------- shared by the row datasets
+class RowDataset:
+    """What every JSONL dataset here shares: its samples in ``items`` (one dict per kept row, with an ``"id"``),
+    ids unique across the file, prompts through the tokenizer's chat template when asked."""
+
+    items: List[dict]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+    @staticmethod
+    def _row_id(path: str, line_no: int, row: dict, key: str, idx: int, seen: Dict[str, int]) -> str:
+        """The row's ``key`` field as str, else its 0-based index; refused when an earlier row has the same id."""
+        rid = str(row[key]) if row.get(key) is not None else str(idx)
+        if rid in seen:
+            raise DatasetError(f"{path}:{line_no}: {key} {rid!r} repeats the one on line {seen[rid]}; "
+                               f"{'query ids' if key == 'query_id' else 'ids'} must be unique")
+        seen[rid] = line_no
+        return rid
+
+    @staticmethod
+    def _check_chat_template(tokenizer, path: str, use_chat_template: bool, option: str) -> None:
+        if use_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise DatasetError(f"use_chat_template=True but the tokenizer has no chat template (for {path}); "
+                               f"set {option}=false or use a chat model's tokenizer")
+
+    @staticmethod
+    def _chat_prompt(tokenizer, text: str) -> str:
+        """``text`` as a user turn of the chat template, followed by the assistant header."""
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+
+    @staticmethod
+    def _empty_check(items: Sequence[dict]) -> None:
+        if not items:
+            raise ValueError("cannot collate an empty list of items")
+
+
 # ----------------------------------------------------------------------------- SFT
-class PromptAnswerDataset:
+class PromptAnswerDataset(RowDataset):
     """SFT rows ``{"prompt": str, "answer": str}`` (optional ``"id"``).
 
     Tokens are ``prompt + answer + [eos]`` (the prompt tokenized with the tokenizer's special
@@ -240,10 +281,7 @@ class PromptAnswerDataset:
             if len(ids) > max_seqlen:
                 n_trunc += 1
                 ids = ids[:max_seqlen]
-            rid = str(row["id"]) if row.get("id") is not None else str(idx)
-            if rid in seen:
-                raise DatasetError(f"{path}:{line_no}: id {rid!r} repeats the one on line {seen[rid]}; ids must be unique")
-            seen[rid] = line_no
+            rid = self._row_id(path, line_no, row, "id", idx, seen)
             self.items.append({"id": rid, "input_ids": ids, "prompt_mask": [True] * len(p) + [False] * (len(ids) - len(p))})
         # rows left out, for the run's warnings (None: none)
         self.skipped = _warn_dropped(path, f"whose prompt has >= max_seqlen={max_seqlen} tokens", dropped, len(rows),
@@ -254,16 +292,9 @@ class PromptAnswerDataset:
             raise DatasetError(f"{path}: every prompt has >= max_seqlen={max_seqlen} tokens; raise max_seqlen")
         logger.info("Loaded %d SFT rows from %s", len(self.items), path)
 
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.items[i]
-
     @staticmethod
     def collate(items: Sequence[dict]) -> SequenceSample:
-        if not items:
-            raise ValueError("cannot collate an empty list of items")
+        RowDataset._empty_check(items)
         import torch
 
         from realhf.api.core.data_api import SequenceSample
@@ -279,7 +310,7 @@ class PromptAnswerDataset:
 
 
 # ----------------------------------------------------------------------------- prompts
-class PromptDataset:
+class PromptDataset(RowDataset):
     """Prompt rows ``{"prompt": str}`` (optional ``"query_id"``, the sample id; default the 0-based
     row index). With ``use_chat_template`` each prompt becomes a user turn of the tokenizer's chat
     template followed by the assistant header. Prompts over ``max_prompt_len`` tokens are skipped
@@ -297,9 +328,7 @@ class PromptDataset:
         self.path = path
         self.tokenizer = tokenizer
         self.use_chat_template = use_chat_template
-        if use_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise DatasetError(f"use_chat_template=True but the tokenizer has no chat template (for {path}); "
-                               "set use_chat_template=false or use a chat model's tokenizer")
+        self._check_chat_template(tokenizer, path, use_chat_template, "use_chat_template")
         rows = list(read_jsonl(path, self.REQUIRED, self.OPTIONAL))
         extras = [self._row_extra(f"{path}:{ln}", row) for ln, row in rows]
         texts = [self.format_prompt(row["prompt"]) for _, row in rows]
@@ -307,11 +336,7 @@ class PromptDataset:
         self.items: List[dict] = []
         dropped, seen = [], {}
         for idx, ((line_no, row), extra, ids) in enumerate(zip(rows, extras, encoded)):
-            qid = str(row["query_id"]) if row.get("query_id") is not None else str(idx)
-            if qid in seen:
-                raise DatasetError(f"{path}:{line_no}: query_id {qid!r} repeats the one on line {seen[qid]}; "
-                                   "query ids must be unique")
-            seen[qid] = line_no
+            qid = self._row_id(path, line_no, row, "query_id", idx, seen)
             if len(ids) > max_prompt_len:
                 dropped.append(line_no)
                 continue
@@ -328,20 +353,10 @@ class PromptDataset:
         return {}
 
     def format_prompt(self, text: str) -> str:
-        if not self.use_chat_template:
-            return text
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                  add_generation_prompt=True)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.items[i]
+        return self._chat_prompt(self.tokenizer, text) if self.use_chat_template else text
 
     def collate(self, items: Sequence[dict]) -> SequenceSample:
-        if not items:
-            raise ValueError("cannot collate an empty list of items")
+        self._empty_check(items)
         import torch
 
         from realhf.api.core.data_api import SequenceSample

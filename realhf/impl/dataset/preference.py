@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Dict, Iterator, List, Sequence, Tuple
 
 from realhf.base import logging
-from realhf.impl.dataset.jsonl import (DatasetError, TypeSpec, _encode, _eos_id, _warn_dropped, read_jsonl,
+from realhf.impl.dataset.jsonl import (DatasetError, RowDataset, TypeSpec, _encode, _eos_id, _warn_dropped, read_jsonl,
                                        register_dataset)
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def validate_preference_jsonl(path: str) -> int:
     return sum(1 for _ in read_preference_rows(path))
 
 
-class PreferenceDataset:
+class PreferenceDataset(RowDataset):
     """Preference pairs (see the module docstring). A sample's id is its ``id`` field, else its 0-based row index,
     as str. Rows whose prompt alone fills ``max_seqlen`` (no answer token left), or whose two answers differ only
     after ``max_seqlen`` tokens, are skipped with a warning (``skipped``)."""
@@ -53,14 +53,11 @@ class PreferenceDataset:
     def __init__(self, path: str, tokenizer, max_seqlen: int, use_chat_template: bool = False):
         if max_seqlen < 2:
             raise ValueError(f"max_seqlen must be >= 2, got {max_seqlen}")
-        if use_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise DatasetError(f"use_chat_template=True but the tokenizer has no chat template (for {path}); "
-                               "set dataset.use_chat_template=false or use a chat model's tokenizer")
+        self._check_chat_template(tokenizer, path, use_chat_template, "dataset.use_chat_template")
         rows = list(read_preference_rows(path))
         eos = _eos_id(tokenizer)
         if use_chat_template:
-            texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                                   add_generation_prompt=True) for _, r in rows]
+            texts = [self._chat_prompt(tokenizer, r["prompt"]) for _, r in rows]
             prompts = _encode(tokenizer, texts, add_special_tokens=False)
         else:
             prompts = _encode(tokenizer, [r["prompt"] for _, r in rows], add_special_tokens=True)
@@ -69,10 +66,7 @@ class PreferenceDataset:
         self.items: List[dict] = []
         too_long, same, seen = [], [], {}
         for idx, ((line_no, row), p, c, r) in enumerate(zip(rows, prompts, chosen, rejected)):
-            rid = str(row["id"]) if row.get("id") is not None else str(idx)
-            if rid in seen:
-                raise DatasetError(f"{path}:{line_no}: id {rid!r} repeats the one on line {seen[rid]}; ids must be unique")
-            seen[rid] = line_no
+            rid = self._row_id(path, line_no, row, "id", idx, seen)
             if len(p) >= max_seqlen:
                 too_long.append(line_no)
                 continue
@@ -91,16 +85,9 @@ class PreferenceDataset:
                                "tokens, or the answers differ only after them); raise dataset.max_seqlen")
         logger.info("Loaded %d preference pairs from %s", len(self.items), path)
 
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.items[i]
-
     @staticmethod
     def collate(items: Sequence[dict]) -> SequenceSample:
-        if not items:
-            raise ValueError("cannot collate an empty list of items")
+        RowDataset._empty_check(items)
         import torch
 
         from realhf.api.core.data_api import SequenceSample
