@@ -49,7 +49,7 @@ def _prompts(vocab: int, n: int):
     return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]
 
 
-def _worker(path, dims, group_counts, n_prompts, new_tokens, repeats):
+def _worker(path, layout, group_counts, n_prompts, new_tokens, repeats):
     """Time ``generate`` for every entry of ``group_counts`` (round-robin over the repeats); returns
     {G: (median seconds, tokens generated, tokens)} on every rank."""
     import torch.distributed as dist
@@ -59,7 +59,7 @@ def _worker(path, dims, group_counts, n_prompts, new_tokens, repeats):
     from realhf.impl.model.conversion.hf_io import build_from_hf
     from realhf.impl.model.nn.generation import generate
 
-    model = build_from_hf(path, grid=ParallelGrid(ParallelDims(*dims)))
+    model = build_from_hf(path, grid=ParallelGrid(ParallelDims(*layout)))
     prompts = _prompts(model.config.vocab_size, n_prompts)
     g = GenerationHyperparameters(max_new_tokens=new_tokens, min_new_tokens=new_tokens, greedy=True)
     generate(model, prompts, GenerationHyperparameters(max_new_tokens=4, greedy=True))  # warm-up

@@ -53,7 +53,7 @@ def _worker(cfg, pairs, repeats):
 
     from realhf.base.topology import ParallelGrid
     from realhf.impl.model.nn.real_model import ReaLModel
-    from realhf.impl.model.parallelism.realloc import Layout, execute_plan, make_plan
+    from realhf.impl.model.parallelism.realloc import PlacedLayout, execute_plan, make_plan
 
     rank = dist.get_rank()
     out = []
@@ -66,7 +66,7 @@ def _worker(cfg, pairs, repeats):
         if src is not None:
             src.flat.normal_()
         t0 = time.perf_counter()
-        plan = make_plan(cfg, Layout.of(da, ra), Layout.of(db, rb))
+        plan = make_plan(cfg, PlacedLayout.of(da, ra), PlacedLayout.of(db, rb))
         t_plan = time.perf_counter() - t0
         times = []
         for _ in range(repeats + 1):  # the first one warms up

@@ -48,7 +48,7 @@ class LaunchError(ValueError):
 
 
 def _run_env(spec, launcher, secret: str) -> dict:
-    env = {"REALHF_RUN_SECRET": secret, "OMP_NUM_THREADS": str(spec.threads_per_worker), "TOKENIZERS_PARALLELISM": "false"}
+    env = {"REALHF_RUN_SECRET": secret, "OMP_NUM_THREADS": str(spec.cpus_per_worker), "TOKENIZERS_PARALLELISM": "false"}
     if launcher.remote:  # jobs on other nodes import the same source tree (a shared file system holds it and fileroot)
         env["PYTHONPATH"] = env_with_source_path()["PYTHONPATH"]
     return env

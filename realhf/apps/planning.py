@@ -27,7 +27,7 @@ def _hardware_and_capacity(cluster, cfg, spec, cfgs):
     trained = next((m for m in spec.models if m.optimizer is not None and m.name in cfgs), None)
     shape = cfgs[trained.name] if trained is not None else next(iter(cfgs.values()))
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    torch.set_num_threads(max(1, spec.threads_per_worker))  # a worker's share of the host, as the run has it
+    torch.set_num_threads(max(1, spec.cpus_per_worker))  # a worker's share of the host, as the run has it
     return hw_of(profile(shape, dtype, comm=spec.n_workers > 1)), run_capacity(cfg, spec)
 
 

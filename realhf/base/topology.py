@@ -1,7 +1,10 @@
 """Process topology: a data x tensor x pipeline grid over (a subset of) torch.distributed ranks.
 
-Ranks inside a grid are ordered pipe-major, then data, then tensor (tensor innermost), so the ranks of
-one tensor-parallel group are consecutive. A grid may cover only part of the world: ``ranks`` lists the
+The three axes are named ``dp`` (data parallel), ``tp`` (tensor parallel) and ``pp`` (pipeline parallel)
+everywhere: in axis keys, coordinates, sizes and ranks. A :class:`ParallelDims` value (the sizes) is a
+*layout*; a :class:`ParallelGrid` is one rank's process groups of a layout laid on a *mesh* (a set of global ranks).
+Ranks inside a grid are ordered pp-major, then dp, then tp (tp innermost), so the ranks of one
+tensor-parallel group are consecutive. A grid may cover only part of the world: ``ranks`` lists the
 global ranks it uses, in grid order.
 """
 from __future__ import annotations
@@ -9,14 +12,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
-AXES = ("pipe", "data", "tensor")
+AXES = ("pp", "dp", "tp")  # grid order: pp outermost, tp innermost
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the three parallel dimensions."""
+    """A layout: the sizes of the three parallel axes, ``dp`` x ``tp`` x ``pp``.
+
+    Users write and read it as an allocation string ``d<dp>m<tp>p<pp>`` (ReaL's notation: d = dp,
+    m = tp, "model" parallel, p = pp), e.g. ``d2m1p1``: :meth:`parse` reads one and ``str()`` writes one.
+    """
 
     dp: int = 1
     tp: int = 1
@@ -58,36 +65,38 @@ class ParallelDims:
 
 @dataclasses.dataclass(frozen=True)
 class Coord:
-    pipe: int
-    data: int
-    tensor: int
+    """A grid rank's position on each axis."""
+
+    pp: int
+    dp: int
+    tp: int
 
 
 class ProcessTopology:
-    """Pure bookkeeping of a (pipe, data, tensor) grid: grid rank <-> coordinate. No communication."""
+    """Pure bookkeeping of a (pp, dp, tp) grid of a layout: grid rank <-> coordinate. No communication."""
 
-    def __init__(self, dims: ParallelDims):
-        self.dims = dims
-        self.shape = (dims.pp, dims.dp, dims.tp)
+    def __init__(self, layout: ParallelDims):
+        self.layout = layout
+        self.shape = (layout.pp, layout.dp, layout.tp)
 
     @property
     def world_size(self) -> int:
-        return self.dims.world_size
+        return self.layout.world_size
 
-    def get_rank(self, pipe: int, data: int, tensor: int) -> int:
-        pp, dp, tp = self.shape
-        if not (0 <= pipe < pp and 0 <= data < dp and 0 <= tensor < tp):
-            raise IndexError(f"coordinate (pipe={pipe}, data={data}, tensor={tensor}) outside grid {self.dims}")
-        return (pipe * dp + data) * tp + tensor
+    def get_rank(self, pp: int, dp: int, tp: int) -> int:
+        n_pp, n_dp, n_tp = self.shape
+        if not (0 <= pp < n_pp and 0 <= dp < n_dp and 0 <= tp < n_tp):
+            raise IndexError(f"coordinate (pp={pp}, dp={dp}, tp={tp}) outside grid {self.layout}")
+        return (pp * n_dp + dp) * n_tp + tp
 
     def get_coord(self, rank: int) -> Coord:
-        pp, dp, tp = self.shape
+        _, n_dp, n_tp = self.shape
         if not 0 <= rank < self.world_size:
-            raise IndexError(f"rank {rank} outside grid {self.dims} of {self.world_size} ranks")
-        return Coord(pipe=rank // (dp * tp), data=(rank // tp) % dp, tensor=rank % tp)
+            raise IndexError(f"rank {rank} outside grid {self.layout} of {self.world_size} ranks")
+        return Coord(pp=rank // (n_dp * n_tp), dp=(rank // n_tp) % n_dp, tp=rank % n_tp)
 
     def axis_groups(self, axis: str) -> List[List[int]]:
-        """All groups of grid ranks that vary only along ``axis`` (e.g. every tensor-parallel group)."""
+        """All groups of grid ranks that vary only along ``axis`` (e.g. ``"tp"``: every tensor-parallel group)."""
         if axis not in AXES:
             raise ValueError(f"unknown axis {axis!r}; allowed: {AXES}")
         sizes = dict(zip(AXES, self.shape))
@@ -99,7 +108,7 @@ class ProcessTopology:
         return groups
 
     def filter_match(self, **kw) -> List[int]:
-        """Grid ranks whose coordinate matches every given axis value, e.g. ``filter_match(pipe=0)``."""
+        """Grid ranks whose coordinate matches every given axis value, e.g. ``filter_match(pp=0, tp=0)``."""
         out = []
         for r in range(self.world_size):
             c = dataclasses.asdict(self.get_coord(r))
@@ -109,7 +118,7 @@ class ProcessTopology:
 
 
 class ParallelGrid:
-    """Communication groups of one (pipe, data, tensor) grid laid over global ranks ``ranks``.
+    """Communication groups of one (pp, dp, tp) grid of a layout laid over global ranks ``ranks`` (its mesh).
 
     Construction calls ``torch.distributed.new_group`` for every group of the grid, so *every* rank of
     the default process group must construct the same grids in the same order (a torch.distributed
@@ -118,18 +127,18 @@ class ParallelGrid:
     default group's.
     """
 
-    def __init__(self, dims: ParallelDims, ranks: Optional[Sequence[int]] = None, backend: Optional[str] = None):
+    def __init__(self, layout: ParallelDims, ranks: Optional[Sequence[int]] = None, backend: Optional[str] = None):
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise RuntimeError("ParallelGrid needs torch.distributed to be initialised first")
-        self.topo = ProcessTopology(dims)
-        self.dims = dims
+        self.topo = ProcessTopology(layout)
+        self.layout = layout
         world = dist.get_world_size()
-        self.ranks: List[int] = list(range(dims.world_size)) if ranks is None else list(ranks)
-        if len(self.ranks) != dims.world_size:
+        self.ranks: List[int] = list(range(layout.world_size)) if ranks is None else list(ranks)
+        if len(self.ranks) != layout.world_size:
             raise ValueError(
-                f"layout {dims} needs {dims.world_size} ranks, but {len(self.ranks)} were given: {self.ranks}"
+                f"layout {layout} needs {layout.world_size} ranks, but {len(self.ranks)} were given: {self.ranks}"
             )
         if len(set(self.ranks)) != len(self.ranks) or any(not 0 <= r < world for r in self.ranks):
             raise ValueError(f"grid ranks {self.ranks} must be distinct global ranks in [0, {world})")
@@ -151,9 +160,9 @@ class ParallelGrid:
         if self.is_member:
             self._groups["all"] = all_g
             self._group_ranks["all"] = list(self.ranks)
-        # First and last pipeline stage of each (data, tensor) position: they share tied embeddings.
-        if dims.pp > 1:
-            for grp in self.topo.axis_groups("pipe"):
+        # First and last pipeline stage of each (dp, tp) position: they share tied embeddings.
+        if layout.pp > 1:
+            for grp in self.topo.axis_groups("pp"):
                 granks = [self.ranks[grp[0]], self.ranks[grp[-1]]]
                 g = dist.new_group(granks, backend=backend)
                 if self.global_rank in granks:
@@ -164,27 +173,27 @@ class ParallelGrid:
     # ranks and sizes
     @property
     def dp_rank(self) -> int:
-        return self.coord.data
+        return self.coord.dp
 
     @property
     def tp_rank(self) -> int:
-        return self.coord.tensor
+        return self.coord.tp
 
     @property
     def pp_rank(self) -> int:
-        return self.coord.pipe
+        return self.coord.pp
 
     @property
     def dp_size(self) -> int:
-        return self.dims.dp
+        return self.layout.dp
 
     @property
     def tp_size(self) -> int:
-        return self.dims.tp
+        return self.layout.tp
 
     @property
     def pp_size(self) -> int:
-        return self.dims.pp
+        return self.layout.pp
 
     @property
     def is_first_stage(self) -> bool:
@@ -197,15 +206,15 @@ class ParallelGrid:
     # groups (None when the group has a single member)
     @property
     def dp_group(self):
-        return self._groups.get("data")
+        return self._groups.get("dp")
 
     @property
     def tp_group(self):
-        return self._groups.get("tensor")
+        return self._groups.get("tp")
 
     @property
     def pp_group(self):
-        return self._groups.get("pipe")
+        return self._groups.get("pp")
 
     @property
     def embedding_group(self):
@@ -217,14 +226,14 @@ class ParallelGrid:
         return self._groups.get("all")
 
     def group_ranks(self, axis: str) -> List[int]:
-        """Global ranks of this rank's group along ``axis`` ('data', 'tensor', 'pipe' or 'all')."""
+        """Global ranks of this rank's group along ``axis`` ('dp', 'tp', 'pp' or 'all')."""
         return list(self._group_ranks[axis])
 
-    def global_rank_of(self, pipe: int, data: int, tensor: int) -> int:
-        return self.ranks[self.topo.get_rank(pipe, data, tensor)]
+    def global_rank_of(self, pp: int, dp: int, tp: int) -> int:
+        return self.ranks[self.topo.get_rank(pp, dp, tp)]
 
     def stage_neighbor(self, offset: int) -> Optional[int]:
-        """Global rank of the same (data, tensor) position ``offset`` stages away, or None at the ends."""
+        """Global rank of the same (dp, tp) position ``offset`` stages away, or None at the ends."""
         p = self.pp_rank + offset
         if not 0 <= p < self.pp_size:
             return None
@@ -232,7 +241,7 @@ class ParallelGrid:
 
     def __repr__(self):
         where = f"coord={self.coord}" if self.is_member else "not a member"
-        return f"ParallelGrid({self.dims}, ranks={self.ranks}, {where})"
+        return f"ParallelGrid({self.layout}, ranks={self.ranks}, {where})"
 
 
 def single_process_grid(env=None) -> "ParallelGrid":
@@ -251,7 +260,3 @@ def single_process_grid(env=None) -> "ParallelGrid":
         store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=300), wait_for_workers=False)
         dist.init_process_group(env.backend, store=store, rank=0, world_size=1)
     return ParallelGrid(ParallelDims(1, 1, 1), ranks=[dist.get_rank()], backend=env.backend)
-
-
-def dims_tuple(d: ParallelDims) -> Tuple[int, int, int]:
-    return (d.dp, d.tp, d.pp)

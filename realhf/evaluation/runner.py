@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 
 from realhf.api.core.generation import SamplingParams
 from realhf.base import logging
+from realhf.base.topology import ParallelDims
 
 from realhf.evaluation import data_loader, engine as engines, metrics as M, prompts
 
@@ -307,13 +308,15 @@ def _validate(args):
     if args.prompt_type not in prompts.PROMPT_TYPES:
         raise EvalError(f"unknown prompt_type {args.prompt_type!r}; choose from {', '.join(prompts.PROMPT_TYPES)}")
     if args.allocation:  # e.g. vllm.d2m1p1: backend, servers (d) and tensor parallelism (m)
-        import re
-
-        m = re.fullmatch(r"([a-z]+)\.d(\d+)m(\d+)p1", args.allocation.strip())
-        if not m:
+        backend, _, text = args.allocation.strip().partition(".")
+        try:
+            layout = ParallelDims.parse(text)
+            if not backend or layout.pp != 1:
+                raise ValueError("a backend before '.' and p1 (generation servers are not pipelined) are needed")
+        except ValueError as e:
             raise EvalError(f"--allocation must look like vllm.d2m1p1 (<backend>.d<servers>m<tensor parallel>p1), "
-                            f"got {args.allocation!r}")
-        args.engine, args.n_servers, args.tensor_parallel_size = m.group(1), int(m.group(2)), int(m.group(3))
+                            f"got {args.allocation!r}: {e}") from None
+        args.engine, args.n_servers, args.tensor_parallel_size = backend, layout.dp, layout.tp
         if args.engine == "realhf":
             raise EvalError("--allocation names a generation-server backend (gen, vllm, sglang), not realhf")
     if args.n_servers < 1 or args.tensor_parallel_size < 1:

@@ -15,8 +15,8 @@ def experiment_spec(cfg, **fields) -> ExperimentSpec:
     ctrl = {f.name: getattr(cfg.exp_ctrl, f.name) for f in dataclasses.fields(cfg.exp_ctrl)}
     spec = ExperimentSpec(**{
         **dict(experiment_name=cfg.experiment_name, trial_name=cfg.trial_name, seed=cfg.seed, log_dir=cfg.log_dir(),
-               save_dir=cfg.ckpt_dir(), recover_dir=cfg.recover_dir(), threads_per_worker=cfg.cpus_per_worker,
-               threads_per_worker_max=cfg.cpus_per_worker_max,
+               save_dir=cfg.ckpt_dir(), recover_dir=cfg.recover_dir(), cpus_per_worker=cfg.cpus_per_worker,
+               cpus_per_worker_max=cfg.cpus_per_worker_max,
                worker_timeout_secs=cfg.worker_timeout_secs, wandb=cfg.wandb_init_kwargs(),
                tensorboard_dir=cfg.tensorboard_dir()),
         **ctrl, **fields})
@@ -122,10 +122,10 @@ def replica_specs(role: str, replicas: Dict[str, Tuple[ParallelDims, Tuple[int, 
     run); without one, every replica loads ``path``. Replicas that do not train are offloaded between their
     calls when ``model_cfg.offload`` is set."""
     specs = []
-    for name, (dims, ranks) in replicas.items():
+    for name, (layout, ranks) in replicas.items():
         trains = optimizer is not None and name == role
         specs.append(ModelSpec(
-            name, path, dims, list(ranks), dtype=model_cfg.dtype if model_cfg is not None else "auto",
+            name, path, layout, list(ranks), dtype=model_cfg.dtype if model_cfg is not None else "auto",
             is_critic=is_critic, optimizer=optimizer if trains else None, total_train_steps=total_train_steps,
             tokenizer_path=tokenizer_path, realloc_from=role if optimizer is not None and not trains else None,
             offload=bool(model_cfg is not None and model_cfg.offload and not trains),
@@ -140,23 +140,25 @@ def gen_servers_spec(cfg, max_len: int, model_dtype: str = "auto"):
     from realhf.api.core.system_api import GenServersSpec
 
     mode = cfg.allocation()
-    dims = mode.gen
-    if dims.pp > 1:
+    layout = mode.gen
+    if layout.pp > 1:
+        fix = ParallelDims(layout.dp, layout.tp * layout.pp, 1)
         raise ValueError(f"allocation_mode={cfg.allocation_mode!r}: a generation server holds tensor-parallel ranks "
-                         f"only; use p1 in the generation layout (e.g. {mode.gen_backend}.d{dims.dp}m{dims.tp * dims.pp}p1)")
+                         f"only; use p1 in the generation layout (e.g. {mode.gen_backend}.{fix})")
     check_backend_available(mode.gen_backend, f"allocation_mode={cfg.allocation_mode!r}")
-    if mode.gen_backend == "gen" and dims.tp > 1:
+    if mode.gen_backend == "gen" and layout.tp > 1:
+        fix = ParallelDims(layout.dp * layout.tp, 1, 1)
         raise ValueError(f"allocation_mode={cfg.allocation_mode!r}: realhf's own server (gen.) runs one replica with "
-                         f"tp=1 per server; use gen.d{dims.dp * dims.tp}m1p1, or vllm./sglang. for tensor parallelism")
+                         f"tp=1 per server; use gen.{fix}, or vllm./sglang. for tensor parallelism")
     gs = cfg.gen_server
-    max_num_seqs = gs.max_num_seqs if gs.max_num_seqs != "auto" else server_rows_in_flight(cfg, dims.dp)
-    return GenServersSpec(backend=mode.gen_backend, n_servers=dims.dp, tp=dims.tp, first_slot=mode.rest_n_devices(),
+    max_num_seqs = gs.max_num_seqs if gs.max_num_seqs != "auto" else server_rows_in_flight(cfg, layout.dp)
+    return GenServersSpec(backend=mode.gen_backend, n_servers=layout.dp, tp=layout.tp, first_slot=mode.rest_n_devices(),
                           dtype=model_dtype, max_model_len=max_len, max_num_seqs=max_num_seqs,
                           weight_sync=getattr(cfg, "param_realloc", "disk"), shares_gpus=bool(cfg.gpus_per_node),
                           routing=gs.routing,
                           startup_timeout_secs=gs.startup_timeout_secs, request_timeout_secs=gs.request_timeout_secs,
                           health_timeout_secs=gs.health_timeout_secs,
-                          threads=cfg.cpus_per_worker, extra=gs.extra_dict())
+                          cpus_per_worker=cfg.cpus_per_worker, extra=gs.extra_dict())
 
 
 def server_rows_in_flight(cfg, n_servers: int) -> int:

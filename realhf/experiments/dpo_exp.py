@@ -29,9 +29,9 @@ def build_dpo(cfg: DPOConfig) -> ExperimentSpec:
         of, replicas[role] = model_replicas(cfg, role, mfcs)
         model_of.update(of)
     for role, path in (("actor", cfg.actor.path), ("ref", cfg.ref_path())):
-        for name, (dims, _) in replicas[role].items():
+        for name, (layout, _) in replicas[role].items():
             # the policy's tokenizer serves both: the reference reads the same token ids
-            check_model_fits(path, dims, f"{role}.path (replica {name!r})", seqlen=seqlen, tokenizer=role == "actor")
+            check_model_fits(path, layout, f"{role}.path (replica {name!r})", seqlen=seqlen, tokenizer=role == "actor")
     if cfg.dataset.valid_path:  # the evaluation loads the reference onto the policy's layout for one pass
         check_model_fits(cfg.ref_path(), replicas["actor"]["actor"][0], "ref.path (evaluated on the actor's layout)",
                          seqlen=seqlen)

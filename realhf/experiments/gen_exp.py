@@ -58,7 +58,7 @@ def _writer_ranks(spec: ExperimentSpec) -> List[int]:
     """Global ranks that write part files: tensor-rank 0 of the last pipeline stage of every dp rank."""
     m = spec.models[0]
     topo = ProcessTopology(m.layout)
-    return [m.ranks[g] for g in topo.filter_match(pipe=m.layout.pp - 1, tensor=0)]
+    return [m.ranks[g] for g in topo.filter_match(pp=m.layout.pp - 1, tp=0)]
 
 
 def merge_outputs(spec: ExperimentSpec, out: str):

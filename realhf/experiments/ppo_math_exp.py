@@ -149,7 +149,7 @@ def _seqlen(cfg: PPOMathConfig, is_async: bool) -> Dict[str, int]:
 
 
 def _placement(cfg: PPOMathConfig, is_async: bool, served: bool) -> Tuple[Dict[str, str], Dict[str, dict]]:
-    """({MFC: the model replica that runs it}, {role: {replica: (dims, ranks)}}) of the models each role's MFCs
+    """({MFC: the model replica that runs it}, {role: {replica: (layout, ranks)}}) of the models each role's MFCs
     need."""
     roles: Dict[str, List[Tuple[str, bool]]] = {"actor": [("actor_gen", False), ("actor_train", True)],
                                                 "reward": [("rew_inf", False)]}
@@ -181,8 +181,8 @@ def _check_models(cfg: PPOMathConfig, replicas: Dict[str, dict], served: bool, s
         check_model_fits(cfg.actor.path, cfg.allocation().gen, f"actor.path (generation servers "
                          f"{cfg.allocation_mode!r})", seqlen=seqlen, tokenizer=True)
     for role in ("actor", "ref", "critic"):
-        for name, (dims, _) in replicas.get(role, {}).items():
-            check_model_fits(paths[role], dims, f"{role}.path (replica {name!r})", seqlen=seqlen,
+        for name, (layout, _) in replicas.get(role, {}).items():
+            check_model_fits(paths[role], layout, f"{role}.path (replica {name!r})", seqlen=seqlen,
                              tokenizer=name == "actor")
     if cfg.reward.uses_model():  # a reward model scores in rew_inf: it fits, has a scalar head, the policy's tokenizer
         check_reward_model(cfg, replicas["reward"], seqlen)

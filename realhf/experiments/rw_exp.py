@@ -80,8 +80,8 @@ def check_reward_model(cfg, replicas, seqlen) -> None:
     from realhf.impl.model.conversion.hf_files import tokenizer_difference
 
     path = cfg.reward.model.path
-    for name, (dims, _) in replicas.items():
-        check_model_fits(path, dims, f"reward.model.path (replica {name!r})", seqlen=seqlen)
+    for name, (layout, _) in replicas.items():
+        check_model_fits(path, layout, f"reward.model.path (replica {name!r})", seqlen=seqlen)
     if not has_scalar_head(path):
         raise ValueError(f"reward.model.path={path!r} has no scalar head (score.weight): it is not a reward model. Train "
                          "one with the rw experiment (its checkpoints are reward models), or use reward.type=grader")

@@ -68,7 +68,7 @@ def start_servers(sched, spec, config, env: Dict[str, str], nr, nr_root: str, ow
     sched.submit_group(
         [server_name(i) for i in range(fleet.n_servers)],
         lambda i: server_cmd(fleet.backend, m.path, i, fleet.dtype, "auto", fleet.tp, fleet.max_model_len,
-                             fleet.max_num_seqs, fleet.threads, fleet.extra, "--exp", exp, "--trial", trial,
+                             fleet.max_num_seqs, fleet.cpus_per_worker, fleet.extra, "--exp", exp, "--trial", trial,
                              "--name-resolve-root", nr_root),
         env, worker=True, slots=fleet.tp, first_slot=fleet.first_slot,
         env_for=None if own_devices else lambda i: device_env(fleet, i, config.n_devices_per_node,

@@ -18,6 +18,7 @@ import dataclasses
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from realhf.base.topology import ParallelDims
 from realhf.plan import memory
 from realhf.plan.async_sim import AsyncSetting, SteadyState, _Fleet, _lengths, _train_time, steady_state
 from realhf.plan.fit import UNBOUNDED, Workload, budget_search, call_estimate
@@ -36,11 +37,12 @@ class AsyncCandidate:
         """The allocation string of this plan: servers first in the string, trainer after ``+``."""
         s = self.setting
         t = s.train_mesh
-        return f"{backend}.d{s.servers}m{s.gen_tp}p1+d{t.dp}m{t.tp}p{t.pp}"
+        return f"{backend}.{ParallelDims(s.servers, s.gen_tp, 1)}+{ParallelDims(t.dp, t.tp, t.pp)}"
 
     def describe(self) -> str:
         s, t = self.setting, self.setting.train_mesh
-        return (f"{s.servers} server(s) x {s.gen_tp} GPU(s) | trainer d{t.dp}m{t.tp}p{t.pp} on {s.train_gpus} GPU(s)"
+        trainer = ParallelDims(t.dp, t.tp, t.pp)
+        return (f"{s.servers} server(s) x {s.gen_tp} GPU(s) | trainer {trainer} on {s.train_gpus} GPU(s)"
                 + (f", micro-batches of <= {s.train_max_tokens} tokens" if s.train_max_tokens < UNBOUNDED else ""))
 
 

@@ -5,7 +5,7 @@ arithmetic, no torch (except :func:`realloc_exact`, which asks the reallocation 
 seconds.
 
 * all-reduce (ring): ``2 (n - 1) / n * bytes / bw + 2 (n - 1) * latency``; a send: ``latency + bytes / bw``.
-* Ranks are placed in grid order (pipe, data, tensor; tensor innermost) from a mesh's first rank, ``devices_per_node``
+* Ranks are placed in grid order (pp, dp, tp; tp innermost) from a mesh's first rank, ``devices_per_node``
   to a node: a group is inside one node when the ranks it spans are.
 * Reallocation (:func:`realloc_traffic`): the planner's rule (``realhf.impl.model.parallelism.realloc``) at the
   grain of (block ranges, embedding, head) x tensor slices: each destination rank takes a piece from itself when it
@@ -53,8 +53,9 @@ class Mesh:
     def world(self) -> int:
         return self.dp * self.tp * self.pp
 
-    def rank(self, pipe: int, data: int, tensor: int) -> int:
-        return self.first + (pipe * self.dp + data) * self.tp + tensor
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        """Global rank of grid coordinate (``pp``, ``dp``, ``tp``)."""
+        return self.first + (pp * self.dp + dp) * self.tp + tp
 
     def intra(self, span: int, hw: Hardware) -> bool:
         """Whether a group of ``span`` consecutive ranks from this mesh's first lies inside one node."""
@@ -159,10 +160,10 @@ def realloc_exact(cfg: ReaLModelConfig, src: Mesh, dst: Mesh) -> Dict[int, Tuple
     """:func:`realloc_traffic` from the reallocation planner's own messages (torch; the model built on the meta
     device), for checking the closed form and for plans worth the cost."""
     from realhf.base.topology import ParallelDims
-    from realhf.impl.model.parallelism.realloc import Layout, make_plan
+    from realhf.impl.model.parallelism.realloc import PlacedLayout, make_plan
 
     def lay(m: Mesh):
-        return Layout.of(ParallelDims(m.dp, m.tp, m.pp), range(m.first, m.first + m.world))
+        return PlacedLayout.of(ParallelDims(m.dp, m.tp, m.pp), range(m.first, m.first + m.world))
 
     plan = make_plan(cfg, lay(src), lay(dst))
     out: Dict[int, list] = {}

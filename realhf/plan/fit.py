@@ -16,6 +16,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from realhf.api.core.model_api import ReaLModelConfig
+from realhf.base.topology import ParallelDims
 from realhf.plan import memory
 from realhf.plan.memory import Estimate, GiB, Shard, gib
 
@@ -78,10 +79,10 @@ class RankCall:
 
 
 def shard_of(m, cfg: ReaLModelConfig, rank: int, dtype: str) -> Shard:
-    """Rank ``rank``'s shard of model spec ``m`` (its ranks are in grid order: pipe, data, tensor)."""
-    d = m.layout
-    stage = m.ranks.index(rank) // (d.dp * d.tp)
-    return Shard(cfg, d.tp, d.pp, stage, memory.dtype_bytes(dtype))
+    """Rank ``rank``'s shard of model spec ``m`` (its ranks are in grid order: pp, dp, tp)."""
+    layout = m.layout
+    stage = m.ranks.index(rank) // (layout.dp * layout.tp)
+    return Shard(cfg, layout.tp, layout.pp, stage, memory.dtype_bytes(dtype))
 
 
 def model_dtype(m, device: str) -> str:
@@ -196,7 +197,8 @@ def plan(spec, cfgs: Dict[str, ReaLModelConfig], workloads: Dict[str, Workload],
             dt = model_dtype(m, cap.device)
             s = shard_of(m, cfgs[m.name], r, dt)
             src_shard = shard_of(src, cfgs[src.name], r, model_dtype(src, cap.device)) if src and r in src.ranks else None
-            calls.append(RankCall(mfc.name, r, m.name, f"d{m.layout.dp}m{m.layout.tp}p{m.layout.pp}", dt, hold[r],
+            layout = str(ParallelDims(m.layout.dp, m.layout.tp, m.layout.pp))
+            calls.append(RankCall(mfc.name, r, m.name, layout, dt, hold[r],
                                   call_estimate(m, s, w, n_mbs, max_tokens, src_shard), cap.per_rank))
     return MemoryPlan(cap, calls)
 

@@ -28,6 +28,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from realhf.api.core.model_api import ReaLModelConfig
+from realhf.base.topology import ParallelDims
 from realhf.plan import memory
 from realhf.plan.comm_cost import Mesh
 from realhf.plan.fit import UNBOUNDED, Workload, budget_search, call_estimate
@@ -59,7 +60,7 @@ class Placement:
 
     @property
     def layout(self) -> str:
-        return f"d{self.dp}m{self.tp}p{self.pp}"
+        return str(ParallelDims(self.dp, self.tp, self.pp))
 
     def stage(self, device: int) -> int:
         return (device - self.first) // (self.dp * self.tp)

@@ -160,13 +160,13 @@ def test_sft_interface_reports_the_skip_count(path):
 
 
 # ----------------------------------------------------------------------------- several processes
-def _dist_worker(path, dims):
+def _dist_worker(path, layout):
     import torch.distributed as dist
 
     from realhf.base.topology import ParallelDims, ParallelGrid
     from realhf.impl.model.backend.engine import NonFiniteError
 
-    grid = ParallelGrid(ParallelDims(*dims))
+    grid = ParallelGrid(ParallelDims(*layout))
     out = {}
     # only ONE rank's micro-batch is bad (the last: with pp it is the stage that computes the loss), and its
     # gradients stay finite: only its loss tells
@@ -193,15 +193,15 @@ def _dist_worker(path, dims):
     return out
 
 
-@pytest.mark.parametrize("dims", [(2, 1, 1), (1, 1, 2), (1, 2, 1)], ids=["d2m1p1", "d1m1p2", "d1m2p1"])
-def test_ranks_decide_alike(path, dims):
-    res = run_distributed(_dist_worker, 2, path, dims, timeout=240)
+@pytest.mark.parametrize("layout", [(2, 1, 1), (1, 1, 2), (1, 2, 1)], ids=["d2m1p1", "d1m1p2", "d1m2p1"])
+def test_ranks_decide_alike(path, layout):
+    res = run_distributed(_dist_worker, 2, path, layout, timeout=240)
     for r in res:
         assert r[1]["skipped"] and r[1]["count"] == 1 and r[1]["unchanged"], r[1]
         assert not r[1]["next_skipped"] and math.isfinite(r[1]["next_loss"])
         assert torch.isfinite(r[1]["params"]).all()
         assert "raised" in r[0] and "skip_nonfinite_steps=0" in r[0]["raised"] and r[0]["unchanged"], r[0]
-    if dims[0] == 2:  # data-parallel replicas stay identical
+    if layout[0] == 2:  # data-parallel replicas stay identical
         assert torch.equal(res[0][1]["params"], res[1][1]["params"])
 
 

@@ -36,17 +36,17 @@ def _realloc_pairs(path, layouts, runtime_env):
     from realhf.base.topology import ParallelDims, ParallelGrid
     from realhf.impl.model.conversion.hf_io import build_from_hf, config_from_hf_path
     from realhf.impl.model.nn.real_model import ReaLModel
-    from realhf.impl.model.parallelism.realloc import Layout, execute_plan, make_plan
+    from realhf.impl.model.parallelism.realloc import PlacedLayout, execute_plan, make_plan
 
     env, rank = runtime_env, dist.get_rank()
     assert env.is_cuda and "nccl" in dist.get_backend(), (env.describe(), dist.get_backend())
     cfg = config_from_hf_path(path)
-    dims = [ParallelDims.parse(s) for s in layouts]
-    grids = [ParallelGrid(d, ranks=list(range(d.world_size)), backend=env.backend) for d in dims]
-    loaded = {d: build_from_hf(path, grid=g, env=env) for d, g in zip(dims, grids) if g.is_member}
+    layouts = [ParallelDims.parse(s) for s in layouts]
+    grids = [ParallelGrid(d, ranks=list(range(d.world_size)), backend=env.backend) for d in layouts]
+    loaded = {d: build_from_hf(path, grid=g, env=env) for d, g in zip(layouts, grids) if g.is_member}
     out = []
-    for (a, ga), (b, gb) in itertools.permutations(list(zip(dims, grids)), 2):
-        plan = make_plan(cfg, Layout.of(a, ga.ranks), Layout.of(b, gb.ranks))
+    for (a, ga), (b, gb) in itertools.permutations(list(zip(layouts, grids)), 2):
+        plan = make_plan(cfg, PlacedLayout.of(a, ga.ranks), PlacedLayout.of(b, gb.ranks))
         dst = ReaLModel(cfg, grid=gb, env=env) if gb.is_member else None
         if dst is not None:
             dst.init_random(seed=5)

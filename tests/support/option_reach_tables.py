@@ -99,8 +99,8 @@ COMMON: Dict[str, Any] = {
     "seed": Reach("7", _spec("seed")),
     "n_nodes": Reach("2", _spec("n_workers"), needs=("allocation_mode=heuristic",)),
     "n_devices_per_node": Reach("2", _spec("n_workers"), needs=("allocation_mode=heuristic",)),
-    "cpus_per_worker": Reach("2", _spec("threads_per_worker")),
-    "cpus_per_worker_max": Reach("2", _spec("threads_per_worker_max")),  # model workers install cpu_share
+    "cpus_per_worker": Reach("2", _spec("cpus_per_worker")),
+    "cpus_per_worker_max": Reach("2", _spec("cpus_per_worker_max")),  # model workers install cpu_share
     "allocation_mode": Reach("d2m1p1", lambda b: b.model_of(b.spec.mfcs[0].name).layout.dp, expect=2,
                              needs=("n_devices_per_node=2", "allocation_mode=d1m1p2")),
     "worker_timeout_secs": Reach("30.0", _spec("worker_timeout_secs")),

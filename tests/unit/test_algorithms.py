@@ -354,7 +354,7 @@ def _reference_loss(name, cfg, lp, ent, mb, tp):
     return sum(terms) / len(terms)
 
 
-def _step_worker(path, dims):
+def _step_worker(path, layout):
     from realhf.api.core.config import OptimizerConfig
     from realhf.api.core.dfg import MicroBatchSpec
     from realhf.api.core.model_api import Model
@@ -364,7 +364,7 @@ def _step_worker(path, dims):
     from realhf.impl.model.interface.ppo_interface import PPOActorInterface, _per_token, compute_advantages
     from realhf.impl.model.utils.functional import packed_entropy, packed_logprobs
 
-    grid = ParallelGrid(ParallelDims(*dims))
+    grid = ParallelGrid(ParallelDims(*layout))
     res = {}
     for name in ("gspo", "drgrpo"):
         cfg = _variant(name)
@@ -397,12 +397,12 @@ def _step_worker(path, dims):
     return res
 
 
-@pytest.mark.parametrize("dims", [(1, 1, 1), (1, 2, 1)], ids=["d1m1p1", "d1m2p1"])
-def test_training_step_of_gspo_and_dr_grpo_equals_the_formula(dims):
+@pytest.mark.parametrize("layout", [(1, 1, 1), (1, 2, 1)], ids=["d1m1p1", "d1m2p1"])
+def test_training_step_of_gspo_and_dr_grpo_equals_the_formula(layout):
     """The interface's step (head on loss rows, several micro-batches; with m2 the log-probs and the entropy over two
     vocabulary shards) has the gradient of the papers' loss over the whole batch in one micro-batch."""
     path = ensure_tiny_model("qwen2")
-    for r in run_distributed(_step_worker, dims[1], path, dims):
+    for r in run_distributed(_step_worker, layout[1], path, layout):
         for name, (got, want) in r.items():
             scale = float(want.abs().max())
             assert scale > 1e-3, name

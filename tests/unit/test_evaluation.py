@@ -407,3 +407,16 @@ def test_generation_servers_give_the_realhf_engines_results(tiny, tmp_path, caps
     assert "gen_server_0.log" in logs and "gen_server_1.log" in logs
     assert main(["--model_path", tiny, "--output_path", got, "--allocation", "gen.2"] + E2E) == 2
     assert "--allocation must look like vllm.d2m1p1" in capsys.readouterr().err
+
+
+def test_allocation_reads_the_layout_as_training_allocations_do(tiny, tmp_path, capsys):
+    """--allocation's layout follows the allocation grammar (letters in any order, a missing one is 1): servers are
+    d, tensor parallelism m; a pipelined layout is refused with the reason."""
+    from realhf.evaluation.runner import _validate
+
+    args = parse_args(["--model_path", tiny, "--output_path", str(tmp_path), "--allocation", "vllm.m2d3"])
+    _validate(args)
+    assert (args.engine, args.n_servers, args.tensor_parallel_size) == ("vllm", 3, 2)
+    assert main(["--model_path", tiny, "--output_path", str(tmp_path), "--allocation", "gen.d2m1p2"] + E2E) == 2
+    err = capsys.readouterr().err
+    assert "--allocation must look like vllm.d2m1p1" in err and "generation servers are not pipelined" in err, err

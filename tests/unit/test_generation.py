@@ -15,12 +15,12 @@ def _prompts(vocab):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _gen_worker(path, dims, gkw, eos):
+def _gen_worker(path, layout, gkw, eos):
     from realhf.base.topology import ParallelDims, ParallelGrid
     from realhf.impl.model.conversion.hf_io import build_from_hf
     from realhf.impl.model.nn.generation import generate
 
-    grid = ParallelGrid(ParallelDims(*dims))
+    grid = ParallelGrid(ParallelDims(*layout))
     model = build_from_hf(path, grid=grid)
     out = generate(model, _prompts(model.config.vocab_size), GenerationHyperparameters(**gkw), eos_token_id=eos)
     return out
@@ -42,20 +42,21 @@ def _hf_greedy(path, prompts, eos):
     return outs
 
 
-@pytest.mark.parametrize("dims", [(1, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["d1m1p1", "d1m2p1", "d1m1p2"])
-def test_greedy_equals_transformers(family_path, dims):
+@pytest.mark.parametrize("layout", [(1, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["d1m1p1", "d1m2p1", "d1m1p2"])
+def test_greedy_equals_transformers(family_path, layout):
     fam, path = family_path
     # a stop token that the model actually emits, so early stopping and batch compaction are exercised
     probe = run_distributed(_gen_worker, 1, path, (1, 1, 1), dict(max_new_tokens=MAX_NEW, greedy=True), None)[0]
     eos = probe.tokens[2][3]
-    world = dims[0] * dims[1] * dims[2]
-    outs = run_distributed(_gen_worker, world, path, dims, dict(max_new_tokens=MAX_NEW, greedy=True), eos, timeout=240)
+    world = layout[0] * layout[1] * layout[2]
+    outs = run_distributed(_gen_worker, world, path, layout, dict(max_new_tokens=MAX_NEW, greedy=True), eos,
+                           timeout=240)
     import transformers
 
     vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
     ref = _hf_greedy(path, _prompts(vocab), eos)
     for r in outs:  # every rank of the replica returns the same tokens
-        assert r.tokens == ref, f"{fam} {dims}: greedy tokens differ from transformers"
+        assert r.tokens == ref, f"{fam} {layout}: greedy tokens differ from transformers"
     assert any(not x for x in outs[0].no_eos) and any(outs[0].no_eos), "test should cover both stop and length limit"
     for toks, ne in zip(outs[0].tokens, outs[0].no_eos):
         assert (toks[-1] == eos) != ne and len(toks) <= MAX_NEW

@@ -77,7 +77,7 @@ def _reference_step(engine, sample, tp):
     return st.grad_norm, st.extra["importance_weight"] / st.extra["n"]
 
 
-def _worker(path, dims):
+def _worker(path, layout):
     from realhf.api.core.config import OptimizerConfig
     from realhf.api.core.dfg import MicroBatchSpec
     from realhf.api.core.model_api import Model
@@ -87,7 +87,7 @@ def _worker(path, dims):
     from realhf.impl.model.interface.ppo_interface import PPOActorInterface
     from realhf.impl.model.utils.functional import packed_logprobs
 
-    grid = ParallelGrid(ParallelDims(*dims))
+    grid = ParallelGrid(ParallelDims(*layout))
     res = {}
     iface = PPOActorInterface(_ppo(), group_size=GROUP_SIZE, use_critic=False, seed=1)
     m = build_from_hf(path, grid=grid)
@@ -115,11 +115,11 @@ def _worker(path, dims):
     return res
 
 
-@pytest.mark.parametrize("dims", [(1, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["d1m1p1", "d1m2p1", "d1m1p2"])
-def test_head_on_used_rows_equals_every_row(dims):
+@pytest.mark.parametrize("layout", [(1, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["d1m1p1", "d1m2p1", "d1m1p2"])
+def test_head_on_used_rows_equals_every_row(layout):
     path = ensure_tiny_model("qwen2")
-    world = dims[0] * dims[1] * dims[2]
-    for r in run_distributed(_worker, world, path, dims):
+    world = layout[0] * layout[1] * layout[2]
+    for r in run_distributed(_worker, world, path, layout):
         assert abs(r["grad_norm"] - r["ref_grad_norm"]) <= 1e-5 * r["ref_grad_norm"] and r["ref_grad_norm"] > 0
         assert abs(r["iw"] - r["ref_iw"]) < 1e-6
         # the step moved the parameters, and both ways moved them alike

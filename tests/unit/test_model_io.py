@@ -17,11 +17,11 @@ def _ids(vocab):
     return [torch.randint(0, vocab, (n,), generator=g) for n in LENS]
 
 
-def _save_worker(src, dims, dst, perturb):
+def _save_worker(src, layout, dst, perturb):
     from realhf.base.topology import ParallelDims, ParallelGrid
     from realhf.impl.model.conversion.hf_io import build_from_hf, save_hf
 
-    grid = ParallelGrid(ParallelDims(*dims))
+    grid = ParallelGrid(ParallelDims(*layout))
     model = build_from_hf(src, grid=grid)
     if perturb:  # make the saved weights differ from the source checkpoint (layout-independently)
         model.init_random(seed=5, std=0.05)
@@ -32,11 +32,11 @@ def _save_worker(src, dims, dst, perturb):
     return st if grid.dp_rank == 0 and grid.tp_rank == 0 else {}
 
 
-def _state_worker(path, dims):
+def _state_worker(path, layout):
     from realhf.base.topology import ParallelDims, ParallelGrid
     from realhf.impl.model.conversion.hf_io import build_from_hf, gather_full_state
 
-    grid = ParallelGrid(ParallelDims(*dims))
+    grid = ParallelGrid(ParallelDims(*layout))
     st = gather_full_state(build_from_hf(path, grid=grid))
     return st if grid.dp_rank == 0 and grid.tp_rank == 0 else {}
 
@@ -48,14 +48,14 @@ def _merge(results):
     return out
 
 
-def _logits_worker(path, dims):
+def _logits_worker(path, layout):
     from realhf.api.core.data_api import SequenceSample
     from realhf.base.topology import ParallelDims, ParallelGrid
     from realhf.impl.model.backend.engine import InferenceEngine
     from realhf.impl.model.conversion.hf_io import build_from_hf
     from realhf.impl.model.parallelism.tensor_parallel import gather_from_tp
 
-    grid = ParallelGrid(ParallelDims(*dims))
+    grid = ParallelGrid(ParallelDims(*layout))
     model = build_from_hf(path, grid=grid)
     seqs = _ids(model.config.vocab_size)
     s = SequenceSample.from_default(ids=[0, 1, 2], seqlens=LENS, data={"packed_input_ids": torch.cat(seqs)})
@@ -71,11 +71,11 @@ def test_save_one_layout_load_another(tmp_path, family):
     dst = str(tmp_path / "saved")
     saved = _merge(run_distributed(_save_worker, 4, src, (1, 2, 2), dst, True))
     assert os.path.isfile(os.path.join(dst, "model.safetensors.index.json"))
-    for dims in [(2, 1, 1), (1, 2, 1)]:
-        loaded = _merge(run_distributed(_state_worker, 2, dst, dims))
+    for layout in [(2, 1, 1), (1, 2, 1)]:
+        loaded = _merge(run_distributed(_state_worker, 2, dst, layout))
         for name, t in saved.items():
             if name in loaded:
-                assert torch.equal(loaded[name], t), f"{name} changed bits through save (1,2,2) -> load {dims}"
+                assert torch.equal(loaded[name], t), f"{name} changed bits through save (1,2,2) -> load {layout}"
         assert set(saved) - set(loaded) <= {"head.lm_head.weight"}
     a = [r for r in run_distributed(_logits_worker, 1, dst, (1, 1, 1)) if r is not None][0]
     b = [r for r in run_distributed(_logits_worker, 2, dst, (1, 1, 2)) if r is not None][0]
@@ -92,11 +92,11 @@ def test_save_one_layout_load_another(tmp_path, family):
     assert transformers.AutoTokenizer.from_pretrained(dst) is not None
 
 
-def _build_worker(path, dims):
+def _build_worker(path, layout):
     from realhf.base.topology import ParallelDims, ParallelGrid
     from realhf.impl.model.conversion.hf_io import build_from_hf
 
-    build_from_hf(path, grid=ParallelGrid(ParallelDims(*dims)))
+    build_from_hf(path, grid=ParallelGrid(ParallelDims(*layout)))
 
 
 def test_layout_that_does_not_divide_says_which():

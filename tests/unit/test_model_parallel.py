@@ -18,13 +18,13 @@ def _batch(vocab: int, seed: int = 0):
     return seqs
 
 
-def _forward_worker(paths, dims, max_tokens_per_mb):
+def _forward_worker(paths, layout, max_tokens_per_mb):
     from realhf.base.topology import ParallelDims, ParallelGrid
     from realhf.impl.model.backend.engine import InferenceEngine
     from realhf.impl.model.conversion.hf_io import build_from_hf
     from realhf.impl.model.parallelism.tensor_parallel import gather_from_tp
 
-    grid = ParallelGrid(ParallelDims(*dims))
+    grid = ParallelGrid(ParallelDims(*layout))
     out = {}
     for fam, path in paths.items():
         model = build_from_hf(path, grid=grid)
@@ -63,10 +63,10 @@ def hf_reference(tiny_paths):
     return ref
 
 
-@pytest.mark.parametrize("dims", LAYOUTS, ids=[f"d{d}m{t}p{p}" for d, t, p in LAYOUTS])
-def test_logits_match_transformers(dims, tiny_paths, hf_reference):
-    world = dims[0] * dims[1] * dims[2]
-    results = run_distributed(_forward_worker, world, tiny_paths, dims, 16, timeout=240)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"d{d}m{t}p{p}" for d, t, p in LAYOUTS])
+def test_logits_match_transformers(layout, tiny_paths, hf_reference):
+    world = layout[0] * layout[1] * layout[2]
+    results = run_distributed(_forward_worker, world, tiny_paths, layout, 16, timeout=240)
     for fam in tiny_paths:
         got = {}
         for r in results:
@@ -76,7 +76,7 @@ def test_logits_match_transformers(dims, tiny_paths, hf_reference):
                 for i, n in zip(ids, lens):
                     got[i] = logits[off : off + n]
                     off += n
-        assert sorted(got) == list(range(len(LENS))), f"{fam} {dims}: missing sequences {sorted(got)}"
+        assert sorted(got) == list(range(len(LENS))), f"{fam} {layout}: missing sequences {sorted(got)}"
         for i, ref in enumerate(hf_reference[fam]):
             err = (got[i] - ref).abs().max().item()
-            assert err < 1e-4, f"{fam} layout {dims} sequence {i}: max |logit diff| {err:.3g} >= 1e-4"
+            assert err < 1e-4, f"{fam} layout {layout} sequence {i}: max |logit diff| {err:.3g} >= 1e-4"

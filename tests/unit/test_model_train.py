@@ -28,13 +28,13 @@ def _batch(vocab, step):
     return SequenceSample.from_default(ids=list(range(len(LENS))), seqlens=LENS, data={"packed_input_ids": torch.cat(seqs)})
 
 
-def _train_worker(path, dims, n_mbs, n_steps, dtype=torch.float32, fixed_batch=False):
+def _train_worker(path, layout, n_mbs, n_steps, dtype=torch.float32, fixed_batch=False):
     from realhf.base.topology import ParallelDims, ParallelGrid
     from realhf.impl.model.backend.engine import TrainEngine
     from realhf.impl.model.backend.optim import OptimizerConfig
     from realhf.impl.model.conversion.hf_io import build_from_hf, gather_full_state
 
-    grid = ParallelGrid(ParallelDims(*dims))
+    grid = ParallelGrid(ParallelDims(*layout))
     model = build_from_hf(path, grid=grid, dtype=dtype)
     sft_loss.tp_group = model.tp_group
     eng = TrainEngine(model, OptimizerConfig(lr=1e-3, weight_decay=0.01, gradient_clipping=1.0, eps=1e-6,
@@ -66,17 +66,17 @@ def reference(path):
     return run_distributed(_train_worker, 1, path, (1, 1, 1), 1, 2)[0]
 
 
-@pytest.mark.parametrize("dims,n_mbs", [((1, 2, 2), 1), ((2, 1, 1), 1), ((1, 1, 1), 4), ((1, 1, 2), 3)],
+@pytest.mark.parametrize("layout,n_mbs", [((1, 2, 2), 1), ((2, 1, 1), 1), ((1, 1, 1), 4), ((1, 1, 2), 3)],
                          ids=["d1m2p2", "d2m1p1", "d1m1p1-4mbs", "d1m1p2-3mbs"])
-def test_same_update_as_single_process(path, reference, dims, n_mbs):
-    world = dims[0] * dims[1] * dims[2]
-    results = run_distributed(_train_worker, world, path, dims, n_mbs, 2, timeout=240)
+def test_same_update_as_single_process(path, reference, layout, n_mbs):
+    world = layout[0] * layout[1] * layout[2]
+    results = run_distributed(_train_worker, world, path, layout, n_mbs, 2, timeout=240)
     ref_state = reference["state"]
     got = _merged(results)
     assert set(got) >= set(ref_state) - {"head.lm_head.weight"}, "missing parameters"
     for name, ref in ref_state.items():
         err = (got[name] - ref).abs().max().item()
-        assert err < 1e-5, f"{dims} n_mbs={n_mbs}: parameter {name} differs by {err:.3g} after 2 steps"
+        assert err < 1e-5, f"{layout} n_mbs={n_mbs}: parameter {name} differs by {err:.3g} after 2 steps"
     for (l, gn, lr, nt), (rl, rgn, rlr, rnt) in zip(results[-1]["stats"], reference["stats"]):
         assert abs(l - rl) < 1e-5 and abs(gn - rgn) < 1e-4 * max(1, rgn) and lr == rlr
     # the parameters actually moved

@@ -90,7 +90,7 @@ def _reference_worker(path):
 
 
 def _layout_worker(path, cases, layouts):
-    """Run every case under each ``(dims, group_counts)`` of ``layouts``, each grid on the first ranks of
+    """Run every case under each ``(layout, group_counts)`` of ``layouts``, each grid on the first ranks of
     the world (one set of processes serves several layouts: spawning is the slow part of these tests)."""
     import torch.distributed as dist
 
@@ -99,16 +99,17 @@ def _layout_worker(path, cases, layouts):
     from realhf.impl.model.nn.generation import generate
 
     # every rank builds every grid, in the same order (new_group is collective over the world)
-    grids = [ParallelGrid(ParallelDims(*dims), ranks=list(range(dims[0] * dims[1] * dims[2]))) for dims, _ in layouts]
+    grids = [ParallelGrid(ParallelDims(*layout), ranks=list(range(layout[0] * layout[1] * layout[2])))
+             for layout, _ in layouts]
     out = {}
-    for grid, (dims, group_counts) in zip(grids, layouts):
+    for grid, (layout, group_counts) in zip(grids, layouts):
         if grid.is_member:
             model = build_from_hf(path, grid=grid)
-            out[dims] = _run_cases(model, cases, group_counts)
+            out[layout] = _run_cases(model, cases, group_counts)
             # one shared generator, no per-row seeds: samples depend on the schedule, so this is only
             # checked for consistency between the ranks of the replica
             g = GenerationHyperparameters(max_new_tokens=MAX_NEW, temperature=1.0, top_k=20, seed=5)
-            out[dims, "shared_generator"] = generate(model, _prompts(model.config.vocab_size), g)
+            out[layout, "shared_generator"] = generate(model, _prompts(model.config.vocab_size), g)
         dist.barrier()
     return out
 
@@ -140,7 +141,7 @@ def _assert_equal(got, ref, what):
         assert err < 1e-5, f"{what}: sequence {i} log-probs differ by {err:.3g}"
 
 
-# Each session is one set of processes running layouts of (dims, group counts). Group counts: None =
+# Each session is one set of processes running (layout, group counts) pairs. Group counts: None =
 # default (pp groups), 1 = the sequential schedule, 3 = more groups than stages, BIG = one row per group
 # (groups whose only row stops early leave the schedule).
 SESSIONS = {
@@ -155,21 +156,21 @@ def test_pipelined_equals_reference(reference, session):
     layouts = SESSIONS[session]
     world = max(d * t * p for (d, t, p), _ in layouts)
     results = run_distributed(_layout_worker, world, path, cases, layouts, timeout=150)
-    for dims, group_counts in layouts:
-        layout = "d{}m{}p{}".format(*dims)
-        ranks = range(dims[0] * dims[1] * dims[2])
+    for layout, group_counts in layouts:
+        label = "d{}m{}p{}".format(*layout)
+        ranks = range(layout[0] * layout[1] * layout[2])
         for rank in ranks:  # every rank of the replica returns the full output
-            outs = results[rank][dims]
+            outs = results[rank][layout]
             assert sorted(outs, key=str) == sorted(((n, G) for n in cases for G in group_counts), key=str)
             for (name, G), got in outs.items():
-                _assert_equal(got, ref[name], f"{layout} rank {rank} {name} pipeline_groups={G}")
+                _assert_equal(got, ref[name], f"{label} rank {rank} {name} pipeline_groups={G}")
                 if got.embedded is not None:  # first stage: prompt tokens prefilled = embedded - tokens fed back
                     n = cases[name][0].get("n", 1)
                     prefilled = got.embedded - sum(len(t) - 1 for t in got.tokens)
-                    assert prefilled == _expected_prefill_tokens(n, len(got.tokens), dims[2], G), (layout, name, G)
-            shared = results[rank][dims, "shared_generator"]
-            first = results[0][dims, "shared_generator"]
-            assert shared.tokens == first.tokens and shared.logprobs == first.logprobs, f"{layout} rank {rank}"
+                    assert prefilled == _expected_prefill_tokens(n, len(got.tokens), layout[2], G), (label, name, G)
+            shared = results[rank][layout, "shared_generator"]
+            first = results[0][layout, "shared_generator"]
+            assert shared.tokens == first.tokens and shared.logprobs == first.logprobs, f"{label} rank {rank}"
             assert all(len(t) == MAX_NEW for t in shared.tokens) and all(x <= 0 for t in shared.logprobs for x in t)
 
 

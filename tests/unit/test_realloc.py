@@ -29,16 +29,16 @@ def _paths():
     }
 
 
-def _buffers(cfg, dims, seed):
-    """Per-rank flat buffers of ``dims`` with the layout-independent random init ``seed``."""
+def _buffers(cfg, layout, seed):
+    """Per-rank flat buffers of ``layout`` with the layout-independent random init ``seed``."""
     from realhf.impl.model.nn.real_model import ReaLModel
     from realhf.impl.model.parallelism.realloc import _StageView
 
-    topo = ProcessTopology(dims)
+    topo = ProcessTopology(layout)
     out = {}
-    for g in range(dims.world_size):
+    for g in range(layout.world_size):
         c = topo.get_coord(g)
-        m = ReaLModel(cfg, grid=_StageView(dims, c.pipe, c.tensor))
+        m = ReaLModel(cfg, grid=_StageView(layout, c.pp, c.tp))
         m.init_random(seed)
         out[g] = m.flat
     return out
@@ -59,7 +59,7 @@ def _apply(plan, src, dst):
 @pytest.mark.parametrize("family", ["qwen2", "gpt2-tied", "qwen3", "llama-uneven-heads", "qwen2-critic"])
 def test_plan_moves_every_parameter_bit_exact(family):
     from realhf.impl.model.conversion.hf_io import config_from_hf_path
-    from realhf.impl.model.parallelism.realloc import Layout, make_plan
+    from realhf.impl.model.parallelism.realloc import PlacedLayout, make_plan
 
     critic = family.endswith("-critic")
     cfg = config_from_hf_path(_paths()[family.replace("-critic", "")], is_critic=critic)
@@ -81,7 +81,7 @@ def test_plan_moves_every_parameter_bit_exact(family):
 
     n_pairs = 0
     for a, b in itertools.permutations(layouts, 2):
-        plan = make_plan(cfg, Layout.of(a, range(a.world_size)), Layout.of(b, range(b.world_size)))
+        plan = make_plan(cfg, PlacedLayout.of(a, range(a.world_size)), PlacedLayout.of(b, range(b.world_size)))
         want = bufs(b, 1)
         dst = {r: t.clone() for r, t in bufs(b, 2).items()}
         _apply(plan, bufs(a, 1), dst)
@@ -93,19 +93,19 @@ def test_plan_moves_every_parameter_bit_exact(family):
 
 def test_plan_prefers_local_copies_and_spreads_load():
     from realhf.impl.model.conversion.hf_io import config_from_hf_path
-    from realhf.impl.model.parallelism.realloc import Layout, make_plan, stage_param_spec
+    from realhf.impl.model.parallelism.realloc import PlacedLayout, make_plan, stage_param_spec
 
     cfg = config_from_hf_path(_paths()["qwen2"])
     P = ParallelDims.parse
     # same devices, same layout: everything is a local copy
-    same = make_plan(cfg, Layout.of(P("d2m1p1"), [0, 1]), Layout.of(P("d2m1p1"), [0, 1]))
+    same = make_plan(cfg, PlacedLayout.of(P("d2m1p1"), [0, 1]), PlacedLayout.of(P("d2m1p1"), [0, 1]))
     assert same.remote_numel == 0 and all(m.src == m.dst for m in same.messages)
     # a pipeline-only change: each message is one contiguous range of both flat buffers (no packing)
-    pp = make_plan(cfg, Layout.of(P("d1m1p1"), [0]), Layout.of(P("d1m1p2"), [0, 1]))
+    pp = make_plan(cfg, PlacedLayout.of(P("d1m1p1"), [0]), PlacedLayout.of(P("d1m1p2"), [0, 1]))
     assert all(m.contiguous is not None for m in pp.messages), pp.describe()
     assert {(m.src, m.dst) for m in pp.messages} == {(0, 0), (0, 1)}
     # two source replicas, a tensor-parallel destination on other devices: both replicas send
-    tp = make_plan(cfg, Layout.of(P("d2m1p1"), [0, 1]), Layout.of(P("d1m2p1"), [2, 3]))
+    tp = make_plan(cfg, PlacedLayout.of(P("d2m1p1"), [0, 1]), PlacedLayout.of(P("d1m2p1"), [2, 3]))
     sent = {}
     for m in tp.messages:
         sent[m.src] = sent.get(m.src, 0) + m.numel
@@ -117,13 +117,14 @@ def test_plan_prefers_local_copies_and_spreads_load():
 
 def test_plan_rejects_layouts_the_model_cannot_take():
     from realhf.impl.model.conversion.hf_io import config_from_hf_path
-    from realhf.impl.model.parallelism.realloc import Layout, make_plan
+    from realhf.impl.model.parallelism.realloc import PlacedLayout, make_plan
 
     cfg = config_from_hf_path(_paths()["llama-uneven-heads"])  # 3 kv heads, 4 layers
     with pytest.raises(ValueError, match="destination layout d1m4p1"):
-        make_plan(cfg, Layout.of(ParallelDims(1, 1, 1), [0]), Layout.of(ParallelDims(1, 4, 1), [0, 1, 2, 3]))
+        make_plan(cfg, PlacedLayout.of(ParallelDims(1, 1, 1), [0]),
+                  PlacedLayout.of(ParallelDims(1, 4, 1), [0, 1, 2, 3]))
     with pytest.raises(ValueError, match="needs 2 ranks"):
-        Layout.of(ParallelDims(2, 1, 1), [0])
+        PlacedLayout.of(ParallelDims(2, 1, 1), [0])
 
 
 # --------------------------------------------------------------------------- 4 real processes
@@ -139,14 +140,14 @@ def _realloc_all_pairs(path, layouts):
     from realhf.impl.model.nn.generation import generate
     from realhf.impl.model.nn.real_model import ReaLModel
     from realhf.impl.model.conversion.hf_io import config_from_hf_path
-    from realhf.impl.model.parallelism.realloc import Layout, execute_plan, make_plan
+    from realhf.impl.model.parallelism.realloc import PlacedLayout, execute_plan, make_plan
 
     rank = dist.get_rank()
     cfg = config_from_hf_path(path)
-    dims = [ParallelDims.parse(s) for s in layouts]
-    grids = [ParallelGrid(d, ranks=list(range(d.world_size))) for d in dims]  # collective, same order
+    layouts = [ParallelDims.parse(s) for s in layouts]
+    grids = [ParallelGrid(d, ranks=list(range(d.world_size))) for d in layouts]  # collective, same order
     loaded = {}
-    for d, g in zip(dims, grids):
+    for d, g in zip(layouts, grids):
         if g.is_member:
             loaded[d] = build_from_hf(path, grid=g)
     # a few greedy tokens: enough to show a model computing with other weights (the flat buffers are also compared
@@ -154,8 +155,8 @@ def _realloc_all_pairs(path, layouts):
     g0 = GenerationHyperparameters(max_new_tokens=4, greedy=True)
     ref = {d: generate(m, PROMPTS, g0).tokens for d, m in loaded.items()}
     results = []
-    for (a, ga), (b, gb) in itertools.permutations(list(zip(dims, grids)), 2):
-        plan = make_plan(cfg, Layout.of(a, ga.ranks), Layout.of(b, gb.ranks))
+    for (a, ga), (b, gb) in itertools.permutations(list(zip(layouts, grids)), 2):
+        plan = make_plan(cfg, PlacedLayout.of(a, ga.ranks), PlacedLayout.of(b, gb.ranks))
         dst = None
         if gb.is_member:
             dst = ReaLModel(cfg, grid=gb)

@@ -44,7 +44,7 @@ def smollm2():
     return path, prompts, logits, greedy, tok.eos_token_id
 
 
-def _worker(path, dims, prompts, eos):
+def _worker(path, layout, prompts, eos):
     from realhf.api.core.data_api import SequenceSample
     from realhf.api.core.model_api import GenerationHyperparameters
     from realhf.base.topology import ParallelDims, ParallelGrid
@@ -52,7 +52,7 @@ def _worker(path, dims, prompts, eos):
     from realhf.impl.model.conversion.hf_io import build_from_hf
     from realhf.impl.model.parallelism.tensor_parallel import gather_from_tp
 
-    grid = ParallelGrid(ParallelDims(*dims))
+    grid = ParallelGrid(ParallelDims(*layout))
     model = build_from_hf(path, grid=grid)
     s = SequenceSample.from_default(ids=list(range(len(prompts))), seqlens=[len(p) for p in prompts],
                                     data={"packed_input_ids": torch.tensor([t for p in prompts for t in p])})
@@ -64,11 +64,11 @@ def _worker(path, dims, prompts, eos):
     return {"logits": res if keep else None, "ids": part.ids, "tokens": gen.tokens if grid.tp_rank == 0 else None}
 
 
-@pytest.mark.parametrize("dims", LAYOUTS, ids=[f"d{d}m{t}p{p}" for d, t, p in LAYOUTS])
-def test_smollm2_layout_matches_transformers(smollm2, dims):
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"d{d}m{t}p{p}" for d, t, p in LAYOUTS])
+def test_smollm2_layout_matches_transformers(smollm2, layout):
     path, prompts, ref_logits, ref_greedy, eos = smollm2
-    world = dims[0] * dims[1] * dims[2]
-    results = run_distributed(_worker, world, path, dims, prompts, eos, timeout=600, threads=max(1, 2 // world))
+    world = layout[0] * layout[1] * layout[2]
+    results = run_distributed(_worker, world, path, layout, prompts, eos, timeout=600, threads=max(1, 2 // world))
     worst = 0.0
     seen_logits, seen_tokens = set(), {}
     for r in results:
@@ -83,6 +83,6 @@ def test_smollm2_layout_matches_transformers(smollm2, dims):
             for i, toks in zip(r["ids"], r["tokens"]):
                 seen_tokens[i] = toks
     assert seen_logits == set(range(len(prompts))) and set(seen_tokens) == set(range(len(prompts)))
-    assert worst < 1e-4, f"layout {dims}: max |logit diff| vs transformers {worst:.3g}"
+    assert worst < 1e-4, f"layout {layout}: max |logit diff| vs transformers {worst:.3g}"
     for i, ref in enumerate(ref_greedy):
-        assert seen_tokens[i] == ref, f"layout {dims}: greedy generation of prompt {i} differs from transformers"
+        assert seen_tokens[i] == ref, f"layout {layout}: greedy generation of prompt {i} differs from transformers"

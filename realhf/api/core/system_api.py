@@ -35,7 +35,7 @@ class GenServersSpec:
     startup_timeout_secs: float = 600.0
     request_timeout_secs: float = 3600.0
     health_timeout_secs: float = 60.0  # a running server silent (or its engine stuck) this long stops the run
-    threads: int = 1  # torch threads of a CPU server
+    cpus_per_worker: int = 1  # torch threads of a CPU server (the run's cpus_per_worker)
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # backend options (e.g. vLLM engine args)
 
 
@@ -160,8 +160,8 @@ class ExperimentSpec:
     eval_freq_epochs: Optional[int] = None
     eval_freq_steps: Optional[int] = None
     benchmark_steps: Optional[int] = None
-    threads_per_worker: int = 1
-    threads_per_worker_max: int = 0  # > threads_per_worker: model workers' threads follow idle host cores (cpu_share)
+    cpus_per_worker: int = 1
+    cpus_per_worker_max: int = 0  # > cpus_per_worker: model workers' threads follow idle host cores (cpu_share)
     worker_timeout_secs: float = 10.0
     param_realloc: str = "memory"  # memory | disk
     wandb: Optional[Dict[str, Any]] = None  # wandb.init arguments of the master's stats logger (None: off)

@@ -164,8 +164,8 @@ def _parse_rest(s: str, whole: str, what: str):
         item = item.strip()
         if not item:
             raise AllocationError(f"allocation mode {whole!r}: empty entry in the {what} list (stray ',')")
-        name, sep, layout = item.partition(":")
-        name, layout = name.strip(), layout.strip()
+        name, sep, text = item.partition(":")
+        name, text = name.strip(), text.strip()
         if not sep:
             raise AllocationError(
                 f"allocation mode {whole!r}: entry {item!r} has no ':'; a per-MFC list needs "
@@ -173,17 +173,17 @@ def _parse_rest(s: str, whole: str, what: str):
             )
         if not name:
             raise AllocationError(f"allocation mode {whole!r}: entry {item!r} has no MFC name before ':'")
-        if not layout:
+        if not text:
             raise AllocationError(f"allocation mode {whole!r}: entry {item!r} has no layout after ':'")
-        dims = _layout(layout, whole, f"the layout of {name!r}")
+        layout = _layout(text, whole, f"the layout of {name!r}")
         if name == DEFAULT_KEY:
             if default is not None:
                 raise AllocationError(f"allocation mode {whole!r}: the default '*' is given more than once")
-            default = dims
+            default = layout
         else:
             if name in per_mfc:
                 raise AllocationError(f"allocation mode {whole!r}: MFC {name!r} is given more than once")
-            per_mfc[name] = dims
+            per_mfc[name] = layout
     return default, per_mfc
 
 
@@ -297,11 +297,11 @@ def _check_devices(mode: AllocationMode, n_devices: int, whole: str) -> None:
     layouts = dict(mode.per_mfc)
     if mode.default is not None:
         layouts[DEFAULT_KEY] = mode.default
-    for name, dims in layouts.items():
-        if dims.world_size > budget:
+    for name, layout in layouts.items():
+        if layout.world_size > budget:
             where = "the non-generation devices" if mode.kind == "decoupled" else "the experiment"
             raise AllocationError(
-                f"allocation mode {whole!r}: {name!r} layout {dims} uses {dims.world_size} devices but "
+                f"allocation mode {whole!r}: {name!r} layout {layout} uses {layout.world_size} devices but "
                 f"{where} has only {budget}"
             )
     if mode.kind == "per_mfc" and max(d.world_size for d in layouts.values()) < budget:

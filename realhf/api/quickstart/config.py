@@ -273,16 +273,16 @@ class BaseExperimentConfig:
             except AllocationError as e:
                 raise ValueError(f"{mfc_name}.device_mesh={mc.device_mesh!r} is not valid: {e}") from None
             try:
-                dims = ParallelDims.parse(mc.parallel)
+                layout = ParallelDims.parse(mc.parallel)
             except ValueError as e:
                 raise ValueError(f"{mfc_name}.parallel={mc.parallel!r} is not valid: {e}") from None
-            if dims.world_size != len(ranks):
-                raise ValueError(f"{mfc_name}.parallel={mc.parallel!r} needs {dims.world_size} devices, but "
+            if layout.world_size != len(ranks):
+                raise ValueError(f"{mfc_name}.parallel={mc.parallel!r} needs {layout.world_size} devices, but "
                                  f"{mfc_name}.device_mesh={mc.device_mesh!r} has {len(ranks)}; they must match")
-            return dims, tuple(ranks)
-        dims = mode.layout_of(mfc_name)
+            return layout, tuple(ranks)
+        layout = mode.layout_of(mfc_name)
         start = mode.rest_n_devices() if mode.kind == "decoupled" and is_generation_mfc(mfc_name) else 0
-        return dims, tuple(range(start, start + dims.world_size))
+        return layout, tuple(range(start, start + layout.world_size))
 
     def _check_bs(self, bs_key: str, bs: int, mfc_name: str, per_rank: int = 1, what: str = "sequence") -> None:
         dp = self._dp_of(mfc_name)

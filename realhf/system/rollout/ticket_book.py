@@ -81,7 +81,7 @@ class TicketBook:
         self.B = _int(batch_size, "batch_size", 1)
         self.dp_size = _int(dp_size, "dp_size", 1)
         self.total_batches = _int(total_batches, "total_batches")
-        self.ofp = _int(max_head_offpolicyness, "max_head_offpolicyness")
+        self.max_head_offpolicyness = _int(max_head_offpolicyness, "max_head_offpolicyness")
         self.max_concurrent = _int(max_concurrent_rollouts, "max_concurrent_rollouts", 1)
         self.max_retries = None if max_episode_retries is None else _int(max_episode_retries, "max_episode_retries")
         self.log_path = log_path
@@ -136,7 +136,7 @@ class TicketBook:
         if cand is None:
             return None, "done"
         b, j, cursor = cand
-        if b > self.version + self.ofp:
+        if b > self.version + self.max_head_offpolicyness:
             self._counts["refused_staleness"] += 1
             return None, "staleness"
         if len(self._running) >= self.max_concurrent:

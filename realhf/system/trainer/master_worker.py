@@ -127,7 +127,7 @@ class MasterWorker:
             out_stats.update(h.before(mfc))
         topo = ProcessTopology(m.layout)
         parts = balanced_dp_split(ids, self.buffer.tokens, m.layout.dp)
-        needs: Dict[int, List[str]] = {m.ranks[g]: parts[topo.get_coord(g).data] for g in range(topo.world_size)}
+        needs: Dict[int, List[str]] = {m.ranks[g]: parts[topo.get_coord(g).dp] for g in range(topo.world_size)}
         keys = list(mfc.buffer_input_keys)
         with self.buffer.lock:
             plan = plan_transfers(self.buffer.owners, needs, keys)

@@ -131,9 +131,9 @@ class ModelWorker:
     # ------------------------------------------------------------------ setup
     def setup(self):
         spec = self.spec
-        torch.set_num_threads(spec.threads_per_worker)
-        if not self.env.is_cuda and spec.threads_per_worker_max > spec.threads_per_worker:
-            cpu_share.install(spec.threads_per_worker, spec.threads_per_worker_max)
+        torch.set_num_threads(spec.cpus_per_worker)
+        if not self.env.is_cuda and spec.cpus_per_worker_max > spec.cpus_per_worker:
+            cpu_share.install(spec.cpus_per_worker, spec.cpus_per_worker_max)
         seed = spec.seed * 1000 + self.rank
         random.seed(seed)
         np.random.seed(seed % (2**32))
@@ -408,14 +408,15 @@ class ModelWorker:
     def _h_realloc(self, data):
         """Move the parameters of model ``src`` onto model ``dst`` (another layout of the same role),
         point-to-point between the workers of both (collective over them)."""
-        from realhf.impl.model.parallelism.realloc import Layout, execute_plan, make_plan
+        from realhf.impl.model.parallelism.realloc import PlacedLayout, execute_plan, make_plan
 
         src, dst = data["src"], data["dst"]
         key = (src, dst)
         if key not in self._realloc_plans:
             s, d = self.spec.model(src), self.spec.model(dst)
             cfg = (self.models.get(src) or self.models[dst]).module.config
-            self._realloc_plans[key] = make_plan(cfg, Layout.of(s.layout, s.ranks), Layout.of(d.layout, d.ranks))
+            self._realloc_plans[key] = make_plan(cfg, PlacedLayout.of(s.layout, s.ranks),
+                                                 PlacedLayout.of(d.layout, d.ranks))
         plan = self._realloc_plans[key]
         t0 = time.perf_counter()
         self._load_params(dst)

@@ -124,7 +124,7 @@ class WeightPublisher:
         t0 = time.perf_counter()
         self.wait()
         if self.fleet.weight_sync == "disk":
-            if self.spec.rollout is not None and model.grid.dims.world_size == 1:
+            if self.spec.rollout is not None and model.grid.layout.world_size == 1:
                 self._publish_behind(model, version)
             else:
                 self._publish_disk(model, version)

@@ -1,6 +1,6 @@
 """Parameter reallocation: redistribute a model's parameters from one parallel layout to another.
 
-A *layout* is a ``ParallelDims`` plus the global ranks of its grid (grid order: pipe, data, tensor).
+A :class:`PlacedLayout` is a layout (a ``ParallelDims``) plus the global ranks of its grid (grid order: pp, dp, tp).
 Parameter names are layout independent and every parameter has a full shape; a rank holds, for each
 parameter of its pipeline stage, the tensor-parallel slice ``shard_bounds`` along ``tp_shard_dim``
 (heads split by whole GQA groups, so slices may be uneven), all of it in one flat buffer.
@@ -39,20 +39,22 @@ View = Tuple[int, Tuple[int, ...], Tuple[int, ...]]  # (storage offset, size, st
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    dims: ParallelDims
+class PlacedLayout:
+    """A layout laid on global ranks: ``ranks[g]`` is the global rank of grid rank ``g``."""
+
+    layout: ParallelDims
     ranks: Tuple[int, ...]
 
     def __post_init__(self):
-        if len(self.ranks) != self.dims.world_size:
-            raise ValueError(f"layout {self.dims} needs {self.dims.world_size} ranks, got {list(self.ranks)}")
+        if len(self.ranks) != self.layout.world_size:
+            raise ValueError(f"layout {self.layout} needs {self.layout.world_size} ranks, got {list(self.ranks)}")
 
     @classmethod
-    def of(cls, dims: ParallelDims, ranks: Sequence[int]) -> "Layout":
-        return cls(dims, tuple(int(r) for r in ranks))
+    def of(cls, layout: ParallelDims, ranks: Sequence[int]) -> "PlacedLayout":
+        return cls(layout, tuple(int(r) for r in ranks))
 
     def __str__(self):
-        return f"{self.dims}@{list(self.ranks)}"
+        return f"{self.layout}@{list(self.ranks)}"
 
 
 class _StageView:
@@ -60,21 +62,22 @@ class _StageView:
 
     tp_group = None
 
-    def __init__(self, dims: ParallelDims, pipe: int, tensor: int):
-        self.tp_size, self.pp_size, self.pp_rank, self.tp_rank = dims.tp, dims.pp, pipe, tensor
+    def __init__(self, layout: ParallelDims, pp_rank: int, tp_rank: int):
+        self.tp_size, self.pp_size, self.pp_rank, self.tp_rank = layout.tp, layout.pp, pp_rank, tp_rank
 
 
 _SPEC_CACHE: Dict[tuple, Dict[str, Tuple[int, torch.Size]]] = {}
 
 
-def stage_param_spec(cfg: ReaLModelConfig, dims: ParallelDims, pipe: int, tensor: int) -> Dict[str, Tuple[int, torch.Size]]:
-    """``{name: (offset, local shape)}`` of the flat buffer of the rank at (pipe, tensor) of ``dims`` —
-    exactly what ``ReaLModel(cfg, grid).param_spec`` is on that rank (built on the meta device)."""
+def stage_param_spec(cfg: ReaLModelConfig, layout: ParallelDims, pp_rank: int,
+                     tp_rank: int) -> Dict[str, Tuple[int, torch.Size]]:
+    """``{name: (offset, local shape)}`` of the flat buffer of the rank at (``pp_rank``, ``tp_rank``) of
+    ``layout`` — exactly what ``ReaLModel(cfg, grid).param_spec`` is on that rank (built on the meta device)."""
     from realhf.impl.model.nn.real_model import ReaLModel
 
-    key = (repr(cfg), dims, pipe, tensor)
+    key = (repr(cfg), layout, pp_rank, tp_rank)
     if key not in _SPEC_CACHE:
-        m = ReaLModel(cfg, grid=_StageView(dims, pipe, tensor), dtype=torch.float32, device="meta")
+        m = ReaLModel(cfg, grid=_StageView(layout, pp_rank, tp_rank), dtype=torch.float32, device="meta")
         _SPEC_CACHE[key] = dict(m.param_spec)
     return _SPEC_CACHE[key]
 
@@ -94,8 +97,8 @@ class Message:
 
 @dataclasses.dataclass
 class ReallocPlan:
-    src: Layout
-    dst: Layout
+    src: PlacedLayout
+    dst: PlacedLayout
     messages: List[Message]  # in a fixed order, the same on every rank
 
     @property
@@ -120,21 +123,22 @@ def _view(off: int, shape: torch.Size, dim: Optional[int], start: int, n: int) -
     return (off + t.storage_offset(), tuple(t.shape), tuple(t.stride())), t.is_contiguous()
 
 
-def check_compatible(cfg: ReaLModelConfig, src: Layout, dst: Layout):
+def check_compatible(cfg: ReaLModelConfig, src: PlacedLayout, dst: PlacedLayout):
     """Both layouts must be valid for the model (heads, layers, vocabulary divide)."""
     for what, lay in (("source", src), ("destination", dst)):
         try:
-            cfg.check_layout(lay.dims.tp, lay.dims.pp)
+            cfg.check_layout(lay.layout.tp, lay.layout.pp)
         except ValueError as e:
             raise ValueError(f"cannot reallocate to/from {what} layout {lay}: {e}") from None
 
 
-def make_plan(cfg: ReaLModelConfig, src: Layout, dst: Layout) -> ReallocPlan:
+def make_plan(cfg: ReaLModelConfig, src: PlacedLayout, dst: PlacedLayout) -> ReallocPlan:
     """The messages that move every parameter of ``src`` onto ``dst`` (see the module docstring)."""
     check_compatible(cfg, src, dst)
-    stopo, dtopo = ProcessTopology(src.dims), ProcessTopology(dst.dims)
+    stopo, dtopo = ProcessTopology(src.layout), ProcessTopology(dst.layout)
     # which source stage holds each name, and its per-tensor-rank specs
-    src_specs = {(p, t): stage_param_spec(cfg, src.dims, p, t) for p in range(src.dims.pp) for t in range(src.dims.tp)}
+    src_specs = {(p, t): stage_param_spec(cfg, src.layout, p, t)
+                 for p in range(src.layout.pp) for t in range(src.layout.tp)}
     stage_of: Dict[str, int] = {}
     for (p, t), spec in src_specs.items():
         for n in spec:
@@ -144,25 +148,25 @@ def make_plan(cfg: ReaLModelConfig, src: Layout, dst: Layout) -> ReallocPlan:
     for g in range(dtopo.world_size):
         c = dtopo.get_coord(g)
         gd = dst.ranks[g]
-        for name, (doff, dshape) in stage_param_spec(cfg, dst.dims, c.pipe, c.tensor).items():
+        for name, (doff, dshape) in stage_param_spec(cfg, dst.layout, c.pp, c.tp).items():
             sname = tied_source_name(cfg, name)
             if sname not in stage_of:
-                raise KeyError(f"parameter {name!r} of layout {dst.dims} has no source in layout {src.dims}")
+                raise KeyError(f"parameter {name!r} of layout {dst.layout} has no source in layout {src.layout}")
             sp = stage_of[sname]
             d = tp_shard_dim(name)
-            dlo, dhi = shard_bounds(cfg, name, dst.dims.tp, c.tensor) if d is not None else (0, 0)
+            dlo, dhi = shard_bounds(cfg, name, dst.layout.tp, c.tp) if d is not None else (0, 0)
             # (source tensor rank, [lo, hi) of the full tensor) pieces of this destination slice
             if d is None:
                 regions = [(None, 0, 0)]
             else:
                 regions = []
-                for t in range(src.dims.tp):
-                    slo, shi = shard_bounds(cfg, sname, src.dims.tp, t)
+                for t in range(src.layout.tp):
+                    slo, shi = shard_bounds(cfg, sname, src.layout.tp, t)
                     if max(slo, dlo) < min(shi, dhi):
                         regions.append((t, max(slo, dlo), min(shi, dhi)))
             for t, lo, hi in regions:
-                ts = range(src.dims.tp) if t is None else [t]  # a replicated parameter: any tensor rank
-                cands = [(src.ranks[stopo.get_rank(sp, r, tt)], tt) for tt in ts for r in range(src.dims.dp)]
+                ts = range(src.layout.tp) if t is None else [t]  # a replicated parameter: any tp rank
+                cands = [(src.ranks[stopo.get_rank(sp, r, tt)], tt) for tt in ts for r in range(src.layout.dp)]
                 mine = [x for x in cands if x[0] == gd]
                 gs, tt = mine[0] if mine else min(cands, key=lambda x: (load[x[0]], cands.index(x)))
                 soff, sshape = src_specs[(sp, tt)][sname]
@@ -170,7 +174,7 @@ def make_plan(cfg: ReaLModelConfig, src: Layout, dst: Layout) -> ReallocPlan:
                     sv, sc = _view(soff, sshape, None, 0, 0)
                     dv, dc = _view(doff, dshape, None, 0, 0)
                 else:
-                    slo = shard_bounds(cfg, sname, src.dims.tp, tt)[0]
+                    slo = shard_bounds(cfg, sname, src.layout.tp, tt)[0]
                     sv, sc = _view(soff, sshape, d, lo - slo, hi - lo)
                     dv, dc = _view(doff, dshape, d, lo - dlo, hi - lo)
                 assert sv[1] == dv[1], (name, sv, dv)
