@@ -154,7 +154,7 @@ def gen_servers_spec(cfg, max_len: int, model_dtype: str = "auto"):
     max_num_seqs = gs.max_num_seqs if gs.max_num_seqs != "auto" else server_rows_in_flight(cfg, layout.dp)
     return GenServersSpec(backend=mode.gen_backend, n_servers=layout.dp, tp=layout.tp, first_slot=mode.rest_n_devices(),
                           dtype=model_dtype, max_model_len=max_len, max_num_seqs=max_num_seqs,
-                          weight_sync=getattr(cfg, "param_realloc", "disk"), shares_gpus=bool(cfg.gpus_per_node),
+                          param_realloc=getattr(cfg, "param_realloc", "disk"), shares_gpus=bool(cfg.gpus_per_node),
                           routing=gs.routing,
                           startup_timeout_secs=gs.startup_timeout_secs, request_timeout_secs=gs.request_timeout_secs,
                           health_timeout_secs=gs.health_timeout_secs,

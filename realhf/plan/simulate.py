@@ -372,7 +372,7 @@ def plan_of(spec, cfgs: Dict[str, ReaLModelConfig], workloads: Dict[str, Workloa
         if m.gen_servers is not None:
             s = m.gen_servers
             fleet = ServerFleet(s.n_servers, s.tp, s.first_slot, s.max_num_seqs,
-                                "disk" if s.weight_sync == "disk" else "memory")
+                                "disk" if s.param_realloc == "disk" else "memory")
         models.append(PlanModel(m.name, cfg, _mesh(m), model_dtype(m, device), m.optimizer is not None,
                                 m.realloc_from, fleet))
     has_shape = set(cfgs) | {k for k, v in served_cfg.items() if v is not None}

@@ -27,7 +27,7 @@ class GenServersSpec:
     dtype: str = "auto"  # auto: the runtime's default (bf16 on GPU, fp32 on CPU)
     max_model_len: int = 2048
     max_num_seqs: int = 64
-    weight_sync: str = "disk"  # disk | memory: how trained weights reach the servers
+    param_realloc: str = "disk"  # disk | memory: how trained weights reach the servers (the run's param_realloc)
     # the servers share GPUs with model workers (``gpus_per_node``): an in-memory weight update then goes through gloo,
     # as NCCL cannot hold two ranks of one GPU
     shares_gpus: bool = False

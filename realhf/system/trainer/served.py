@@ -123,7 +123,7 @@ class WeightPublisher:
     def publish(self, model, version: int) -> dict:
         t0 = time.perf_counter()
         self.wait()
-        if self.fleet.weight_sync == "disk":
+        if self.fleet.param_realloc == "disk":
             if self.spec.rollout is not None and model.grid.layout.world_size == 1:
                 self._publish_behind(model, version)
             else:
