@@ -163,3 +163,20 @@ def test_deferred_head_of_a_model(family, monkeypatch):
     assert whole[3].abs().max() > 0
     for a, b in zip(deferred, whole):
         torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)
+
+
+def test_vocab_shard_logprobs_hold_one_extra_buffer():
+    """A rank's log-probs over its vocabulary shard (tensor parallelism, forward-only as in ref_inf/actor_inf) hold at
+    most one [rows, V/tp] fp32 buffer beside the logits, as the memory model counts them (logits and one more)."""
+    from realhf.impl.model.parallelism.tensor_parallel import _VocabParallelLogProbs
+
+    N, V = 256, 40_000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(N, V, generator=g)
+    labels = torch.randint(0, 2 * V, (N,), generator=g)  # half of them on the other (absent) shard
+    with torch.no_grad():
+        lp, m = peak_bytes(lambda: _VocabParallelLogProbs.apply(logits, labels, None, 0))
+    assert m.peak <= N * V * 4 + N * 64, (m.peak, N * V * 4)
+    inside = labels < V
+    ref = torch.log_softmax(logits, -1).gather(-1, labels.clamp(max=V - 1).unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(lp[inside], ref[inside], atol=1e-5)

@@ -167,12 +167,12 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         if group is not None:
             dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - lmax.unsqueeze(-1)
-        exp = shifted.exp()
-        sumexp = exp.sum(-1)
         local = labels - start
         inside = (local >= 0) & (local < logits.shape[-1])
         safe = local.clamp(0, logits.shape[-1] - 1)
         picked = shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1) * inside
+        exp = shifted.exp_()  # in place: the shifted logits are not needed again (two [rows, V/tp] buffers at most)
+        sumexp = exp.sum(-1)
         if group is not None:
             both = torch.stack([sumexp, picked])
             dist.all_reduce(both, group=group)
