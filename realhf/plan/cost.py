@@ -9,17 +9,25 @@ prefill ``2 d sum(S^2)`` FLOPs per layer, a decode step ``4 d`` per row and cach
 read once. Beside them each block costs a fixed overhead and an elementwise term per token x hidden element (norms,
 rotary, residuals, activation), fitted by the profiler on a whole forward pass (:mod:`realhf.plan.profile`).
 
-Tensor parallelism (``tp``) splits the products (heads by whole key/value groups, as the model does) and adds two
-all-reduces of ``tokens x hidden`` per block per pass; pipeline parallelism (``pp``) splits the blocks (earlier stages
+Tensor parallelism (``tp``) splits the products (heads by whole key/value groups, as the model does) and adds the
+collectives the model runs: per pass two all-reduces of ``tokens x hidden`` per block (after the attention's and the
+MLP's row-parallel products) and one after the vocabulary-parallel embedding; at the head two small all-reduces of the
+vocabulary-parallel log-probs (max and sums, per row), or, when sampling (a decode step, a generation's prefill), an
+all-gather of the fp32 logits and a broadcast of the sampled (token, log-prob) pairs from tensor rank 0; a training
+pass's backward adds an all-reduce of ``tokens x hidden`` per column-parallel product's input (query, key, value, and
+the MLP's one or two input products) per block and one at the head. Each costs its latency per ring step, which on a
+profiled machine is a collective's mean between computation (:mod:`realhf.plan.probes`). Pipeline parallelism (``pp``) splits the blocks (earlier stages
 take the remainder: the first stage is the slowest, the head is on the last) and runs ``m`` micro-batches in
 ``m + p - 1`` slots (bubble ``(p - 1) / (m + p - 1)``), with a send of the activations between stages per slot.
-Training is the forward pass, a backward pass of twice its work, and a recomputation of the blocks' forward pass under
+Training is the forward pass, a backward pass of twice its work (and, on a profiled machine, a measured cost per
+block beyond that: ``Hardware.train_layer_overhead_s``), and a recomputation of the blocks' forward pass under
 activation checkpointing; generation under ``pp`` runs ``pp`` row groups through the stages in turn (realhf's
 pipelined schedule), so a step costs ``pp`` stage passes over ``rows / pp`` rows.
 """
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Tuple
 
 from realhf.api.core.model_api import ReaLModelConfig, kv_head_partition, stage_layer_range
@@ -74,20 +82,47 @@ class CostModel:
         (_, qkv), (q, _) = self.linears(tp)[:2]
         return q, (qkv - q) // 2
 
-    def block(self, tokens: float, sum_sq: float, tp: int) -> float:
+    def block(self, tokens: float, sum_sq: float, tp: int, comm: bool = True) -> float:
         """One block's forward pass over ``tokens`` packed tokens whose sequences' squared lengths sum to
-        ``sum_sq``, including its tensor-parallel all-reduces."""
+        ``sum_sq``, including its tensor-parallel all-reduces (unless ``comm`` is False)."""
         t = sum(self.matmul(tokens, k, n) for k, n in self.linears(tp))
         q, kv = self._q_kv(tp)
         t += max(2.0 * q * sum_sq / self.attn_rate, tokens * (2 * q + 2 * kv) * self.b / self.bw)
         t += self.hw.layer_overhead_s + self.hw.elementwise_s * tokens * self.cfg.hidden_dim
-        if tp > 1:
+        if tp > 1 and comm:
             t += 2 * self.tp_allreduce(tokens, tp)
         return t
 
     def tp_allreduce(self, tokens: float, tp: int) -> float:
         return comm_cost.allreduce(self.hw, tokens * self.cfg.hidden_dim * self.b, tp,
                                    intra=tp <= self.hw.devices_per_node)
+
+    def head_comm(self, rows: float, tp: int, sampled: bool = False) -> float:
+        """The tensor-parallel collectives at the head over ``rows`` rows: the log-probs' two reductions (a row's
+        max, then its sum and label logit), or when ``sampled`` the all-gather of the fp32 logits (a ring: half an
+        all-reduce of the gathered bytes) and the broadcast of the (token, log-prob) pairs (float64) from rank 0."""
+        if tp <= 1 or rows <= 0 or self.cfg.is_critic:
+            return 0.0
+        intra = tp <= self.hw.devices_per_node
+        if not sampled:
+            return (comm_cost.allreduce(self.hw, rows * 4.0, tp, intra)
+                    + comm_cost.allreduce(self.hw, rows * 8.0, tp, intra))
+        gather = 0.5 * comm_cost.allreduce(self.hw, rows * self.cfg.vocab_size * 4.0, tp, intra)
+        return gather + math.ceil(math.log2(tp)) * comm_cost.send(self.hw, rows * 16.0, intra)
+
+    def embed_comm(self, tokens: float, tp: int) -> float:
+        """The vocabulary-parallel embedding's all-reduce of ``tokens x hidden``."""
+        return self.tp_allreduce(tokens, tp) if tp > 1 and tokens > 0 else 0.0
+
+    def backward_comm(self, tokens: float, head_rows: float, tp: int, pp: int) -> float:
+        """The slowest stage's tensor-parallel all-reduces of a backward pass: the input gradient of each
+        column-parallel product per block (query, key, value, the MLP's input products) and of the head."""
+        if tp <= 1:
+            return 0.0
+        per_block = 3 + (2 if self.cfg.mlp_type == "gated" else 1)
+        s, e = stage_layer_range(self.cfg.n_layers, pp, pp - 1)
+        last = (e - s) * per_block * self.tp_allreduce(tokens, tp) + self.tp_allreduce(head_rows, tp)
+        return max(self.stage_layers(pp) * per_block * self.tp_allreduce(tokens, tp), last)
 
     def head(self, rows: float, tp: int, train: bool = False) -> float:
         """The output head over ``rows`` rows: its product and the log-softmax over the fp32 logits."""
@@ -104,12 +139,17 @@ class CostModel:
         s, e = stage_layer_range(self.cfg.n_layers, pp, 0)
         return e - s
 
-    def _stage(self, tokens: float, sum_sq: float, head_rows: float, tp: int, pp: int) -> float:
-        """The slowest stage's forward pass over one micro-batch: the first (most blocks) or the last (with the
-        head)."""
-        blk = self.block(tokens, sum_sq, tp)
+    def _stage(self, tokens: float, sum_sq: float, head_rows: float, tp: int, pp: int, comm: bool = True,
+               sampled: bool = False) -> float:
+        """The slowest stage's forward pass over one micro-batch: the first (most blocks, the embedding) or the last
+        (with the head); with ``comm``, its tensor-parallel collectives (the head's as for log-probs, or for
+        sampling when ``sampled``)."""
+        blk = self.block(tokens, sum_sq, tp, comm)
         s, e = stage_layer_range(self.cfg.n_layers, pp, pp - 1)
-        return max(self.stage_layers(pp) * blk, (e - s) * blk + self.head(head_rows, tp))
+        first = self.stage_layers(pp) * blk + (self.embed_comm(tokens, tp) if comm else 0.0)
+        head = self.head(head_rows, tp) + (self.head_comm(head_rows, tp, sampled) if comm else 0.0)
+        last = (e - s) * blk + head + (self.embed_comm(tokens, tp) if comm and pp == 1 else 0.0)
+        return max(first, last)
 
     def _send(self, tokens: float, pp: int, tp: int) -> float:
         if pp <= 1:
@@ -120,21 +160,22 @@ class CostModel:
     # ------------------------------------------------------------------------------------------ passes
 
     def forward(self, tokens: float, mb: int = 1, seq_len: Optional[float] = None, head_rows: Optional[float] = None,
-                tp: int = 1, pp: int = 1) -> float:
+                tp: int = 1, pp: int = 1, sampled: bool = False) -> float:
         """A forward-only call (log-probs, values) over ``tokens`` tokens on one data-parallel rank, in ``mb``
         micro-batches, sequences of ``seq_len`` tokens (default: one per micro-batch), ``head_rows`` of the tokens
-        through the output head (default all)."""
+        through the output head (default all); ``sampled``: the head's rows are sampled (a generation's prefill)."""
         mb = max(1, int(mb))
         t_mb = tokens / mb
         s = t_mb if seq_len is None else min(seq_len, t_mb)
         rows = (tokens if head_rows is None else head_rows) / mb
-        slot = self._stage(t_mb, t_mb * s, rows, tp, pp) + self._send(t_mb, pp, tp) + self.hw.pass_overhead_s
+        slot = (self._stage(t_mb, t_mb * s, rows, tp, pp, sampled=sampled) + self._send(t_mb, pp, tp)
+                + self.hw.pass_overhead_s)
         return (mb + pp - 1) * slot
 
     def prefill(self, tokens: float, prompts: int = 1, tp: int = 1, pp: int = 1) -> float:
         """The forward pass over ``prompts`` prompts of ``tokens`` tokens in all, the head at each prompt's last
         position only."""
-        return self.forward(tokens, 1, tokens / max(1, prompts), prompts, tp, pp)
+        return self.forward(tokens, 1, tokens / max(1, prompts), prompts, tp, pp, sampled=True)
 
     def train(self, tokens: float, mb: int = 1, seq_len: Optional[float] = None, head_rows: Optional[float] = None,
               tp: int = 1, pp: int = 1, checkpointing: bool = False) -> float:
@@ -146,8 +187,10 @@ class CostModel:
         s = t_mb if seq_len is None else min(seq_len, t_mb)
         rows = (tokens if head_rows is None else head_rows) / mb
         fwd = self._stage(t_mb, t_mb * s, rows, tp, pp)
+        bwd = 2.0 * self._stage(t_mb, t_mb * s, rows, tp, pp, comm=False) + self.backward_comm(t_mb, rows, tp, pp)
         blocks = self.stage_layers(pp) * self.block(t_mb, t_mb * s, tp)
-        slot = 3.0 * (fwd + self.hw.pass_overhead_s) + (blocks if checkpointing else 0.0) + 2 * self._send(t_mb, pp, tp)
+        slot = (fwd + bwd + 3.0 * self.hw.pass_overhead_s + (blocks if checkpointing else 0.0)
+                + 2 * self._send(t_mb, pp, tp) + self.stage_layers(pp) * self.hw.train_layer_overhead_s)
         return (mb + pp - 1) * slot
 
     def optimizer_step(self, params_per_rank: float) -> float:
@@ -157,7 +200,7 @@ class CostModel:
     def decode_step(self, rows: float, cached: float, tp: int = 1, pp: int = 1) -> float:
         """One decode step of ``rows`` rows whose caches hold ``cached`` positions each: every block's products at
         ``rows`` rows, attention reading each row's keys and values, the head and sampling; under ``pp`` the rows
-        go through the stages in ``pp`` groups."""
+        go through the stages in ``pp`` groups, each group's samples sent back to the first stage."""
         if rows <= 0:
             return 0.0
         r = rows / pp
@@ -167,19 +210,24 @@ class CostModel:
         blk += self.hw.decode_layer_overhead_s + self.hw.decode_elementwise_s * r * self.cfg.hidden_dim
         if tp > 1:
             blk += 2 * self.tp_allreduce(r, tp)
-        head = self.head(r, tp) + SAMPLE_FP32_PASSES * 4.0 * r * (self.cfg.vocab_size // tp) / self.bw
+        head = (self.head(r, tp) + SAMPLE_FP32_PASSES * 4.0 * r * (self.cfg.vocab_size // tp) / self.bw
+                + self.head_comm(r, tp, sampled=True))
         if pp == 1:
-            return self.cfg.n_layers * blk + head + self.hw.decode_step_overhead_s
+            return self.cfg.n_layers * blk + self.embed_comm(r, tp) + head + self.hw.decode_step_overhead_s
         s, e = stage_layer_range(self.cfg.n_layers, pp, pp - 1)
-        stage = max(self.stage_layers(pp) * blk, (e - s) * blk + head)
-        return pp * (stage + self._send(r, pp, tp)) + self.hw.decode_step_overhead_s
+        stage = max(self.stage_layers(pp) * blk + self.embed_comm(r, tp), (e - s) * blk + head)
+        # each group's slot: its activations to the next stage, and its sampled (token, log-prob) pairs (float64) from
+        # the last stage back to the first
+        packet = comm_cost.send(self.hw, r * 16.0, pp * tp <= self.hw.devices_per_node)
+        return pp * (stage + self._send(r, pp, tp) + packet) + self.hw.decode_step_overhead_s
 
     def generate(self, prompts: int, prompt_len: float, n: int, new_tokens: int, tp: int = 1, pp: int = 1) -> float:
         """Generation of ``n`` answers of ``new_tokens`` tokens to each of ``prompts`` prompts of ``prompt_len``
         tokens: the prefill of the distinct prompts, then ``new_tokens - 1`` decode steps over ``prompts * n`` rows
-        (each answer's first token comes from the prefill)."""
+        (each answer's first token comes from the prefill), beside the call's own setup
+        (``Hardware.generate_overhead_s``)."""
         rows = prompts * n
-        t = self.prefill(prompts * prompt_len, prompts, tp, pp)
+        t = self.prefill(prompts * prompt_len, prompts, tp, pp) + self.hw.generate_overhead_s
         steps = max(0, int(new_tokens) - 1)
         if steps == 0:
             return t

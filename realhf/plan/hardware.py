@@ -17,6 +17,16 @@ Table sources:
   share the SM design. NVLink and network 0.80: an assumption from typical NCCL bus bandwidths, not measured here.
 * Latencies (per message / collective step): 10 us over NVLink and 20 us over the network, typical of NCCL's small
   messages; a kernel launch 5 us. Assumptions, not datasheet figures.
+* Fixed costs of the control plane (the same for every tabled GPU: they run on the host CPUs): an MFC's request and
+  reply between the master and its workers 5 ms, a step's own bookkeeping (fetching and clearing the batch, the
+  stats) 30 ms. From CPU hosts: an MFC's round trip over the request/reply stream
+  measured 3.5-4.3 ms between two local processes (:mod:`realhf.plan.call_probe`, a 2-core AMD EPYC host,
+  2026-11-28), rounded up for a cluster's TCP between nodes; the step's figure is the one measured on that host
+  before the call probe existed (a step's time less its MFCs'), kept as an upper bound; a training call's host-side
+  work beside its passes 5 ms (the PPO actor's, :mod:`realhf.plan.interface_probe`, fitted 5-9 ms on that host; the
+  same Python drives a GPU's kernels: its low end) and no
+  backward cost per block beyond twice the forward's, and no generation setup beside the prefill and steps (on a
+  GPU the kernels' launches are in the per-block costs; these two are measured where profiled).
 """
 from __future__ import annotations
 
@@ -35,6 +45,11 @@ KERNELS_PER_LAYER = 14
 # passes over [tokens x hidden] of a block's elementwise work (two norms, rotary, residuals, activation's share),
 # each read and written
 ELEMENTWISE_PASSES = 12
+# the control plane's fixed costs on a tabled GPU's host (see the module docstring)
+CALL_OVERHEAD_S = 0.005
+STEP_OVERHEAD_S = 0.03
+GENERATE_OVERHEAD_S = 0.0
+TRAIN_CALL_OVERHEAD_S = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +62,13 @@ class Hardware:
     rate; ``attention_flops``: the attention kernel's FLOP/s; ``layer_overhead_s`` and ``elementwise_s``: what a
     block's pass costs beside its products and attention (per block, and per token x hidden element), for forward
     passes and, ``decode_*``, for a decode step; ``pass_overhead_s`` / ``decode_step_overhead_s``: per pass or step
-    (launching it, the host's bookkeeping, sampling's fixed cost); ``optimizer_s_per_param``: AdamW's step per parameter;
+    (launching it, the host's bookkeeping, sampling's fixed cost); ``generate_overhead_s``: a generation call's own
+    setup and output (caches, the packed prompts, the answers' lists) beside its prefill and steps;
+    ``train_call_overhead_s``: a training call's host-side work beside its passes (advantages, the loss's weights, the
+    statistics); ``train_layer_overhead_s``: what a training pass's backward costs per block beyond twice the
+    forward's; ``call_overhead_s``: an MFC's fixed cost outside its computation (the master's request and the workers' reply);
+    ``step_overhead_s``: a step's own (fetching and clearing the batch); ``optimizer_s_per_param``: AdamW's step per
+    parameter;
     ``intra_*``/``inter_*``: links inside a node and between nodes (bytes/s each way, seconds per message);
     ``devices_per_node``; ``disk_bw``: bytes/s of writing, and reading back, a checkpoint; ``memory_bytes``: capacity of one device; ``sources``: where each figure came from."""
 
@@ -68,6 +89,11 @@ class Hardware:
     optimizer_s_per_param: float
     pass_overhead_s: float = 0.0
     decode_step_overhead_s: float = 0.0
+    generate_overhead_s: float = GENERATE_OVERHEAD_S
+    call_overhead_s: float = CALL_OVERHEAD_S
+    train_call_overhead_s: float = TRAIN_CALL_OVERHEAD_S
+    train_layer_overhead_s: float = 0.0
+    step_overhead_s: float = STEP_OVERHEAD_S
     matmul_rows: Tuple[Tuple[int, float], ...] = ()
     disk_bw: float = 2 * GB
     device: str = "cuda"
@@ -81,6 +107,10 @@ class Hardware:
         if not self.matmul_flops or any(not v > 0 for v in self.matmul_flops.values()):
             raise ValueError(f"Hardware {self.name!r}: matmul_flops needs a positive rate per dtype, "
                              f"got {self.matmul_flops!r}")
+        for k in ("generate_overhead_s", "call_overhead_s", "step_overhead_s", "train_call_overhead_s",
+                  "train_layer_overhead_s"):
+            if not getattr(self, k) >= 0:
+                raise ValueError(f"Hardware {self.name!r}: {k} must be >= 0 seconds, got {getattr(self, k)!r}")
         if self.devices_per_node < 1:
             raise ValueError(f"Hardware {self.name!r}: devices_per_node must be >= 1, got {self.devices_per_node}")
 
@@ -130,6 +160,9 @@ def _hopper(name: str, hbm_tbs: float, mem_gb: float, nvlink_each_way_gbs: float
                         f"{LINK_DERATE} (assumed)",
             "disk_bw": "assumed: 2 GB/s to and from the shared file system a checkpoint is published through",
             "latencies": "assumed: NCCL small-message latency 10 us (NVLink) / 20 us (network); kernel launch 5 us",
+            "control plane": f"MFC {CALL_OVERHEAD_S * 1e3:.0f} ms, step {STEP_OVERHEAD_S * 1e3:.0f} ms, a training "
+                             f"call's host-side work {TRAIN_CALL_OVERHEAD_S * 1e3:.0f} ms: from a CPU host (module "
+                             "docstring)",
         },
     )
 

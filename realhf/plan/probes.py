@@ -142,16 +142,48 @@ def _comm_worker(rank: int, world: int, store_path: str, backend: str, sizes: Se
                     dist.send(t, 0)
 
             res["sendrecv"].append((n, timed(pingpong, device, reps=7, budget_s=0.5) / 2))
+        res["in_step"] = _collectives_in_step(dist, device)
         dist.destroy_process_group()
         q.put((rank, res, None))
     except Exception as e:  # reported to the parent, which decides
         q.put((rank, None, f"{type(e).__name__}: {e}"))
 
 
+def _collectives_in_step(dist, device: str, reps: int = 40, small: int = 4 << 10) -> Dict[str, float]:
+    """Mean seconds of a small all-reduce, all-gather and broadcast as they run in a model's step: each after a
+    short stretch of computation on both ranks (a decode step's products), not back to back. Between processes that
+    share a few cores, a collective pays for waking its peer; its least time over back-to-back calls (what
+    :func:`timed` reports) was 4-6x below its mean in a decode step on a 2-core host, and a step pays the mean of
+    each of its collectives."""
+    import statistics
+
+    t = torch.ones(small // 4, dtype=torch.float32, device=device)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    a = torch.randn(128, 128, device=device)
+    ops = {"allreduce": lambda: dist.all_reduce(t), "allgather": lambda: dist.all_gather(parts, t),
+           "broadcast": lambda: dist.broadcast(t, 0)}
+    out = {}
+    for name, op in ops.items():
+        ts = []
+        for i in range(reps + 3):
+            for _ in range(4):
+                a @ a
+            _sync(device)
+            s = time.perf_counter()
+            op()
+            _sync(device)
+            if i >= 3:
+                ts.append(time.perf_counter() - s)
+        out[name] = statistics.mean(ts)
+    return out
+
+
 def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20), timeout: float = 120.0) -> Optional[Dict]:
     """All-reduce and send/recv times between two local processes (gloo; NCCL between two GPUs) at ``sizes``
-    bytes, and the fitted link: latency from the smallest size, bandwidth from the difference. None where two
-    devices are not here (one GPU)."""
+    bytes, small collectives as they run between computation (``in_step``, :func:`_collectives_in_step`), and the
+    fitted link: bandwidth from the sends' difference in size, latency per collective step from the mean small
+    all-reduce between computation (at least the least one-way send). None where two devices are not here (one
+    GPU)."""
     import multiprocessing as mp
 
     backend = "gloo"
@@ -182,6 +214,10 @@ def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20), timeout: float 
     res = got[0]
     out = dict(backend=backend, allreduce=res["allreduce"], sendrecv=res["sendrecv"])
     (n0, s0), (n1, s1) = res["sendrecv"][0], res["sendrecv"][-1]
-    out["lat"] = s0
     out["bw"] = (n1 - n0) / max(s1 - s0, 1e-9)
+    # the latency per step of a collective (a ring all-reduce of n ranks takes 2 (n - 1) steps) as a model's step pays
+    # it: from the mean small all-reduce between computation, over both ranks (each waits for the later one)
+    in_step = {k: max(r["in_step"][k] for r in got.values()) for k in got[0]["in_step"]}
+    out["in_step"] = in_step
+    out["lat"] = max(s0, in_step["allreduce"] / 2.0)
     return out

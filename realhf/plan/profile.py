@@ -5,7 +5,9 @@ products by number of rows, a copy's bandwidth, the attention kernel's rate, Ada
 reading a checkpoint, all-reduce and send/recv between two local processes (gloo; NCCL between two GPUs); then a whole
 forward pass and a whole decode step of the model's blocks (1 and 3 of them, a 1,024-token vocabulary) timed, and what
 the products and attention do not explain fitted as a cost per block, per token x hidden element of a block, and per
-pass (:func:`fit_overheads`). On CPU, where a "device" is a worker process, the rates are those of this process's
+pass (:func:`fit_overheads`), and a generation call's own setup (its time beyond its prefill and steps); an MFC's
+round trip over the real request/reply stream (:mod:`realhf.plan.call_probe`), the fixed cost of each call and, twice
+(fetching and clearing the batch), of each step. On CPU, where a "device" is a worker process, the rates are those of this process's
 threads (``--threads``).
 
 The profile is cached as JSON under ``$REALHF_CACHE_DIR/plan_profiles/``, keyed by the machine (CPU model or GPU
@@ -31,13 +33,14 @@ from realhf.plan.shapes import model_config
 
 logger = logging.getLogger("realhf.plan.profile")
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
 FIT_TOKENS = ((64, 1), (512, 2))  # (tokens, sequences) of the timed forward passes
 FIT_ROWS = (1, 16)  # rows of the timed decode steps
 FIT_PROMPT, FIT_STEPS = 32, (2, 18)  # prompt length; new tokens of the two timed generations (their difference)
+STEP_ROUND_TRIPS = 2  # a step's own requests to the workers beside its MFCs': fetching the batch, clearing it
 
 
 def machine_name(device: str) -> str:
@@ -112,6 +115,7 @@ def hardware(p: Dict) -> Hardware:
     if bw is None:  # one GPU: no link was measured; a copy's rate stands in (stated in sources)
         bw, lat = p["copy_bw"] / 2, 10e-6
     o = p["overheads"]
+    trip = p.get("mfc_round_trip")
     return Hardware(
         name=f"{p['key']['machine']} ({p['key']['device']}, {p['key']['threads']} threads)",
         matmul_flops={dt: max(r for _, r in p["matmul_rows"])}, memory_bw=p["copy_bw"],
@@ -120,10 +124,15 @@ def hardware(p: Dict) -> Hardware:
         attention_flops={dt: p["attention_flops"]}, layer_overhead_s=o["layer_s"], elementwise_s=o["elementwise_s"],
         decode_layer_overhead_s=o["decode_layer_s"], decode_elementwise_s=o["decode_elementwise_s"],
         pass_overhead_s=o["pass_s"], decode_step_overhead_s=o["decode_step_s"],
+        generate_overhead_s=o.get("generate_s", 0.0), train_call_overhead_s=o.get("train_call_s", 0.0),
+        train_layer_overhead_s=o.get("train_layer_s", 0.0),
+        **({} if trip is None else dict(call_overhead_s=trip, step_overhead_s=STEP_ROUND_TRIPS * trip)),
         optimizer_s_per_param=p["optimizer_s_per_param"], disk_bw=p["disk_bw"],
         matmul_rows=tuple((int(r), float(v)) for r, v in p["matmul_rows"]), device=p["key"]["device"],
         sources={"all": src, "links": "measured between two local processes" if link else
-                 "not measured (one device): half a copy's rate and 10 us assumed"},
+                 "not measured (one device): half a copy's rate and 10 us assumed",
+                 "control plane": "an MFC's round trip measured on the request/reply stream" if trip is not None else
+                 "not measured: the tabled GPUs' figures"},
     )
 
 
@@ -176,9 +185,10 @@ def _time_forward(model, tokens: int, seqs: int, device: str) -> float:
         return timed(lambda: model(x, inp), device, reps=5, budget_s=1.0)
 
 
-def _time_decode_step(model, rows: int, device: str) -> float:
-    """Seconds of one decode step of ``rows`` rows at about ``FIT_PROMPT + 10`` cached positions: the difference of
-    two greedy generations of different lengths, divided by the steps between them."""
+def _time_decode_step(model, rows: int, device: str) -> Tuple[float, float]:
+    """(seconds of one decode step of ``rows`` rows at about ``FIT_PROMPT + 10`` cached positions: the difference of
+    two sampled generations of different lengths, divided by the steps between them; seconds of the shorter
+    generation)."""
     import time
 
     import torch
@@ -190,17 +200,18 @@ def _time_decode_step(model, rows: int, device: str) -> float:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, FIT_VOCAB, (FIT_PROMPT,), generator=g).tolist() for _ in range(rows)]
 
-    def run(k: int) -> float:
-        gc = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, greedy=True)
+    def run(k: int) -> float:  # sampled as an RL run samples: temperature 1, a random stream per answer
+        gc = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, temperature=1.0)
         _sync(device)
         t = time.perf_counter()
-        generate(model, prompts, gc)
+        generate(model, prompts, gc, seeds=list(range(rows)))
         _sync(device)
         return time.perf_counter() - t
 
     run(FIT_STEPS[0])  # warm-up
     a, b = FIT_STEPS
-    return max(min(run(b) for _ in range(3)) - min(run(a) for _ in range(3)), 1e-9) / (b - a)
+    short = min(run(a) for _ in range(3))
+    return max(min(run(b) for _ in range(3)) - short, 1e-9) / (b - a), short
 
 
 def fit_overheads(cfg: ReaLModelConfig, base: Hardware, dtype: str, device: str) -> Dict:
@@ -213,7 +224,7 @@ def fit_overheads(cfg: ReaLModelConfig, base: Hardware, dtype: str, device: str)
 
     dt = getattr(torch, dtype)
     H = cfg.hidden_dim
-    fwd_rows, fwd_y, dec_rows, dec_y, points = [], [], [], [], []
+    fwd_rows, fwd_y, dec_rows, dec_y, points, gens = [], [], [], [], [], []
     for L in _fit_layers(cfg, torch.tensor([], dtype=dt).element_size()):
         pc = _proxy(cfg, L)
         cm = CostModel(pc, base, dtype)
@@ -225,7 +236,8 @@ def fit_overheads(cfg: ReaLModelConfig, base: Hardware, dtype: str, device: str)
             fwd_y.append(meas - pred)
             points.append(dict(kind="forward", layers=L, tokens=T, measured_s=meas, products_s=pred))
         for R in FIT_ROWS:
-            meas = _time_decode_step(model, R, device)
+            meas, short = _time_decode_step(model, R, device)
+            gens.append((L, R, short))
             pred = cm.decode_step(R, FIT_PROMPT + (FIT_STEPS[0] + FIT_STEPS[1]) / 2)
             dec_rows.append((L, L * R * H, 1.0))
             dec_y.append(meas - pred)
@@ -233,8 +245,31 @@ def fit_overheads(cfg: ReaLModelConfig, base: Hardware, dtype: str, device: str)
         del model
     a, c, f = _lstsq(fwd_rows, fwd_y)
     ad, cd, fd = _lstsq(dec_rows, dec_y)
+    fitted = dataclasses.replace(base, layer_overhead_s=a, elementwise_s=c, pass_overhead_s=f, decode_layer_overhead_s=ad,
+                                 decode_elementwise_s=cd, decode_step_overhead_s=fd, generate_overhead_s=0.0)
+    # a generation's own setup: what its prefill and steps, on the fitted rates, leave of the shorter timed generation
+    left = [short - CostModel(_proxy(cfg, L), fitted, dtype).generate(R, FIT_PROMPT, 1, FIT_STEPS[0])
+            for L, R, short in gens]
     return dict(layer_s=a, elementwise_s=c, pass_s=f, decode_layer_s=ad, decode_elementwise_s=cd, decode_step_s=fd,
-                points=points)
+                generate_s=max(0.0, sum(left) / len(left)), points=points)
+
+
+def fit_train_overheads(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: str) -> Dict:
+    """Time the PPO actor's real training call on 1 and 3 (or 2) blocks of ``cfg``'s shape
+    (:mod:`realhf.plan.interface_probe`) and fit what the cost model's passes on ``hw`` leave: per call (host-side
+    work) and per block (a backward's cost beyond twice the forward's)."""
+    import torch
+
+    from realhf.plan.interface_probe import train_call_overhead
+
+    rows, ys, points = [], [], []
+    for L in _fit_layers(cfg, torch.tensor([], dtype=getattr(torch, dtype)).element_size()):
+        left, info = train_call_overhead(_proxy(cfg, L), hw, dtype, device)
+        rows.append((1.0, float(L)))
+        ys.append(left)
+        points.append(dict(kind="train_call", layers=L, **info))
+    a, b = _lstsq(rows, ys)
+    return dict(train_call_s=a, train_layer_s=b, train_points=points)
 
 
 def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True) -> Dict:
@@ -252,11 +287,16 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True) ->
                optimizer_s_per_param=probes.optimizer_seconds_per_param(dt, device),
                disk_bw=probes.disk_bandwidth(realhf_cache_dir()), memory_bytes=_memory_bytes(device))
     out["comm"] = probes.comm(device) if comm else None
+    from realhf.plan.call_probe import mfc_round_trip
+
+    out["mfc_round_trip"] = mfc_round_trip()
     out["measured_at"] = datetime.datetime.now().isoformat(timespec="seconds")
-    base = hardware({**out, "key": dict(dtype=dtype, machine="", device=device, threads=0),
+    base_key = dict(dtype=dtype, machine="", device=device, threads=0)
+    base = hardware({**out, "key": base_key,
                      "overheads": dict(layer_s=0.0, elementwise_s=0.0, decode_layer_s=0.0, decode_elementwise_s=0.0,
                                        pass_s=0.0, decode_step_s=0.0)})
     out["overheads"] = fit_overheads(cfg, base, dtype, device)
+    out["overheads"].update(fit_train_overheads(cfg, hardware({**out, "key": base_key}), dtype, device))
     return out
 
 
@@ -317,7 +357,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from realhf.plan.hardware import describe
 
     print(json.dumps(dict(path=p["path"], **describe(hardware(p), a.dtype), overheads={
-        k: v for k, v in p["overheads"].items() if k != "points"}), indent=1))  # the CLI's output
+        k: v for k, v in p["overheads"].items() if not k.endswith("points")}), indent=1))  # the CLI's output
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ launcher's spec becomes one with :func:`plan_of`, and a search builds them direc
   devices are busy too), or their publication to the generation servers (a served replica); the move of its inputs
   from each parent's mesh to its own (bytes per token by key); its computation (:class:`realhf.plan.cost.CostModel`
   over its workload, :class:`realhf.plan.fit.Workload`); and the master's fixed cost of a call.
-* The step adds the master's fixed cost of a step (fetching the batch, clearing it, logging).
+  A training call pays its host-side work (``Hardware.train_call_overhead_s``); under data parallelism also its small all-reduces beside the gradients' (token counts,
+  statistics, advantage moments: ``TRAIN_DP_REDUCTIONS``).
+* The step adds the master's fixed cost of a step (fetching the batch, clearing it, logging). The fixed costs are the
+  hardware's (``Hardware.call_overhead_s``, ``step_overhead_s``): measured on a profiled machine, tabled for a GPU.
 
 Pure arithmetic, no torch: a search may call :func:`simulate_step` thousands of times.
 """
@@ -27,14 +30,19 @@ from realhf.plan import comm_cost
 from realhf.plan.comm_cost import Mesh
 from realhf.plan.cost import CostModel
 from realhf.plan.fit import UNBOUNDED, Workload, gen_micro_batches
+from realhf.plan import hardware
 from realhf.plan.hardware import Hardware
 from realhf.plan.memory import Shard, dtype_bytes, params
 
-# the master's fixed costs (request and reply over ZMQ, hooks, the buffer's bookkeeping), measured on a 2-core CPU
-# host with tiny models: an MFC's ``time`` less its workers' ``compute_time`` (about 5 ms), and a step's
-# ``step_time`` less the sum of its MFCs' ``time`` (about 30 ms: fetching and clearing the batch, the stats)
-CALL_OVERHEAD_S = 0.005
-STEP_OVERHEAD_S = 0.03
+# the control plane's fixed costs of a tabled device (an MFC's, a step's): ``Hardware.call_overhead_s`` and
+# ``step_overhead_s``, measured on a profiled machine (realhf.plan.call_probe)
+CALL_OVERHEAD_S = hardware.CALL_OVERHEAD_S
+STEP_OVERHEAD_S = hardware.STEP_OVERHEAD_S
+# the small all-reduces over the data-parallel group of a training call beside the gradients': the train engine's
+# token count and statistics (realhf.impl.model.backend.engine.train_batch), the PPO interface's minibatch count,
+# advantage moments and statistics (realhf.impl.model.interface.ppo_interface.train_step)
+TRAIN_DP_REDUCTIONS = 5
+SMALL_REDUCTION_BYTES = 64.0
 # bytes per token of a buffer key moved between MFCs (by its name's ending); per-sequence keys move ~nothing
 KEY_BYTES = (("input_ids", 8.0), ("prompts", 8.0), ("mask", 1.0), ("logprobs", 4.0), ("values", 4.0),
              ("advantages", 4.0), ("returns", 4.0), ("versions", 4.0), ("rewards", 0.0), ("seq_no_eos_mask", 0.0))
@@ -226,8 +234,16 @@ def compute_time(hw: Hardware, m: PlanModel, call: PlanCall, cm: Optional[CostMo
     mbs = _micro_batches(tokens, w.seq_len, call.n_mbs, call.max_tokens, pp, True)
     per_rank = params(Shard(m.cfg, tp, pp, 0, dtype_bytes(m.dtype)))
     one = (cm.train(tokens, mbs, w.seq_len, tokens * w.head_share, tp, pp, w.checkpointing)
-           + comm_cost.grad_allreduce(hw, per_rank, 4, m.mesh) + cm.optimizer_step(per_rank))
-    return k * one
+           + comm_cost.grad_allreduce(hw, per_rank, 4, m.mesh) + cm.optimizer_step(per_rank)
+           + train_reductions(hw, m.mesh))
+    return k * one + hw.train_call_overhead_s
+
+
+def train_reductions(hw: Hardware, mesh) -> float:
+    """A training call's small all-reduces over the data-parallel group beside the gradients'
+    (``TRAIN_DP_REDUCTIONS``): each pays the collective's latency."""
+    return TRAIN_DP_REDUCTIONS * comm_cost.allreduce(hw, SMALL_REDUCTION_BYTES, mesh.dp,
+                                                     mesh.intra(mesh.dp * mesh.tp, hw))
 
 
 # ---------------------------------------------------------------------------------------------------- the step
@@ -301,10 +317,13 @@ def _ranges(m: PlanModel) -> Tuple[Tuple[int, int], ...]:
     return own + ((m.servers.first, m.servers.first + m.servers.n * m.servers.tp),)
 
 
-def simulate_step(plan: StepPlan, hw: Hardware, call_overhead_s: float = CALL_OVERHEAD_S,
-                  step_overhead_s: float = STEP_OVERHEAD_S, memo: Optional[dict] = None) -> StepEstimate:
-    """One step of ``plan`` on devices of ``hw`` (see the module docstring for the rules). ``memo``: a dict kept
-    between calls on the same hardware (a search's), where compute and reallocation times are remembered."""
+def simulate_step(plan: StepPlan, hw: Hardware, call_overhead_s: Optional[float] = None,
+                  step_overhead_s: Optional[float] = None, memo: Optional[dict] = None) -> StepEstimate:
+    """One step of ``plan`` on devices of ``hw`` (see the module docstring for the rules); the fixed costs of a call
+    and of a step are ``hw``'s unless given. ``memo``: a dict kept between calls on the same hardware (a search's),
+    where compute and reallocation times are remembered."""
+    call_overhead_s = hw.call_overhead_s if call_overhead_s is None else call_overhead_s
+    step_overhead_s = hw.step_overhead_s if step_overhead_s is None else step_overhead_s
     free = _Free()
     done: Dict[str, CallEstimate] = {}
     models = {m.name: m for m in plan.models}

@@ -1,0 +1,86 @@
+"""The host-side work of a training call beside its passes, measured on the real interface: the PPO actor's
+``train_step`` (advantages, the per-token loss and its weights, micro-batch splitting, the statistics) on a
+small model of the profiled shape's width, timed whole, less what the cost model gives for its passes and optimizer
+step on the same machine. What is left is a fixed cost of every training call, which a small model's step is made of
+and a large model's hardly notices.
+
+Used by :mod:`realhf.plan.profile`; returns plain numbers.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Tuple
+
+from realhf.api.core.model_api import ReaLModelConfig
+from realhf.plan.hardware import Hardware
+
+PROBE_PROMPTS, PROBE_GROUP = 8, 4  # a small batch of answers: prompts x answers per prompt
+PROBE_PROMPT_LEN, PROBE_ANSWER_LEN = 4, 16
+
+
+def _batch(vocab: int):
+    """A GRPO batch: PROBE_PROMPTS prompts with PROBE_GROUP answers each, rewards 0 or 1, behaviour log-probs."""
+    import torch
+
+    from realhf.api.core.data_api import SequenceSample
+
+    g = torch.Generator().manual_seed(0)
+    P, A, n = PROBE_PROMPT_LEN, PROBE_ANSWER_LEN, PROBE_PROMPTS * PROBE_GROUP
+    ids = torch.randint(3, vocab, (n, P + A), generator=g)
+    lp = torch.zeros(n, P + A)
+    lp[:, P - 1:P + A - 1] = -2.0 - torch.rand(n, A, generator=g)
+    pm = torch.zeros(n, P + A, dtype=torch.bool)
+    pm[:, :P] = True
+    data = {"packed_input_ids": ids.flatten(), "packed_logprobs": lp.flatten(), "prompt_mask": pm.flatten(),
+            "seq_no_eos_mask": torch.zeros(n, dtype=torch.bool),
+            "rewards": (torch.arange(n) % 2).float()}
+    seqlens = [[P + A] * PROBE_GROUP for _ in range(PROBE_PROMPTS)]
+    per_token = ("packed_input_ids", "packed_logprobs", "prompt_mask")
+    return SequenceSample(keys=set(data), ids=list(range(PROBE_PROMPTS)),
+                          seqlens={**{k: seqlens for k in per_token},
+                                   "seq_no_eos_mask": [[1] * PROBE_GROUP] * PROBE_PROMPTS,
+                                   "rewards": [[1] * PROBE_GROUP] * PROBE_PROMPTS},
+                          trailing_shapes={k: () for k in data}, dtypes={k: v.dtype for k, v in data.items()},
+                          data=data)
+
+
+def train_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: str, reps: int = 5) -> Tuple[float, dict]:
+    """(seconds a training call spends beside its passes: the median of the real ``train_step`` on the probe batch
+    less the cost model's training pass and optimizer step on ``hw`` (at least 0), the figures behind it). ``cfg``: a
+    small model (the profiler's proxy)."""
+    import torch
+
+    from realhf.api.core.config import OptimizerConfig
+    from realhf.api.core.dfg import MicroBatchSpec
+    from realhf.api.core.model_api import Model
+    from realhf.api.quickstart.ppo_config import PPOHyperparameters
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.backend.engine import TrainEngine
+    from realhf.impl.model.interface.ppo_interface import PPOActorInterface
+    from realhf.impl.model.nn.real_model import ReaLModel
+    from realhf.plan.cost import CostModel
+    from realhf.plan.memory import Shard, dtype_bytes, params
+
+    grid = single_process_grid()
+    m = ReaLModel(cfg, grid=grid, dtype=getattr(torch, dtype), device=device)
+    m.init_random(seed=1)
+    engine = TrainEngine(m, OptimizerConfig(lr=1e-6), 1000)
+    model = Model(name="actor", engine=engine, tokenizer=None, grid=grid, path="")
+    iface = PPOActorInterface(PPOHyperparameters(ppo_n_minibatches=1, kl_ctl=0.0), group_size=PROBE_GROUP,
+                              use_critic=False, seed=1)
+    batch, mb = _batch(cfg.vocab_size), MicroBatchSpec()
+    ts = []
+    for i in range(reps + 2):
+        t = time.perf_counter()
+        iface.train_step(model, batch, mb)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:  # the first calls build the optimizer's state and warm the kernels
+            ts.append(time.perf_counter() - t)
+    tokens = PROBE_PROMPTS * PROBE_GROUP * (PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
+    cm = CostModel(cfg, hw, dtype)
+    passes = (cm.train(tokens, 1, PROBE_PROMPT_LEN + PROBE_ANSWER_LEN, tokens)
+              + cm.optimizer_step(params(Shard(cfg, 1, 1, 0, dtype_bytes(dtype)))))
+    measured = statistics.median(ts)
+    return max(0.0, measured - passes), dict(measured_s=measured, passes_s=passes)

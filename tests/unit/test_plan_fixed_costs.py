@@ -1,0 +1,136 @@
+"""What the cost model and the step simulator count beside a model's products: the tensor-parallel collectives a
+decode step and a training pass really run, the pipelined generation's token packets, a generation's and a training
+call's own host-side work, a training call's small data-parallel reductions, and the control plane's fixed costs of a
+call and of a step; and the probes that measure them on this machine (a real two-process link, the real request/reply
+stream, the real PPO training call)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from realhf.plan import comm_cost, cost, hardware
+from realhf.plan.comm_cost import Mesh
+from realhf.plan.fit import Workload
+from realhf.plan.shapes import model_config
+from realhf.plan.simulate import TRAIN_DP_REDUCTIONS, PlanCall, PlanModel, StepPlan, compute_time, simulate_step
+
+LAT = 1e-3  # a latency large enough that the collectives' count shows above the rest
+CFG = model_config("qwen2.5-1.5b")
+
+
+def _hw(lat: float, **kw):
+    h = hardware.get("h100")
+    return dataclasses.replace(h, intra_lat=lat, inter_lat=lat, **kw)
+
+
+def _latency_part(fn, *args, **kwargs) -> float:
+    """What ``fn`` (a CostModel method) spends in latency: its time at LAT less its time at no latency."""
+    slow = getattr(cost.CostModel(CFG, _hw(LAT), "bfloat16"), fn)(*args, **kwargs)
+    fast = getattr(cost.CostModel(CFG, _hw(0.0), "bfloat16"), fn)(*args, **kwargs)
+    return slow - fast
+
+
+def test_tensor_parallel_decode_step_runs_every_collective_of_the_model():
+    """Per step under tp=2: two all-reduces per block, the embedding's all-reduce (2 ring steps each), the logits'
+    all-gather (1 ring step) and the broadcast of the sampled tokens (1 send)."""
+    L = CFG.n_layers
+    assert _latency_part("decode_step", 64, 200, tp=2) == pytest.approx(((2 * L + 1) * 2 + 1 + 1) * LAT, rel=1e-6)
+    # one decode step per tp=1 rank has no collective at all
+    assert _latency_part("decode_step", 64, 200, tp=1) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_tensor_parallel_training_pass_counts_the_backward_collectives():
+    """Forward: two all-reduces per block, the embedding's, the log-probs' two; backward: one per column-parallel
+    product's input per block (query, key, value, gate, up) and the head's."""
+    L = CFG.n_layers
+    fwd = 2 * L + 1 + 2
+    bwd = 5 * L + 1
+    assert _latency_part("train", 4096, 1, 512, tp=2) == pytest.approx((fwd + bwd) * 2 * LAT, rel=1e-6)
+    assert _latency_part("forward", 4096, 1, 512, tp=2) == pytest.approx(fwd * 2 * LAT, rel=1e-6)
+
+
+def test_pipelined_decode_step_sends_each_groups_tokens_back():
+    """pp=2: each of the 2 row groups sends its activations to the next stage and its samples back."""
+    assert _latency_part("decode_step", 64, 200, pp=2) == pytest.approx(2 * 2 * LAT, rel=1e-6)
+
+
+def test_generation_and_training_call_host_work_is_counted():
+    hw = _hw(1e-5, generate_overhead_s=0.25, train_call_overhead_s=0.5)
+    cm = cost.CostModel(CFG, hw, "bfloat16")
+    base = cost.CostModel(CFG, dataclasses.replace(hw, generate_overhead_s=0.0), "bfloat16")
+    assert cm.generate(4, 100, 2, 5) - base.generate(4, 100, 2, 5) == pytest.approx(0.25)
+    train = Workload("train", 64, 512, 1.0, minibatches=2)
+    m = PlanModel("actor", CFG, Mesh(2, 1, 1, 0), "bfloat16", trains=True)
+    with_host = compute_time(hw, m, PlanCall("t", "actor", (), train))
+    without = compute_time(dataclasses.replace(hw, train_call_overhead_s=0.0), m, PlanCall("t", "actor", (), train))
+    assert with_host - without == pytest.approx(0.5)  # once per call, whatever its minibatches
+
+
+def test_training_call_pays_its_small_data_parallel_reductions():
+    train = Workload("train", 64, 512, 1.0)
+    hw_slow, hw_fast = _hw(LAT), _hw(0.0)
+
+    def latency(dp):
+        m = PlanModel("actor", CFG, Mesh(dp, 1, 1, 0), "bfloat16", trains=True)
+        return compute_time(hw_slow, m, PlanCall("t", "actor", (), train)) - \
+            compute_time(hw_fast, m, PlanCall("t", "actor", (), train))
+
+    # dp=2: the gradients' all-reduce and TRAIN_DP_REDUCTIONS small ones, 2 ring steps each; dp=1: none
+    assert latency(2) == pytest.approx((1 + TRAIN_DP_REDUCTIONS) * 2 * LAT, rel=1e-6)
+    assert latency(1) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_step_pays_the_hardwares_control_plane_costs():
+    hw = _hw(1e-5, call_overhead_s=0.1, step_overhead_s=0.7)
+    models = (PlanModel("a", CFG, Mesh(1, 1, 1, 0), "bfloat16"),)
+    calls = (PlanCall("x", "a", (), None), PlanCall("y", "a", (("x", 4.0),), None))
+    est = simulate_step(StepPlan(models, calls), hw)
+    assert [c.overhead_s for c in est.calls] == [0.1, 0.1]
+    assert est.step_s == pytest.approx(0.2 + 0.7)
+    with pytest.raises(ValueError, match="call_overhead_s"):
+        dataclasses.replace(hw, call_overhead_s=-1.0)
+
+
+# ---------------------------------------------------------------------------------------------------- the probes
+
+
+def test_link_latency_is_a_collectives_mean_between_computation():
+    """Two real gloo processes: the small collectives timed as a step runs them (after computation), and the link's
+    latency per ring step at least half such an all-reduce (it was the least back-to-back send before)."""
+    from realhf.plan.probes import comm
+
+    c = comm("cpu")
+    assert set(c["in_step"]) == {"allreduce", "allgather", "broadcast"}
+    assert all(v > 0 for v in c["in_step"].values())
+    assert c["lat"] >= c["in_step"]["allreduce"] / 2 - 1e-12
+    assert c["lat"] >= c["sendrecv"][0][1] - 1e-12
+
+
+def test_call_probe_times_a_real_round_trip_and_the_profile_uses_it():
+    from realhf.plan.call_probe import mfc_round_trip
+    from realhf.plan.profile import STEP_ROUND_TRIPS, hardware as hw_of
+
+    t = mfc_round_trip(reps=5)
+    assert 0 < t < 5.0
+    p = dict(key=dict(dtype="float32", machine="m", device="cpu", threads=1), measured_at="now",
+             matmul_rows=[(1, 1e9)], copy_bw=1e10, attention_flops=1e9, optimizer_s_per_param=1e-9, disk_bw=1e9,
+             memory_bytes=1e9, comm=dict(bw=1e9, lat=1e-4), mfc_round_trip=t,
+             overheads=dict(layer_s=0.0, elementwise_s=0.0, decode_layer_s=0.0, decode_elementwise_s=0.0, pass_s=0.0,
+                            decode_step_s=0.0, generate_s=0.002, train_call_s=0.003, train_layer_s=0.004))
+    hw = hw_of(p)
+    assert hw.call_overhead_s == t and hw.step_overhead_s == pytest.approx(STEP_ROUND_TRIPS * t)
+    assert (hw.generate_overhead_s, hw.train_call_overhead_s, hw.train_layer_overhead_s) == (0.002, 0.003, 0.004)
+
+
+def test_train_call_probe_runs_the_real_ppo_training_call():
+    """The PPO actor's train_step on a one-block model: timed whole, with the cost model's passes beside it."""
+    from realhf.plan.interface_probe import train_call_overhead
+    from realhf.plan.profile import _proxy
+
+    small = _proxy(model_config("smollm2-135m"), 1)
+    left, info = train_call_overhead(small, _hw(1e-5), "float32", "cpu", reps=2)
+    assert info["measured_s"] > 0 and info["passes_s"] > 0
+    assert left == pytest.approx(max(0.0, info["measured_s"] - info["passes_s"]))
+    assert math.isfinite(left)
