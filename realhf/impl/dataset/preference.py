@@ -56,11 +56,8 @@ class PreferenceDataset(RowDataset):
         self._check_chat_template(tokenizer, path, use_chat_template, "dataset.use_chat_template")
         rows = list(read_preference_rows(path))
         eos = _eos_id(tokenizer)
-        if use_chat_template:
-            texts = [self._chat_prompt(tokenizer, r["prompt"]) for _, r in rows]
-            prompts = _encode(tokenizer, texts, add_special_tokens=False)
-        else:
-            prompts = _encode(tokenizer, [r["prompt"] for _, r in rows], add_special_tokens=True)
+        texts = [self._chat_prompt(tokenizer, r["prompt"]) if use_chat_template else r["prompt"] for _, r in rows]
+        prompts = _encode(tokenizer, texts, add_special_tokens=not use_chat_template)  # as PromptDataset encodes them
         chosen = _encode(tokenizer, [r["chosen"] for _, r in rows], False)
         rejected = _encode(tokenizer, [r["rejected"] for _, r in rows], False)
         self.items: List[dict] = []
