@@ -13,7 +13,7 @@
 
 ``--task add`` is the earlier main job: one-step additions, the last number of an answer counted, 40 tokens.
 
-Usage: python scripts/main_job.py [--seed 1] [--out outputs/main_job/seed1] [--steps N] [--task mix|add] [key=value overrides]
+Usage: python scripts/main_job.py [--seed 1] [--out outputs/main_job/seed1] [--steps N] [--lr X] [--task mix|add] [key=value overrides]
 """
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default outputs/main_job/seed<seed>)")
     ap.add_argument("--seed", type=int, default=1, help="the run's seed (sampling, shuffling); the data stay the same")
-    ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default 16 for mix, 14 for add)")
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default 12 for mix, 14 for add)")
+    ap.add_argument("--lr", type=float, default=None, help="the actor's learning rate (default 5e-5 for mix, 3e-5 for add)")
     ap.add_argument("--n-test", type=int, default=None, help="held-out problems (default 96 for mix, 64 for add)")
     ap.add_argument("--task", choices=["add", "mix"], default="mix",
                     help="add: one-step addition, lenient grading (the last number counts), 40 new tokens; mix: one- "
@@ -87,7 +88,8 @@ def _args(argv):
     ap.add_argument("overrides", nargs="*", help="extra ppo-math key=value overrides")
     a = ap.parse_args(argv)
     a.out = a.out or os.path.join(ROOT, "outputs", "main_job", f"seed{a.seed}")
-    a.steps = a.steps or (16 if a.task == "mix" else 14)
+    a.steps = a.steps or (12 if a.task == "mix" else 14)
+    a.lr = a.lr or (5e-5 if a.task == "mix" else 3e-5)
     a.n_test = a.n_test or (96 if a.task == "mix" else 64)
     return a
 
@@ -101,7 +103,7 @@ def _overrides(a, model: str, max_new: int, strict: bool) -> list:
         f"prompt_template={PROMPT_TEMPLATE}", f"reward.allow_last_number={str(not strict).lower()}",
         f"reward.unfinished_as_wrong={str(strict).lower()}", "use_chat_template=true", f"ppo.gen.max_new_tokens={max_new}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2",
         "ppo.adv_norm=false", "ppo.group_adv_norm=true", "ppo.eps_clip=0.2", f"ppo.skip_zero_advantage={str(strict).lower()}",
-        "actor.optimizer.lr=3e-5", "actor.optimizer.gradient_clipping=1.0", "actor.optimizer.weight_decay=0.0",
+        f"actor.optimizer.lr={a.lr}", "actor.optimizer.gradient_clipping=1.0", "actor.optimizer.weight_decay=0.0",
         f"exp_ctrl.benchmark_steps={a.steps}", "exp_ctrl.save_freq_steps=1000000", f"seed={a.seed}",
     ] + list(a.overrides)
 
@@ -120,7 +122,8 @@ def main(argv=None) -> int:
     train, test = make_data(a.out, n_train=2000, n_test=a.n_test, task=a.task, mix_max_value=a.mix_max_value)
     max_new = a.max_new_tokens if strict else MAX_NEW_TOKENS
     eval_kw = dict(max_new_tokens=max_new, prompt_template=PROMPT_TEMPLATE, use_chat_template=True,
-                   allow_last_number=not strict, require_eos=strict, threads=os.cpu_count())
+                   allow_last_number=not strict, require_eos=strict, threads=os.cpu_count(),
+                   batch_size=a.n_test)
     before = math_accuracy(model, test, **eval_kw)
     log.info(f"held-out greedy accuracy before: {before.accuracy:.1%} ({before.n_correct}/{before.n}) in {before.seconds:.0f}s")
 
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
         "heldout_eos_rate_after": after.eos_rate, "batch_acc_first_quarter": sum((r + 5) / 10 for r in rewards[:k]) / k,
         "batch_acc_last_quarter": sum((r + 5) / 10 for r in rewards[-k:]) / k,
         "train_seconds": round(train_secs), "total_seconds": round(time.time() - t_start), "checkpoint": ckpts[-1],
-        "reward_curve": png, "task": a.task, "max_new_tokens": max_new,
+        "reward_curve": png, "task": a.task, "max_new_tokens": max_new, "lr": a.lr,
         "before": before.summary(6), "after": after.summary(6, example_ids=[r["query_id"] for r in before.examples(6)]),
     }
     with open(os.path.join(a.out, "summary.json"), "w") as f:
