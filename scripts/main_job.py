@@ -73,8 +73,8 @@ def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default outputs/main_job/seed<seed>)")
     ap.add_argument("--seed", type=int, default=1, help="the run's seed (sampling, shuffling); the data stay the same")
-    ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default 12 for mix, 14 for add)")
-    ap.add_argument("--lr", type=float, default=None, help="the actor's learning rate (default 5e-5 for mix, 3e-5 for add)")
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default 16 for mix, 14 for add)")
+    ap.add_argument("--lr", type=float, default=3e-5, help="the actor's learning rate")
     ap.add_argument("--n-test", type=int, default=None, help="held-out problems (default 96 for mix, 64 for add)")
     ap.add_argument("--task", choices=["add", "mix"], default="mix",
                     help="add: one-step addition, lenient grading (the last number counts), 40 new tokens; mix: one- "
@@ -88,8 +88,8 @@ def _args(argv):
     ap.add_argument("overrides", nargs="*", help="extra ppo-math key=value overrides")
     a = ap.parse_args(argv)
     a.out = a.out or os.path.join(ROOT, "outputs", "main_job", f"seed{a.seed}")
-    a.steps = a.steps or (12 if a.task == "mix" else 14)
-    a.lr = a.lr or (5e-5 if a.task == "mix" else 3e-5)
+    a.steps = a.steps or (16 if a.task == "mix" else 14)
+    a.prompts = a.prompts or (8 if a.task == "mix" else 4)
     a.n_test = a.n_test or (96 if a.task == "mix" else 64)
     return a
 
@@ -99,7 +99,7 @@ def _overrides(a, model: str, max_new: int, strict: bool) -> list:
     return [
         f"actor.path={model}", f"dataset.path={a.out}/train.jsonl", f"fileroot={a.out}/runs", "experiment_name=grpo-smollm2",
         "trial_name=main", "allocation_mode=d1m1p1", "n_devices_per_node=1", f"cpus_per_worker={os.cpu_count()}",
-        "use_critic=false", "ppo.kl_ctl=0", "group_size=8", f"dataset.train_bs_n_seqs={a.prompts or (8 if strict else 4)}", "dataset.max_prompt_len=128",
+        "use_critic=false", "ppo.kl_ctl=0", "group_size=8", f"dataset.train_bs_n_seqs={a.prompts}", "dataset.max_prompt_len=128",
         f"prompt_template={PROMPT_TEMPLATE}", f"reward.allow_last_number={str(not strict).lower()}",
         f"reward.unfinished_as_wrong={str(strict).lower()}", "use_chat_template=true", f"ppo.gen.max_new_tokens={max_new}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2",
         "ppo.adv_norm=false", "ppo.group_adv_norm=true", "ppo.eps_clip=0.2", f"ppo.skip_zero_advantage={str(strict).lower()}",
@@ -122,8 +122,7 @@ def main(argv=None) -> int:
     train, test = make_data(a.out, n_train=2000, n_test=a.n_test, task=a.task, mix_max_value=a.mix_max_value)
     max_new = a.max_new_tokens if strict else MAX_NEW_TOKENS
     eval_kw = dict(max_new_tokens=max_new, prompt_template=PROMPT_TEMPLATE, use_chat_template=True,
-                   allow_last_number=not strict, require_eos=strict, threads=os.cpu_count(),
-                   batch_size=a.n_test)
+                   allow_last_number=not strict, require_eos=strict, threads=os.cpu_count())
     before = math_accuracy(model, test, **eval_kw)
     log.info(f"held-out greedy accuracy before: {before.accuracy:.1%} ({before.n_correct}/{before.n}) in {before.seconds:.0f}s")
 
@@ -155,6 +154,7 @@ def main(argv=None) -> int:
         "batch_acc_last_quarter": sum((r + 5) / 10 for r in rewards[-k:]) / k,
         "train_seconds": round(train_secs), "total_seconds": round(time.time() - t_start), "checkpoint": ckpts[-1],
         "reward_curve": png, "task": a.task, "max_new_tokens": max_new, "lr": a.lr,
+        "prompts_per_step": a.prompts, "answers_per_prompt": 8,
         "before": before.summary(6), "after": after.summary(6, example_ids=[r["query_id"] for r in before.examples(6)]),
     }
     with open(os.path.join(a.out, "summary.json"), "w") as f:
