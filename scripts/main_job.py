@@ -13,7 +13,7 @@
 
 ``--task add`` is the earlier main job: one-step additions, the last number of an answer counted, 40 tokens.
 
-Usage: python scripts/main_job.py [--seed 1] [--out outputs/main_job/seed1] [--steps N] [--task mix|add] [key=value overrides]
+Usage: python scripts/main_job.py [--seed 1] [--out outputs/main_job/seed1] [--steps N] [--lr X] [--task mix|add] [key=value overrides]
 """
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def _args(argv):
     ap.add_argument("--out", default=None, help="output folder (default outputs/main_job/seed<seed>)")
     ap.add_argument("--seed", type=int, default=1, help="the run's seed (sampling, shuffling); the data stay the same")
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default 16 for mix, 14 for add)")
+    ap.add_argument("--lr", type=float, default=3e-5, help="the actor's learning rate")
     ap.add_argument("--n-test", type=int, default=None, help="held-out problems (default 96 for mix, 64 for add)")
     ap.add_argument("--task", choices=["add", "mix"], default="mix",
                     help="add: one-step addition, lenient grading (the last number counts), 40 new tokens; mix: one- "
@@ -88,6 +89,7 @@ def _args(argv):
     a = ap.parse_args(argv)
     a.out = a.out or os.path.join(ROOT, "outputs", "main_job", f"seed{a.seed}")
     a.steps = a.steps or (16 if a.task == "mix" else 14)
+    a.prompts = a.prompts or (8 if a.task == "mix" else 4)
     a.n_test = a.n_test or (96 if a.task == "mix" else 64)
     return a
 
@@ -97,11 +99,11 @@ def _overrides(a, model: str, max_new: int, strict: bool) -> list:
     return [
         f"actor.path={model}", f"dataset.path={a.out}/train.jsonl", f"fileroot={a.out}/runs", "experiment_name=grpo-smollm2",
         "trial_name=main", "allocation_mode=d1m1p1", "n_devices_per_node=1", f"cpus_per_worker={os.cpu_count()}",
-        "use_critic=false", "ppo.kl_ctl=0", "group_size=8", f"dataset.train_bs_n_seqs={a.prompts or (8 if strict else 4)}", "dataset.max_prompt_len=128",
+        "use_critic=false", "ppo.kl_ctl=0", "group_size=8", f"dataset.train_bs_n_seqs={a.prompts}", "dataset.max_prompt_len=128",
         f"prompt_template={PROMPT_TEMPLATE}", f"reward.allow_last_number={str(not strict).lower()}",
         f"reward.unfinished_as_wrong={str(strict).lower()}", "use_chat_template=true", f"ppo.gen.max_new_tokens={max_new}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2",
         "ppo.adv_norm=false", "ppo.group_adv_norm=true", "ppo.eps_clip=0.2", f"ppo.skip_zero_advantage={str(strict).lower()}",
-        "actor.optimizer.lr=3e-5", "actor.optimizer.gradient_clipping=1.0", "actor.optimizer.weight_decay=0.0",
+        f"actor.optimizer.lr={a.lr}", "actor.optimizer.gradient_clipping=1.0", "actor.optimizer.weight_decay=0.0",
         f"exp_ctrl.benchmark_steps={a.steps}", "exp_ctrl.save_freq_steps=1000000", f"seed={a.seed}",
     ] + list(a.overrides)
 
@@ -151,7 +153,8 @@ def main(argv=None) -> int:
         "heldout_eos_rate_after": after.eos_rate, "batch_acc_first_quarter": sum((r + 5) / 10 for r in rewards[:k]) / k,
         "batch_acc_last_quarter": sum((r + 5) / 10 for r in rewards[-k:]) / k,
         "train_seconds": round(train_secs), "total_seconds": round(time.time() - t_start), "checkpoint": ckpts[-1],
-        "reward_curve": png, "task": a.task, "max_new_tokens": max_new,
+        "reward_curve": png, "task": a.task, "max_new_tokens": max_new, "lr": a.lr,
+        "prompts_per_step": a.prompts, "answers_per_prompt": 8,
         "before": before.summary(6), "after": after.summary(6, example_ids=[r["query_id"] for r in before.examples(6)]),
     }
     with open(os.path.join(a.out, "summary.json"), "w") as f:

@@ -86,48 +86,28 @@ def split_flags(argv: Sequence[str]):
 
 def _stand_ins(rest: Sequence[str]) -> dict:
     """For ``--cluster``: the run's paths that are not on this machine, each with what stands for it (a model folder:
-    the tabled shape its folder is named after; a data file: nothing). ConfigError for a model folder that is
-    neither here nor named after a tabled shape."""
+    the tabled shape its folder is named after; a data file: nothing). The paths are read from the config the command
+    line builds (:func:`entry.cli_data`): every model section's ``path`` and every dataset section's paths.
+    ConfigError for a model folder that is neither here nor named after a tabled shape."""
     import os
 
-    import yaml
-
+    from realhf.api.quickstart.sections import ModelConfig
     from realhf.plan.shapes import SHAPES, shape_of_folder
 
-    values: dict = {}
-
-    def flat(d, prefix=""):
-        for k, v in (d or {}).items():
-            if isinstance(v, dict):
-                flat(v, f"{prefix}{k}.")
-            else:
-                values[f"{prefix}{k}"] = v
-
-    it = iter(range(len(rest)))
-    for i in it:
-        a = rest[i]
-        f = rest[i + 1] if a in ("--config", "-c") and i + 1 < len(rest) else (a[9:] if a.startswith("--config=") else None)
-        if a in ("--config", "-c"):
-            next(it, None)
-        if f is not None and os.path.isfile(f):
-            with open(f) as fh:
-                flat(yaml.safe_load(fh))
-        elif "=" in a and not a.startswith("-"):
-            k, v = a.split("=", 1)
-            values[k.strip()] = v.strip()
-    out = {}
-    for k, v in values.items():
-        if not (k.endswith("path") and isinstance(v, str) and v) or os.path.exists(os.path.expanduser(v)):
+    exp, data = entry.cli_data(rest)
+    out: dict = {}
+    for key, section, name, v in entry.leaves(exp.config_cls, data):
+        if not (isinstance(v, str) and v) or os.path.exists(os.path.expanduser(v)):
             continue
-        if "dataset" in k.split("."):
+        if issubclass(section, ModelConfig) and name == "path":
+            shape = shape_of_folder(v)
+            if shape is None:
+                raise entry.ConfigError(
+                    f"--cluster: {key}={v!r} is not on this machine and its folder is not named after a tabled "
+                    f"shape; give {key}=<a folder with its config.json> or {key}=<shape>, one of {sorted(SHAPES)}")
+            out[v] = SHAPES[shape].hf_config()
+        elif "dataset" in key.split(".") and name.endswith("path"):
             out[v] = None
-            continue
-        shape = shape_of_folder(v)
-        if shape is None:
-            raise entry.ConfigError(f"--cluster: {k}={v!r} is not on this machine and its folder is not named after "
-                                    f"a tabled shape; give {k}=<a folder with its config.json> or {k}=<shape>, one "
-                                    f"of {sorted(SHAPES)}")
-        out[v] = SHAPES[shape].hf_config()
     return out
 
 

@@ -97,16 +97,10 @@ def grade_answers(rows: Sequence[dict], texts: Sequence[str], ended: Sequence[bo
 
 
 def format_prompts(tokenizer, rows: List[dict], prompt_template: str, use_chat_template: bool) -> List[List[int]]:
-    out = []
-    for r in rows:
-        text = prompt_template.replace("{prompt}", r["prompt"])
-        if use_chat_template:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        else:
-            ids = tokenizer(text)["input_ids"]
-        out.append(ids)
-    return out
+    """Token ids of the rows' prompts in ``prompt_template``, encoded as a run's prompt dataset encodes them."""
+    from realhf.impl.dataset.jsonl import encode_prompts
+
+    return encode_prompts(tokenizer, [prompt_template.replace("{prompt}", r["prompt"]) for r in rows], use_chat_template)
 
 
 def math_accuracy(model_path: str, rows: List[dict], max_new_tokens: int = 64, prompt_template: str = "{prompt}",

@@ -16,7 +16,6 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from realhf.api.core.model_api import ReaLModelConfig
-from realhf.base.topology import ParallelDims
 from realhf.plan import memory
 from realhf.plan.memory import Estimate, GiB, Shard, gib
 
@@ -197,8 +196,7 @@ def plan(spec, cfgs: Dict[str, ReaLModelConfig], workloads: Dict[str, Workload],
             dt = model_dtype(m, cap.device)
             s = shard_of(m, cfgs[m.name], r, dt)
             src_shard = shard_of(src, cfgs[src.name], r, model_dtype(src, cap.device)) if src and r in src.ranks else None
-            layout = str(ParallelDims(m.layout.dp, m.layout.tp, m.layout.pp))
-            calls.append(RankCall(mfc.name, r, m.name, layout, dt, hold[r],
+            calls.append(RankCall(mfc.name, r, m.name, str(m.layout), dt, hold[r],
                                   call_estimate(m, s, w, n_mbs, max_tokens, src_shard), cap.per_rank))
     return MemoryPlan(cap, calls)
 

@@ -342,6 +342,20 @@ def _build(cls: type, data: dict, prefix: str = ""):
         raise ConfigError(_explain(cls, prefix, kwargs, e)) from None
 
 
+def leaves(cls: type, data: Dict[str, Any], prefix: str = ""):
+    """Yield (dotted key, the section class, field name, value) for every non-section field of ``data`` (a mapping
+    as :func:`config_data` returns) under config class ``cls``."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        v, inner = data[f.name], _unwrap_optional(hints[f.name])[0]
+        if isinstance(inner, type) and dataclasses.is_dataclass(inner) and isinstance(v, dict):
+            yield from leaves(inner, v, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", cls, f.name, v
+
+
 def _is_str_type(t) -> bool:
     inner, _ = _unwrap_optional(t)
     return inner is str
@@ -371,6 +385,21 @@ def load_config(cls: type, config_files: Sequence[str] = (), overrides: Sequence
                 defaults: Optional[Dict[str, Any]] = None):
     """Build a ``cls`` instance from defaults, YAML files and ``key=value`` overrides (see the module
     docstring). Raises :class:`ConfigError` with a user-facing message."""
+    data, used, renames = _merged(cls, config_files, overrides, defaults)
+    _warn_deprecated(used, renames)
+    return _build(cls, data)
+
+
+def config_data(cls: type, config_files: Sequence[str] = (), overrides: Sequence[str] = (),
+                defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The nested mapping :func:`load_config` builds ``cls`` from (defaults, files and overrides merged, old names
+    renamed, keys and types checked), before any section's own checks run."""
+    return _merged(cls, config_files, overrides, defaults)[0]
+
+
+def _merged(cls: type, config_files: Sequence[str], overrides: Sequence[str],
+            defaults: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], List[str], Dict[str, str]]:
+    """(merged mapping, the deprecated keys used, the renames) for :func:`load_config`."""
     import yaml
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
@@ -427,8 +456,7 @@ def load_config(cls: type, config_files: Sequence[str] = (), overrides: Sequence
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
         raise _omegaconf_error(e, "the config", cls) from None
-    _warn_deprecated(used, renames)
-    return _build(cls, data)
+    return data, used, renames
 
 
 def config_to_yaml(config: Any) -> str:
@@ -452,6 +480,21 @@ def parse_cli(argv: Sequence[str]) -> Tuple[str, Any]:
 
     Raises :class:`HelpRequested` for ``-h``/``--help`` and :class:`ConfigError` for anything wrong.
     """
+    exp, files, overrides = split_cli(argv)
+    cfg = load_config(exp.config_cls, files, overrides, defaults=_name_default(exp))
+    return exp.name, cfg
+
+
+def cli_data(argv: Sequence[str]) -> Tuple[QuickstartExperiment, Dict[str, Any]]:
+    """(the experiment, the nested mapping its config is built from: :func:`config_data`) for a command line as
+    :func:`parse_cli` reads it."""
+    exp, files, overrides = split_cli(argv)
+    return exp, config_data(exp.config_cls, files, overrides, defaults=_name_default(exp))
+
+
+def split_cli(argv: Sequence[str]) -> Tuple[QuickstartExperiment, List[str], List[str]]:
+    """``[experiment, --config FILE ..., key=value ...]`` -> (the experiment, the YAML files, the overrides);
+    :class:`HelpRequested` for ``-h``/``--help``, :class:`ConfigError` for an unreadable command line."""
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         if argv:
@@ -485,8 +528,7 @@ def parse_cli(argv: Sequence[str]) -> Tuple[str, Any]:
         i += 1
     if want_help:
         raise HelpRequested(help_text(name))
-    cfg = load_config(exp.config_cls, files, overrides, defaults=_name_default(exp))
-    return name, cfg
+    return exp, files, overrides
 
 
 def _name_default(exp: QuickstartExperiment) -> Dict[str, Any]:

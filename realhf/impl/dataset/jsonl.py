@@ -251,6 +251,15 @@ class RowDataset:
             raise ValueError("cannot collate an empty list of items")
 
 
+def encode_prompts(tokenizer, texts: Sequence[str], use_chat_template: bool) -> List[List[int]]:
+    """Token ids of prompts ``texts``, as every prompt of a run and of its evaluation is encoded: with
+    ``use_chat_template`` each text a user turn of the tokenizer's chat template followed by the assistant header
+    (the template's own special tokens only), else the text with the tokenizer's special tokens (e.g. a BOS)."""
+    if use_chat_template:
+        texts = [RowDataset._chat_prompt(tokenizer, t) for t in texts]
+    return _encode(tokenizer, list(texts), add_special_tokens=not use_chat_template)
+
+
 # ----------------------------------------------------------------------------- SFT
 class PromptAnswerDataset(RowDataset):
     """SFT rows ``{"prompt": str, "answer": str}`` (optional ``"id"``).
@@ -331,8 +340,7 @@ class PromptDataset(RowDataset):
         self._check_chat_template(tokenizer, path, use_chat_template, "use_chat_template")
         rows = list(read_jsonl(path, self.REQUIRED, self.OPTIONAL))
         extras = [self._row_extra(f"{path}:{ln}", row) for ln, row in rows]
-        texts = [self.format_prompt(row["prompt"]) for _, row in rows]
-        encoded = _encode(tokenizer, texts, add_special_tokens=not use_chat_template)
+        encoded = encode_prompts(tokenizer, [self.template(row["prompt"]) for _, row in rows], use_chat_template)
         self.items: List[dict] = []
         dropped, seen = [], {}
         for idx, ((line_no, row), extra, ids) in enumerate(zip(rows, extras, encoded)):
@@ -352,7 +360,13 @@ class PromptDataset(RowDataset):
     def _row_extra(self, where: str, row: dict) -> dict:
         return {}
 
+    def template(self, text: str) -> str:
+        """The prompt's text before the chat template (subclasses wrap it)."""
+        return text
+
     def format_prompt(self, text: str) -> str:
+        """The prompt's whole text as encoded: :meth:`template`, then the chat template when asked."""
+        text = self.template(text)
         return self._chat_prompt(self.tokenizer, text) if self.use_chat_template else text
 
     def collate(self, items: Sequence[dict]) -> SequenceSample:

@@ -53,8 +53,8 @@ class MathPromptDataset(PromptDataset):
     def _row_extra(self, where: str, row: dict) -> dict:
         return check_math_row(where, row)
 
-    def format_prompt(self, text: str) -> str:
-        return super().format_prompt(self.prompt_template.replace("{prompt}", text))
+    def template(self, text: str) -> str:
+        return self.prompt_template.replace("{prompt}", text)
 
 
 register_dataset("math_prompt", MathPromptDataset)

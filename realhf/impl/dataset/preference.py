@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Dict, Iterator, List, Sequence, Tuple
 
 from realhf.base import logging
-from realhf.impl.dataset.jsonl import (DatasetError, RowDataset, TypeSpec, _encode, _eos_id, _warn_dropped, read_jsonl,
-                                       register_dataset)
+from realhf.impl.dataset.jsonl import (DatasetError, RowDataset, TypeSpec, _encode, _eos_id, _warn_dropped, encode_prompts,
+                                       read_jsonl, register_dataset)
 
 if TYPE_CHECKING:
     from realhf.api.core.data_api import SequenceSample
@@ -56,11 +56,7 @@ class PreferenceDataset(RowDataset):
         self._check_chat_template(tokenizer, path, use_chat_template, "dataset.use_chat_template")
         rows = list(read_preference_rows(path))
         eos = _eos_id(tokenizer)
-        if use_chat_template:
-            texts = [self._chat_prompt(tokenizer, r["prompt"]) for _, r in rows]
-            prompts = _encode(tokenizer, texts, add_special_tokens=False)
-        else:
-            prompts = _encode(tokenizer, [r["prompt"] for _, r in rows], add_special_tokens=True)
+        prompts = encode_prompts(tokenizer, [r["prompt"] for _, r in rows], use_chat_template)
         chosen = _encode(tokenizer, [r["chosen"] for _, r in rows], False)
         rejected = _encode(tokenizer, [r["rejected"] for _, r in rows], False)
         self.items: List[dict] = []
