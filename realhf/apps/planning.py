@@ -28,7 +28,10 @@ def _hardware_and_capacity(cluster, cfg, spec, cfgs):
     shape = cfgs[trained.name] if trained is not None else next(iter(cfgs.values()))
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     torch.set_num_threads(max(1, spec.cpus_per_worker))  # a worker's share of the host, as the run has it
-    return hw_of(profile(shape, dtype, comm=spec.n_workers > 1)), run_capacity(cfg, spec)
+    from realhf.system.transport.call_probe import mfc_round_trip
+
+    return (hw_of(profile(shape, dtype, comm=spec.n_workers > 1, round_trip=mfc_round_trip)),
+            run_capacity(cfg, spec))
 
 
 def with_prompt_len(work, bound: int, prompt_len: float):

@@ -20,7 +20,7 @@ Table sources:
 * Fixed costs of the control plane (the same for every tabled GPU: they run on the host CPUs): an MFC's request and
   reply between the master and its workers 5 ms, a step's own bookkeeping (fetching and clearing the batch, the
   stats) 30 ms. From CPU hosts: an MFC's round trip over the request/reply stream
-  measured 3.5-4.3 ms between two local processes (:mod:`realhf.plan.call_probe`, a 2-core AMD EPYC host,
+  measured 3.5-4.3 ms between two local processes (:mod:`realhf.system.transport.call_probe`, a 2-core AMD EPYC host,
   2026-11-28), rounded up for a cluster's TCP between nodes; the step's figure is the one measured on that host
   before the call probe existed (a step's time less its MFCs'), kept as an upper bound; a training call's host-side
   work beside its passes 5 ms (the PPO actor's, :mod:`realhf.plan.interface_probe`, fitted 5-9 ms on that host; the
@@ -183,7 +183,7 @@ def get(name: str) -> Hardware:
         if key.startswith(k):
             return hw
     raise ValueError(f"unknown hardware {name!r}; tabled: {sorted(t)} (or profile this machine: "
-                     "python -m realhf.plan.profile)")
+                     "python -m realhf.apps.profile)")
 
 
 def interpolate_rate(points: Tuple[Tuple[int, float], ...], rows: float, default: float) -> float:

@@ -1,14 +1,15 @@
-"""Profile this machine for the cost model: ``python -m realhf.plan.profile --model smollm2-135m``.
+"""Profile this machine for the cost model (the command: ``python -m realhf.apps.profile --model smollm2-135m``).
 
 A few seconds of the real kernels at a model's shapes (:mod:`realhf.plan.probes`): the FLOP/s of the model's block
 products by number of rows, a copy's bandwidth, the attention kernel's rate, AdamW's step per parameter, writing and
 reading a checkpoint, all-reduce and send/recv between two local processes (gloo; NCCL between two GPUs); then a whole
 forward pass and a whole decode step of the model's blocks (1 and 3 of them, a 1,024-token vocabulary) timed, and what
 the products and attention do not explain fitted as a cost per block, per token x hidden element of a block, and per
-pass (:func:`fit_overheads`), and a generation call's own setup (its time beyond its prefill and steps); an MFC's
-round trip over the real request/reply stream (:mod:`realhf.plan.call_probe`), the fixed cost of each call and, twice
-(fetching and clearing the batch), of each step. On CPU, where a "device" is a worker process, the rates are those of this process's
-threads (``--threads``).
+pass (:func:`fit_overheads`), a generation call's own setup (its time beyond its prefill and steps) and a training
+call's host-side work (:mod:`realhf.plan.interface_probe`); and, where the caller passes the control plane's probe
+(:mod:`realhf.system.transport.call_probe`, a layer above this one), an MFC's round trip over the real request/reply
+stream: the fixed cost of each call and, twice (fetching and clearing the batch), of each step. On CPU, where a
+"device" is a worker process, the rates are those of this process's threads (``--threads``).
 
 The profile is cached as JSON under ``$REALHF_CACHE_DIR/plan_profiles/``, keyed by the machine (CPU model or GPU
 name), the device, the threads, the torch version, the dtype and the model's shape: a second call reads the file.
@@ -16,14 +17,13 @@ name), the device, the threads, the torch version, the dtype and the model's sha
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import hashlib
 import json
 import os
 import platform
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from realhf.api.core.model_api import ReaLModelConfig
 from realhf.base import logging
@@ -272,8 +272,10 @@ def fit_train_overheads(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: 
     return dict(train_call_s=a, train_layer_s=b, train_points=points)
 
 
-def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True) -> Dict:
-    """Every figure of a profile (seconds: a few on CPU for a small model; longer for a 7B block)."""
+def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
+            round_trip: Optional[Callable[[], float]] = None) -> Dict:
+    """Every figure of a profile (seconds: a few on CPU for a small model; longer for a 7B block); ``round_trip``:
+    the control plane's probe (seconds of an MFC's round trip), which lives with the transport above this layer."""
     import torch
 
     from realhf.plan import probes
@@ -287,9 +289,8 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True) ->
                optimizer_s_per_param=probes.optimizer_seconds_per_param(dt, device),
                disk_bw=probes.disk_bandwidth(realhf_cache_dir()), memory_bytes=_memory_bytes(device))
     out["comm"] = probes.comm(device) if comm else None
-    from realhf.plan.call_probe import mfc_round_trip
-
-    out["mfc_round_trip"] = mfc_round_trip()
+    if round_trip is not None:
+        out["mfc_round_trip"] = round_trip()
     out["measured_at"] = datetime.datetime.now().isoformat(timespec="seconds")
     base_key = dict(dtype=dtype, machine="", device=device, threads=0)
     base = hardware({**out, "key": base_key,
@@ -307,11 +308,14 @@ def _zero_hw() -> Hardware:
 
 
 def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] = None, comm: bool = True,
-            refresh: bool = False, cache_dir: Optional[str] = None) -> Dict:
+            refresh: bool = False, cache_dir: Optional[str] = None,
+            round_trip: Optional[Callable[[], float]] = None) -> Dict:
     """This machine's profile for ``model`` (a shape name, a model folder, a config.json dict or a
     ``ReaLModelConfig``): read from the cache when there, else measured and cached. ``comm=False`` skips the two-
     process link probe (a cached profile without it is completed when asked with ``comm=True``); ``cache_dir``: where
-    profiles are kept (default ``$REALHF_CACHE_DIR/plan_profiles``)."""
+    profiles are kept (default ``$REALHF_CACHE_DIR/plan_profiles``); ``round_trip``: the control plane's probe
+    (:func:`realhf.system.transport.call_probe.mfc_round_trip`, passed in by the layers above), run when given and not
+    cached (without it the control plane's fixed costs are the tabled ones)."""
     import torch
 
     cfg = model_config(model)
@@ -319,46 +323,22 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
     key = profile_key(cfg, dtype, device, torch.get_num_threads())
     path = cache_path(key, cache_dir)
     data = None if refresh else _read(path, key)
-    if data is not None and (data.get("comm") is not None or not comm):
+    need_comm = comm and (data is None or data.get("comm") is None)
+    need_trip = round_trip is not None and (data is None or data.get("mfc_round_trip") is None)
+    if data is not None and not need_comm and not need_trip:
         return data
-    if data is not None:  # cached without the link probe: add it
-        logger.info("profile: measuring the links between two local processes")
-        from realhf.plan import probes
+    if data is not None:  # cached without the link probe or the control plane's: add them
+        if need_comm:
+            logger.info("profile: measuring the links between two local processes")
+            from realhf.plan import probes
 
-        data["comm"] = probes.comm(device)
+            data["comm"] = probes.comm(device)
+        if need_trip:
+            data["mfc_round_trip"] = round_trip()
     else:
         logger.info(f"profiling this machine ({key['machine']}, {device}, {key['threads']} threads, {dtype}) "
                     f"at {json.dumps(key['shape'])}: a few seconds")
-        data = dict(measure(cfg, dtype, device, comm), key=key)
+        data = dict(measure(cfg, dtype, device, comm, round_trip), key=key)
     data["path"] = path
     _write(path, data)
     return json.loads(json.dumps(data))  # as a later call reads it back
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m realhf.plan.profile", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a shape name of realhf.plan.shapes or a model folder")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda where present")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads of this process (a worker's share)")
-    ap.add_argument("--no-comm", action="store_true", help="skip the two-process link probe")
-    ap.add_argument("--refresh", action="store_true", help="measure again even when cached")
-    a = ap.parse_args(argv)
-    from realhf.base.host_memory import retain_freed_memory
-
-    retain_freed_memory()  # measure as a model worker runs (it keeps freed host memory for reuse)
-    if a.threads is not None:
-        import torch
-
-        if a.threads < 1:
-            ap.error(f"--threads={a.threads}: expected a positive number")
-        torch.set_num_threads(a.threads)
-    p = profile(a.model, a.dtype, a.device, comm=not a.no_comm, refresh=a.refresh)
-    from realhf.plan.hardware import describe
-
-    print(json.dumps(dict(path=p["path"], **describe(hardware(p), a.dtype), overheads={
-        k: v for k, v in p["overheads"].items() if not k.endswith("points")}), indent=1))  # the CLI's output
-
-
-if __name__ == "__main__":
-    main()

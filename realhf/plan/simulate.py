@@ -35,7 +35,7 @@ from realhf.plan.hardware import Hardware
 from realhf.plan.memory import Shard, dtype_bytes, params
 
 # the control plane's fixed costs of a tabled device (an MFC's, a step's): ``Hardware.call_overhead_s`` and
-# ``step_overhead_s``, measured on a profiled machine (realhf.plan.call_probe)
+# ``step_overhead_s``, measured on a profiled machine (realhf.system.transport.call_probe)
 CALL_OVERHEAD_S = hardware.CALL_OVERHEAD_S
 STEP_OVERHEAD_S = hardware.STEP_OVERHEAD_S
 # the small all-reduces over the data-parallel group of a training call beside the gradients': the train engine's

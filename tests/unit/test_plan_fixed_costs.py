@@ -109,7 +109,7 @@ def test_link_latency_is_a_collectives_mean_between_computation():
 
 
 def test_call_probe_times_a_real_round_trip_and_the_profile_uses_it():
-    from realhf.plan.call_probe import mfc_round_trip
+    from realhf.system.transport.call_probe import mfc_round_trip
     from realhf.plan.profile import STEP_ROUND_TRIPS, hardware as hw_of
 
     t = mfc_round_trip(reps=5)

@@ -5,7 +5,8 @@ executor does, to a worker server in another process, which answers at once with
 samples. The mean round trip, with the master idle between calls as it is between a step's MFCs, is what every MFC
 pays beside its work; a step pays two more (fetching the batch, clearing it).
 
-Used by :mod:`realhf.plan.profile`; returns plain numbers.
+Passed to :func:`realhf.plan.profile.profile` by the planner and ``python -m realhf.apps.profile``; returns plain
+numbers.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Dict
 
 from realhf.base import logging
 
-logger = logging.getLogger("realhf.plan.call_probe")
+logger = logging.getLogger("realhf.system.transport.call_probe")
 
 PROBE_SEQS = 32  # samples named in a probed request: a small batch's worth
 PROBE_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask")
