@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 
 PROMPT_TEMPLATE = "{prompt}"
 MAX_NEW_TOKENS = 40
+GROUP_SIZE = 8  # answers per prompt
 
 
 def write_rows(rows, path):
@@ -83,7 +84,7 @@ def _args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=128, help="--task mix: the answer length limit")
     ap.add_argument("--mix-max-value", type=int, default=10,
                     help="--task mix: the largest number added or subtracted (factors are 2..9)")
-    ap.add_argument("--prompts", type=int, default=None, help="prompts per step (8 answers each); default 4 for "
+    ap.add_argument("--prompts", type=int, default=None, help=f"prompts per step ({GROUP_SIZE} answers each); default 4 for "
                     "add, 8 for mix")
     ap.add_argument("overrides", nargs="*", help="extra ppo-math key=value overrides")
     a = ap.parse_args(argv)
@@ -99,7 +100,7 @@ def _overrides(a, model: str, max_new: int, strict: bool) -> list:
     return [
         f"actor.path={model}", f"dataset.path={a.out}/train.jsonl", f"fileroot={a.out}/runs", "experiment_name=grpo-smollm2",
         "trial_name=main", "allocation_mode=d1m1p1", "n_devices_per_node=1", f"cpus_per_worker={os.cpu_count()}",
-        "use_critic=false", "ppo.kl_ctl=0", "group_size=8", f"dataset.train_bs_n_seqs={a.prompts}", "dataset.max_prompt_len=128",
+        "use_critic=false", "ppo.kl_ctl=0", f"group_size={GROUP_SIZE}", f"dataset.train_bs_n_seqs={a.prompts}", "dataset.max_prompt_len=128",
         f"prompt_template={PROMPT_TEMPLATE}", f"reward.allow_last_number={str(not strict).lower()}",
         f"reward.unfinished_as_wrong={str(strict).lower()}", "use_chat_template=true", f"ppo.gen.max_new_tokens={max_new}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2",
         "ppo.adv_norm=false", "ppo.group_adv_norm=true", "ppo.eps_clip=0.2", f"ppo.skip_zero_advantage={str(strict).lower()}",
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
         "batch_acc_last_quarter": sum((r + 5) / 10 for r in rewards[-k:]) / k,
         "train_seconds": round(train_secs), "total_seconds": round(time.time() - t_start), "checkpoint": ckpts[-1],
         "reward_curve": png, "task": a.task, "max_new_tokens": max_new, "lr": a.lr,
-        "prompts_per_step": a.prompts, "answers_per_prompt": 8,
+        "prompts_per_step": a.prompts, "answers_per_prompt": GROUP_SIZE,
         "before": before.summary(6), "after": after.summary(6, example_ids=[r["query_id"] for r in before.examples(6)]),
     }
     with open(os.path.join(a.out, "summary.json"), "w") as f:

@@ -12,8 +12,8 @@ launcher's spec becomes one with :func:`plan_of`, and a search builds them direc
   devices are busy too), or their publication to the generation servers (a served replica); the move of its inputs
   from each parent's mesh to its own (bytes per token by key); its computation (:class:`realhf.plan.cost.CostModel`
   over its workload, :class:`realhf.plan.fit.Workload`); and the master's fixed cost of a call.
-  A training call pays its host-side work (``Hardware.train_call_overhead_s``); under data parallelism also its small all-reduces beside the gradients' (token counts,
-  statistics, advantage moments: ``TRAIN_DP_REDUCTIONS``).
+  A training call pays its host-side work (``Hardware.train_call_overhead_s``); under data parallelism also its
+  small all-reduces beside the gradients' (token counts, statistics, advantage moments: ``TRAIN_DP_REDUCTIONS``).
 * The step adds the master's fixed cost of a step (fetching the batch, clearing it, logging). The fixed costs are the
   hardware's (``Hardware.call_overhead_s``, ``step_overhead_s``): measured on a profiled machine, tabled for a GPU.
 
@@ -30,14 +30,9 @@ from realhf.plan import comm_cost
 from realhf.plan.comm_cost import Mesh
 from realhf.plan.cost import CostModel
 from realhf.plan.fit import UNBOUNDED, Workload, gen_micro_batches
-from realhf.plan import hardware
 from realhf.plan.hardware import Hardware
 from realhf.plan.memory import Shard, dtype_bytes, params
 
-# the control plane's fixed costs of a tabled device (an MFC's, a step's): ``Hardware.call_overhead_s`` and
-# ``step_overhead_s``, measured on a profiled machine (realhf.system.transport.call_probe)
-CALL_OVERHEAD_S = hardware.CALL_OVERHEAD_S
-STEP_OVERHEAD_S = hardware.STEP_OVERHEAD_S
 # the small all-reduces over the data-parallel group of a training call beside the gradients': the train engine's
 # token count and statistics (realhf.impl.model.backend.engine.train_batch), the PPO interface's minibatch count,
 # advantage moments and statistics (realhf.impl.model.interface.ppo_interface.train_step)
@@ -317,13 +312,10 @@ def _ranges(m: PlanModel) -> Tuple[Tuple[int, int], ...]:
     return own + ((m.servers.first, m.servers.first + m.servers.n * m.servers.tp),)
 
 
-def simulate_step(plan: StepPlan, hw: Hardware, call_overhead_s: Optional[float] = None,
-                  step_overhead_s: Optional[float] = None, memo: Optional[dict] = None) -> StepEstimate:
-    """One step of ``plan`` on devices of ``hw`` (see the module docstring for the rules); the fixed costs of a call
-    and of a step are ``hw``'s unless given. ``memo``: a dict kept between calls on the same hardware (a search's),
-    where compute and reallocation times are remembered."""
-    call_overhead_s = hw.call_overhead_s if call_overhead_s is None else call_overhead_s
-    step_overhead_s = hw.step_overhead_s if step_overhead_s is None else step_overhead_s
+def simulate_step(plan: StepPlan, hw: Hardware, memo: Optional[dict] = None) -> StepEstimate:
+    """One step of ``plan`` on devices of ``hw`` (see the module docstring for the rules; the fixed costs of a call
+    and of a step are ``hw``'s). ``memo``: a dict kept between calls on the same hardware (a search's), where compute
+    and reallocation times are remembered."""
     free = _Free()
     done: Dict[str, CallEstimate] = {}
     models = {m.name: m for m in plan.models}
@@ -354,12 +346,12 @@ def simulate_step(plan: StepPlan, hw: Hardware, call_overhead_s: Optional[float]
         dkey = ("d", m.mesh, m.servers)
         if dkey not in memo:
             memo[dkey] = m.devices
-        est = CallEstimate(c.name, m.name, memo[dkey], start, rs, xfer, memo[ckey], call_overhead_s, kind)
+        est = CallEstimate(c.name, m.name, memo[dkey], start, rs, xfer, memo[ckey], hw.call_overhead_s, kind)
         done[c.name] = est
         free.raise_to(src_ranges, start + rs)
         free.raise_to(own, est.end)
     end = max((e.end for e in done.values()), default=0.0)
-    return StepEstimate(list(done.values()), end + step_overhead_s, hw.name)
+    return StepEstimate(list(done.values()), end + hw.step_overhead_s, hw.name)
 
 
 # ---------------------------------------------------------------------------------------------------- from a spec

@@ -14,9 +14,9 @@ import pytest
 
 from realhf.plan.comm_cost import Mesh
 from realhf.plan.fit import Workload
-from realhf.plan.hardware import get
+from realhf.plan.hardware import STEP_OVERHEAD_S, get
 from realhf.plan.shapes import model_config
-from realhf.plan.simulate import PlanCall, PlanModel, STEP_OVERHEAD_S, ServerFleet, StepPlan, simulate_step
+from realhf.plan.simulate import PlanCall, PlanModel, ServerFleet, StepPlan, simulate_step
 
 HW = get("h100")
 CFG = model_config("qwen2.5-1.5b")
