@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 
 from realhf.base import logging
 from realhf.plan.fit import (GPU_RESERVED, GPU_USABLE, HOST_USABLE, PROCESS_BASE, UNBOUNDED, Capacity, MemoryPlan,
-                              Workload, auto_budget, plan, refusal)
+                              Workload, auto_budget, plan, refusal, shared_body_share)
 from realhf.plan.memory import GiB
 from realhf.plan.shapes import shape_of
 
@@ -34,20 +34,21 @@ def workloads(cfg) -> Dict[str, Workload]:
         P, A, n = cfg.dataset.max_prompt_len, cfg.ppo.gen.max_new_tokens, cfg.group_size
         seqs, T = cfg.dataset.train_bs_n_seqs * n, cfg.ppo.gen.temperature
         share = min(1.0, A / (A + P / 2))  # answer rows of a sequence, with prompts of half max_prompt_len on average
+        body = shared_body_share(P, A, n)  # a group's prompt computed once (at their bounds: the most tokens)
         ckpt = bool(getattr(cfg.actor, "gradient_checkpointing", False))
         critic_ckpt = bool(getattr(cfg.critic, "gradient_checkpointing", False))
         out = {} if not getattr(cfg, "reward", None) or not cfg.reward.uses_model() else {
             # a reward model (reward.type=model): a forward pass, its scalar head on each sequence's last token
-            "rew_inf": Workload("inference", seqs, P + A, 1.0)}
+            "rew_inf": Workload("inference", seqs, P + A, 1.0, body_share=body)}
         return {
             **out,
             "actor_gen": Workload("generate", cfg.dataset.train_bs_n_seqs, P, n=n, max_new=A, temperature=T),
-            "ref_inf": Workload("inference", seqs, P + A, share, temperature=T),
-            "actor_inf": Workload("inference", seqs, P + A, share, temperature=T),
-            "critic_inf": Workload("inference", seqs, P + A, 1.0),
-            "actor_train": Workload("train", seqs, P + A, share, minibatches=cfg.ppo.ppo_n_minibatches,
+            "ref_inf": Workload("inference", seqs, P + A, share, body, temperature=T),
+            "actor_inf": Workload("inference", seqs, P + A, share, body, temperature=T),
+            "critic_inf": Workload("inference", seqs, P + A, 1.0, body),
+            "actor_train": Workload("train", seqs, P + A, share, body, minibatches=cfg.ppo.ppo_n_minibatches,
                                     entropy=cfg.ppo.entropy_coef > 0, temperature=T, checkpointing=ckpt),
-            "critic_train": Workload("train", seqs, P + A, 1.0, minibatches=cfg.ppo.ppo_n_minibatches,
+            "critic_train": Workload("train", seqs, P + A, 1.0, body, minibatches=cfg.ppo.ppo_n_minibatches,
                                      checkpointing=critic_ckpt),
         }
     if hasattr(cfg, "gen") and hasattr(cfg.dataset, "max_prompt_len"):  # gen

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from realhf.base.topology import ParallelDims
 from realhf.plan import memory
 from realhf.plan.async_sim import AsyncSetting, SteadyState, _Fleet, _lengths, _train_time, steady_state
-from realhf.plan.fit import UNBOUNDED, Workload, budget_search, call_estimate
+from realhf.plan.fit import UNBOUNDED, Workload, budget_search, call_estimate, shared_body_share
 from realhf.plan.hardware import Hardware
 from realhf.plan.memory import Shard, dtype_bytes
 from realhf.plan.search import Placement, ModelView, layouts
@@ -108,7 +108,8 @@ def _tp_choices(s: AsyncSetting, size: int, per_node: int) -> List[int]:
 def _train_work(s: AsyncSetting) -> Workload:
     """A batch's training at full length (the memory bound)."""
     seq = s.prompt_len + s.max_new
-    return Workload("train", s.prompts * s.n, seq, 1.0 - s.prompt_len / seq, minibatches=s.minibatches,
+    return Workload("train", s.prompts * s.n, seq, 1.0 - s.prompt_len / seq,
+                    shared_body_share(s.prompt_len, s.max_new, s.n), minibatches=s.minibatches,
                     checkpointing=True)
 
 

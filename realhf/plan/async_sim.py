@@ -26,7 +26,7 @@ from realhf.api.core.model_api import ReaLModelConfig
 from realhf.plan import comm_cost
 from realhf.plan.comm_cost import Mesh
 from realhf.plan.cost import CostModel
-from realhf.plan.fit import Workload, server_rows
+from realhf.plan.fit import Workload, server_rows, shared_body_share
 from realhf.plan.hardware import Hardware
 from realhf.plan.memory import Shard, dtype_bytes, params
 from realhf.plan.simulate import PlanCall, PlanModel, compute_time
@@ -133,14 +133,15 @@ class _Fleet:
 
 def _train_time(s: AsyncSetting, hw: Hardware, lengths: List[int], cm: Optional[CostModel] = None) -> float:
     seq = s.prompt_len + sum(lengths) / len(lengths)
+    body = shared_body_share(s.prompt_len, seq - s.prompt_len, s.n)  # a group's prompt computed once
     m = PlanModel("actor", s.cfg, s.train_mesh, s.dtype, trains=True)
     seqs = len(lengths)
     t = compute_time(hw, m, PlanCall("actor_train", "actor", (),
-                                     Workload("train", seqs, int(seq), 1.0 - s.prompt_len / seq,
+                                     Workload("train", seqs, int(seq), 1.0 - s.prompt_len / seq, body,
                                               minibatches=s.minibatches, checkpointing=True),
                                      max_tokens=s.train_max_tokens), cm)
     if s.recompute_logprobs:
-        t += compute_time(hw, m, PlanCall("actor_inf", "actor", (), Workload("inference", seqs, int(seq), 1.0),
+        t += compute_time(hw, m, PlanCall("actor_inf", "actor", (), Workload("inference", seqs, int(seq), 1.0, body),
                                           max_tokens=s.train_max_tokens), cm)
     n = params(Shard(s.cfg, 1, 1, 0, dtype_bytes(s.dtype)))
     method = "disk" if s.weight_sync == "disk" else "broadcast"

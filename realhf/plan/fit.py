@@ -37,12 +37,23 @@ class Workload:
     seqs: int  # sequences per step over all data-parallel ranks (generate: prompts)
     seq_len: int  # tokens of the longest sequence (generate: of the longest prompt)
     head_share: float = 1.0  # share of a sequence's tokens that go through the output head (loss / answer rows)
+    # share of the tokens the blocks compute: the engine computes a prompt shared by its group's answers once
+    # (``nn.shared_prefix``); see :func:`shared_body_share`
+    body_share: float = 1.0
     n: int = 1  # generate: answers per prompt
     max_new: int = 0  # generate: new tokens per answer
     minibatches: int = 1  # train: optimizer steps per call, each over its share of the sequences
     entropy: bool = False  # train: the entropy bonus (the head keeps more buffers)
     temperature: float = 1.0
     checkpointing: bool = False  # train: activation checkpointing
+
+
+def shared_body_share(prompt_len: float, answer_len: float, n: int) -> float:
+    """The blocks' tokens over the sequences' tokens for groups of ``n`` answers of ``answer_len`` tokens after one
+    prompt of ``prompt_len``: the prompt computed once (1 where ``n`` is 1)."""
+    n = max(1, int(n))
+    whole = n * (prompt_len + answer_len)
+    return 1.0 if whole <= 0 else min(1.0, (prompt_len + n * answer_len) / whole)
 
 
 @dataclasses.dataclass
@@ -134,10 +145,11 @@ def call_estimate(m, s: Shard, w: Workload, n_mbs: int, max_tokens: int, src: Op
         mb_tokens = min(tokens, max(w.seq_len, min(max_tokens, math.ceil(tokens / n_min))))
         mbs = max(n_min, math.ceil(tokens / mb_tokens))
         rows = int(math.ceil(mb_tokens * w.head_share))
+        body = int(math.ceil(mb_tokens * w.body_share))
         if w.kind == "train":
-            est = memory.train_call(s, mb_tokens, rows, mbs, w.entropy, w.temperature, w.checkpointing)
+            est = memory.train_call(s, body, rows, mbs, w.entropy, w.temperature, w.checkpointing)
         else:
-            est = memory.forward_call(s, mb_tokens, rows, w.temperature)
+            est = memory.forward_call(s, body, rows, w.temperature)
     if m.realloc_from is not None:  # the parameters arrive before the call: the larger of the two peaks
         realloc = memory.realloc_call(src, s)
         est = realloc if realloc.total > est.total else est

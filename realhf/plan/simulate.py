@@ -221,14 +221,14 @@ def compute_time(hw: Hardware, m: PlanModel, call: PlanCall, cm: Optional[CostMo
     if w.kind == "inference":
         tokens = seqs * w.seq_len
         mbs = _micro_batches(tokens, w.seq_len, call.n_mbs, call.max_tokens, pp, False)
-        return cm.forward(tokens, mbs, w.seq_len, tokens * w.head_share, tp, pp)
+        return cm.forward(tokens * w.body_share, mbs, w.seq_len, tokens * w.head_share, tp, pp)
     if w.kind != "train":
         raise ValueError(f"call {call.name!r}: workload kind {w.kind!r}; allowed: 'train', 'inference', 'generate'")
     k = max(1, w.minibatches)
     tokens = math.ceil(seqs / k) * w.seq_len
     mbs = _micro_batches(tokens, w.seq_len, call.n_mbs, call.max_tokens, pp, True)
     per_rank = params(Shard(m.cfg, tp, pp, 0, dtype_bytes(m.dtype)))
-    one = (cm.train(tokens, mbs, w.seq_len, tokens * w.head_share, tp, pp, w.checkpointing)
+    one = (cm.train(tokens * w.body_share, mbs, w.seq_len, tokens * w.head_share, tp, pp, w.checkpointing)
            + comm_cost.grad_allreduce(hw, per_rank, 4, m.mesh) + cm.optimizer_step(per_rank)
            + train_reductions(hw, m.mesh))
     return k * one + hw.train_call_overhead_s

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from realhf.base import logging
 from realhf.base.mem_peak import PeakBytes, measure
@@ -66,6 +66,15 @@ def _pad(seqlens) -> float:
     return sum(len(b) * seqlens[b[0]] for b in length_buckets(seqlens)) / real
 
 
+def _body_lens(engine, ids, lens: List[int]) -> List[int]:
+    """The lengths of the sequences (or tree segments) the blocks attend over: the engine's layout of a micro-batch
+    (``nn.shared_prefix``)."""
+    from realhf.impl.model.nn.shared_prefix import share_prefixes
+
+    found = share_prefixes(ids, lens) if getattr(engine, "share_prefixes", False) else None
+    return lens if found is None else found[2].q_lens
+
+
 def call(mfc, iface, model, inp, mb_spec) -> Tuple[Optional[Estimate], Dict[str, int]]:
     """The memory model's estimate of what the call adds, from its real micro-batches (None where it has none: a
     served or weightless replica), and what it was estimated for: the largest micro-batch's ``tokens`` and
@@ -87,9 +96,11 @@ def call(mfc, iface, model, inp, mb_spec) -> Tuple[Optional[Estimate], Dict[str,
         mbs = inp.split_mbs(mb_spec.max_tokens_per_mb, min_n_mbs=n_min) if inp.bs > 1 else [inp]
         mb = max(mbs, key=lambda x: sum(x.flat_seqlens("packed_input_ids")))
         lens = mb.flat_seqlens("packed_input_ids")
-        tokens = sum(lens)
-        rows = int((~mb.data["prompt_mask"].bool()).sum()) if "prompt_mask" in mb.keys else tokens
-        s = shard(module, _pad(lens))
+        rows = int((~mb.data["prompt_mask"].bool()).sum()) if "prompt_mask" in mb.keys else sum(lens)
+        # the blocks run on the layout the engine gives them: a prompt shared by adjacent sequences once
+        body = _body_lens(model.engine, mb.data["packed_input_ids"], lens)
+        tokens = sum(body)
+        s = shard(module, _pad(body))
         info = {"tokens": tokens, "head_rows": rows, "n_mbs": len(mbs)}
         temp = float(getattr(iface, "temperature", 1.0) or 1.0)
         if mfc.is_train:

@@ -35,20 +35,20 @@ from realhf.base import logging
 from realhf.base.stats_tracker import StatsTracker
 from realhf.impl.model.backend.optim import OptimizerConfig, build_adamw, lr_multiplier
 from realhf.impl.model.nn.generation import GenerationOutput, generate
-from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, make_packed_input, tp_shard_dim
+from realhf.impl.model.nn.real_model import PackedInput, ReaLModel, packed_model_input, tp_shard_dim
 
 logger = logging.getLogger(__name__)
 
 INPUT_KEY = "packed_input_ids"
 
 
-def _mb_inputs(mb: SequenceSample, device, head_rows_fn=None, defer_head: bool = False) -> Tuple[torch.Tensor, PackedInput]:
-    lens = mb.flat_seqlens(INPUT_KEY)
-    inp = make_packed_input(lens, device=device)
+def _mb_inputs(mb: SequenceSample, device, head_rows_fn=None, defer_head: bool = False,
+               share_prefixes: bool = True) -> Tuple[torch.Tensor, PackedInput]:
+    ids, inp = packed_model_input(mb.data[INPUT_KEY], mb.flat_seqlens(INPUT_KEY), device, share_prefixes)
     if head_rows_fn is not None:
         inp.head_rows = head_rows_fn(mb).to(device)
     inp.defer_head = defer_head
-    return mb.data[INPUT_KEY].to(device), inp
+    return ids, inp
 
 
 class InferenceEngine:
@@ -59,6 +59,8 @@ class InferenceEngine:
         self.grid = model.grid
         self.device = model.device  # from the model's runtime environment
         self.offloaded = False
+        # full forward passes compute a prompt shared by adjacent sequences once (``nn.shared_prefix``)
+        self.share_prefixes = True
 
     def offload(self):
         """Move the parameters to host memory (pinned when they live on a GPU) and free the device copy;
@@ -101,7 +103,7 @@ class InferenceEngine:
         language model's last stage hands ``post_fn`` a ``HeadOutput`` instead of logits (log-probs then come chunk
         by chunk: ``utils.functional``)."""
         mbs = sample.split_mbs(max_tokens_per_mb, min_n_mbs=max(n_mbs, self.model.pp)) if sample.bs > 1 else [sample]
-        inputs = [_mb_inputs(mb, self.device, head_rows_fn, defer_head) for mb in mbs]
+        inputs = [_mb_inputs(mb, self.device, head_rows_fn, defer_head, self.share_prefixes) for mb in mbs]
         model = self.model
         if model.pp == 1:
             outs = [model(ids, inp) for ids, inp in inputs]
@@ -231,7 +233,7 @@ class TrainEngine(InferenceEngine):
         if total <= 0:
             raise ValueError("total loss weight of the batch is 0: nothing to train on")
         model.flat_grad.zero_()
-        inputs = [_mb_inputs(mb, self.device, head_rows_fn, defer_head) for mb in mbs]
+        inputs = [_mb_inputs(mb, self.device, head_rows_fn, defer_head, self.share_prefixes) for mb in mbs]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         stats = StatsTracker()
 

@@ -56,25 +56,38 @@ def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, 
     # Unequal lengths: sequences of similar length are right-padded into one batch per bucket and attended
     # with a plain causal mask. That is exact: a real query at position t attends to keys 0..t, all real
     # tokens of its own sequence; padded rows come after them and their outputs are dropped.
-    buckets = length_buckets(seqlens)  # not empty: unequal lengths include a non-zero one
+    return bucketed_attention(q, k, v, cu_seqlens[:-1].long(), seqlens, cu_seqlens[:-1].long(), seqlens, scale)
+
+
+def bucketed_attention(q, k, v, q_starts: torch.Tensor, q_lens, k_starts: torch.Tensor, k_lens, scale: float):
+    """Causal attention of segments, aligned at the bottom right: segment i's ``q_lens[i]`` queries (rows
+    ``q_starts[i]..`` of q, [R, hq, d]) attend to its ``k_lens[i] >= q_lens[i]`` keys (rows ``k_starts[i]..`` of k and
+    v), query t to keys 0 .. t + k_lens[i] - q_lens[i]. Segments of similar key length are right-padded into one
+    batch per bucket (padding repeats a segment's last row; a real query never sees a padded key, and padded
+    queries are dropped) -> [R, hq, d], the segments' queries covering q's rows."""
+    R, hq, d = q.shape
     dev = q.device
-    starts_t = cu_seqlens[:-1].long().to(dev)
-    lens_t = torch.tensor(seqlens, dtype=torch.long, device=dev)
+    q_st, k_st = q_starts.to(dev), k_starts.to(dev)
+    q_ln = torch.tensor(q_lens, dtype=torch.long, device=dev)
+    k_ln = torch.tensor(k_lens, dtype=torch.long, device=dev)
     outs, order = [], []
-    for members in buckets:
+    for members in length_buckets(k_lens):  # not empty: some segment has keys
         m = torch.tensor(members, dtype=torch.long, device=dev)
-        Lm = seqlens[members[0]]  # the longest member comes first
-        j = torch.arange(Lm, device=dev).unsqueeze(0)
-        st, ln = starts_t[m].unsqueeze(1), lens_t[m].unsqueeze(1)
-        # gather index of every (sequence, position) slot; padding slots repeat the sequence's last token
-        gidx = (st + torch.minimum(j, ln - 1)).reshape(-1)
-        qb, kb, vb = (t.index_select(0, gidx).view(len(members), Lm, t.shape[1], d).transpose(1, 2) for t in (q, k, v))
-        ob = batched_causal_attention(qb, kb, vb, scale)
-        real = (j < ln).reshape(-1)
-        outs.append(ob.transpose(1, 2).reshape(len(members) * Lm, hq, d)[real])
-        order.append((st + j).reshape(-1)[real])
-    inv = torch.empty(T, dtype=torch.long, device=dev)
-    inv[torch.cat(order)] = torch.arange(T, device=dev)
+        Lq, Lk = max(q_lens[i] for i in members), max(k_lens[i] for i in members)
+        tq, tk = torch.arange(Lq, device=dev).unsqueeze(0), torch.arange(Lk, device=dev).unsqueeze(0)
+        qs, ql, ks, kl = q_st[m].unsqueeze(1), q_ln[m].unsqueeze(1), k_st[m].unsqueeze(1), k_ln[m].unsqueeze(1)
+        qb = q.index_select(0, (qs + torch.minimum(tq, ql - 1)).reshape(-1)).view(len(members), Lq, hq, d)
+        kidx = (ks + torch.minimum(tk, kl - 1)).reshape(-1)
+        kb, vb = (t.index_select(0, kidx).view(len(members), Lk, t.shape[1], d).transpose(1, 2) for t in (k, v))
+        if all(q_lens[i] == k_lens[i] for i in members):  # plain causal (the fused CPU kernel applies)
+            ob = batched_causal_attention(qb.transpose(1, 2), kb, vb, scale)
+        else:
+            ob = masked_attention(qb.transpose(1, 2), kb, vb, tk.unsqueeze(1) <= (tq + (kl - ql)).unsqueeze(2), scale)
+        real = (tq < ql).reshape(-1)
+        outs.append(ob.transpose(1, 2).reshape(len(members) * Lq, hq, d)[real])
+        order.append((qs + tq).reshape(-1)[real])
+    inv = torch.empty(R, dtype=torch.long, device=dev)
+    inv[torch.cat(order)] = torch.arange(R, device=dev)
     return torch.cat(outs, 0).index_select(0, inv)
 
 
@@ -94,6 +107,19 @@ def batched_causal_attention(q, k, v, scale: float):
     s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
     s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return torch.matmul(s.softmax(-1), v.unsqueeze(2)).view(n, hq, L, d)
+
+
+def masked_attention(q, k, v, mask, scale: float):
+    """q [n, hq, Lq, d], k and v [n, hkv, Lk, d], mask [n, Lq, Lk] (True: attend) -> [n, hq, Lq, d]."""
+    n, hq, Lq, d = q.shape
+    hkv, Lk = k.shape[1], k.shape[2]
+    if q.is_cuda or Lk > SHORT_ATTENTION_MAX_LEN:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale,
+                                              enable_gqa=hq != hkv)
+    qg = q.view(n, hkv, hq // hkv, Lq, d)
+    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    return torch.matmul(s.softmax(-1), v.unsqueeze(2)).view(n, hq, Lq, d)
 
 
 def length_buckets(seqlens, slack: float = 1.25):

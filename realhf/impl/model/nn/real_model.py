@@ -35,6 +35,7 @@ from realhf.impl.model.nn import cpu_gemm, decode_ops, kv_cache
 from realhf.impl.model.nn.chunked_head import HeadOutput
 from realhf.impl.model.nn.compile_util import CompiledOrFallback
 from realhf.impl.model.nn.kv_cache import KVCache
+from realhf.impl.model.nn.shared_prefix import PrefixTree, share_prefixes, tree_attention
 from realhf.impl.model.parallelism.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -94,6 +95,9 @@ class PackedInput:
     # Last stage of a language model: return a ``chunked_head.HeadOutput`` (the final norm's output and the output
     # projection) instead of logits, for log-probs computed chunk by chunk (``chunked_head.head_logprobs``).
     defer_head: bool = False
+    # Shared prompts computed once (``shared_prefix``): the input holds the compact layout's rows, the head the
+    # original layout's (``head_rows`` index the original layout).
+    tree: Optional["PrefixTree"] = None
 
 
 def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -106,6 +110,18 @@ def make_packed_input(seqlens: List[int], device=None) -> PackedInput:
     cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int32, device=device), 0)
     return PackedInput(cu_seqlens=cu, max_seqlen=max(seqlens), position_ids=packed_positions(cu))
+
+
+def packed_model_input(ids: torch.Tensor, seqlens: List[int], device=None,
+                       share: bool = True) -> Tuple[torch.Tensor, PackedInput]:
+    """(input ids, PackedInput) of packed sequences for a full forward pass; with ``share``, adjacent sequences
+    that begin alike (a prompt's answers) are laid out with their common prefix once (``shared_prefix``)."""
+    ids = ids.to(device)
+    found = share_prefixes(ids, seqlens) if share else None
+    if found is None:
+        return ids, make_packed_input(seqlens, device=device)
+    compact, pos, tree = found
+    return compact, PackedInput(cu_seqlens=tree.q_cu, max_seqlen=tree.max_q, position_ids=pos, tree=tree)
 
 
 class Attention(nn.Module):
@@ -151,7 +167,10 @@ class Attention(nn.Module):
         else:
             if cache is not None:
                 cache.store_prefill(layer, k, v)
-            out = varlen_causal_attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, self.scale, self.kernel)
+            if inp.tree is not None:
+                out = tree_attention(q, k, v, inp.tree, self.scale, self.kernel)
+            else:
+                out = varlen_causal_attention(q, k, v, inp.cu_seqlens, inp.max_seqlen, self.scale, self.kernel)
         return out.reshape(q.shape[0], self.hq * self.d)
 
 
@@ -516,7 +535,10 @@ class ReaLModel(nn.Module):
                 if ticking:
                     cpu_share.tick_in_backward(x)
         if self.is_last:
-            x = self.head(x if inp.head_rows is None else x[inp.head_rows], inp.defer_head)
+            rows = inp.head_rows
+            if inp.tree is not None:
+                rows = inp.tree.expand if rows is None else inp.tree.expand[rows]
+            x = self.head(x if rows is None else x[rows], inp.defer_head)
         return x
 
     def compile_blocks(self) -> Optional[str]:
