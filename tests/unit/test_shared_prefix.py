@@ -29,6 +29,7 @@ def test_tree_attention_equals_each_sequence_attending_alone():
     ids, lens = _grouped(1000, GROUPS)
     compact, pos, tree = share_prefixes(ids, lens)
     assert compact.numel() == ids.numel() - (3 * 20 + 9 + 3 * 70)  # each prompt once
+    assert shared_prefix.segment_lengths(ids, lens) == tree.q_lens  # the memory model's view of the same layout
     torch.testing.assert_close(compact[tree.expand], ids, rtol=0, atol=0)  # the layout maps back token for token
     g = torch.Generator().manual_seed(1)
     R = compact.numel()
@@ -56,7 +57,7 @@ def test_tree_attention_equals_each_sequence_attending_alone():
 def test_layout_changes_only_where_a_prefix_is_worth_sharing():
     # nothing in common: the plain layout
     ids, lens = _grouped(1000, [], extra=(30, 40, 50))
-    assert share_prefixes(ids, lens) is None
+    assert share_prefixes(ids, lens) is None and shared_prefix.segment_lengths(ids, lens) == lens
     # a common prefix shorter than MIN_PREFIX is not shared
     ids, lens = _grouped(1000, [(shared_prefix.MIN_PREFIX - 1, [50, 50, 50])], extra=())
     assert share_prefixes(ids, lens) is None

@@ -69,10 +69,9 @@ def _pad(seqlens) -> float:
 def _body_lens(engine, ids, lens: List[int]) -> List[int]:
     """The lengths of the sequences (or tree segments) the blocks attend over: the engine's layout of a micro-batch
     (``nn.shared_prefix``)."""
-    from realhf.impl.model.nn.shared_prefix import share_prefixes
+    from realhf.impl.model.nn.shared_prefix import segment_lengths
 
-    found = share_prefixes(ids, lens) if getattr(engine, "share_prefixes", False) else None
-    return lens if found is None else found[2].q_lens
+    return segment_lengths(ids, lens) if getattr(engine, "share_prefixes", False) else lens
 
 
 def call(mfc, iface, model, inp, mb_spec) -> Tuple[Optional[Estimate], Dict[str, int]]:

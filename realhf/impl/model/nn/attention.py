@@ -103,20 +103,18 @@ def batched_causal_attention(q, k, v, scale: float):
     hkv = k.shape[1]
     if q.is_cuda or L > SHORT_ATTENTION_MAX_LEN:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=hq != hkv)
-    qg = q.view(n, hkv, hq // hkv, L, d)  # the query heads of each kv head
-    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
-    s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.matmul(s.softmax(-1), v.unsqueeze(2)).view(n, hq, L, d)
+    return masked_attention(q, k, v, torch.ones(1, L, L, dtype=torch.bool, device=q.device).tril(), scale)
 
 
 def masked_attention(q, k, v, mask, scale: float):
-    """q [n, hq, Lq, d], k and v [n, hkv, Lk, d], mask [n, Lq, Lk] (True: attend) -> [n, hq, Lq, d]."""
+    """q [n, hq, Lq, d], k and v [n, hkv, Lk, d], mask [n or 1, Lq, Lk] (True: attend) -> [n, hq, Lq, d]. Up to
+    SHORT_ATTENTION_MAX_LEN keys on CPU as two batched matmuls and a masked softmax, else SDPA."""
     n, hq, Lq, d = q.shape
     hkv, Lk = k.shape[1], k.shape[2]
     if q.is_cuda or Lk > SHORT_ATTENTION_MAX_LEN:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale,
                                               enable_gqa=hq != hkv)
-    qg = q.view(n, hkv, hq // hkv, Lq, d)
+    qg = q.view(n, hkv, hq // hkv, Lq, d)  # the query heads of each kv head
     s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
     s = s.masked_fill(~mask[:, None, None], float("-inf"))
     return torch.matmul(s.softmax(-1), v.unsqueeze(2)).view(n, hq, Lq, d)

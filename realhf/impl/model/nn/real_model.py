@@ -116,10 +116,9 @@ def packed_model_input(ids: torch.Tensor, seqlens: List[int], device=None,
                        share: bool = True) -> Tuple[torch.Tensor, PackedInput]:
     """(input ids, PackedInput) of packed sequences for a full forward pass; with ``share``, adjacent sequences
     that begin alike (a prompt's answers) are laid out with their common prefix once (``shared_prefix``)."""
-    ids = ids.to(device)
-    found = share_prefixes(ids, seqlens) if share else None
+    found = share_prefixes(ids, seqlens, device) if share else None
     if found is None:
-        return ids, make_packed_input(seqlens, device=device)
+        return ids.to(device), make_packed_input(seqlens, device=device)
     compact, pos, tree = found
     return compact, PackedInput(cu_seqlens=tree.q_cu, max_seqlen=tree.max_q, position_ids=pos, tree=tree)
 

@@ -68,55 +68,73 @@ def _groups(seqs: List[List[int]]) -> List[Tuple[int, int, int]]:
     return out
 
 
-def share_prefixes(ids: torch.Tensor, seqlens: List[int]) -> Optional[Tuple[torch.Tensor, torch.Tensor, PrefixTree]]:
-    """(compact ids, compact position ids, tree) of packed ``ids`` [T] with ``seqlens``, or None where no prefix
-    worth sharing is found (or sharing would save under MIN_SAVING of the tokens)."""
+def _segments(ids: torch.Tensor, seqlens: List[int]) -> Optional[List[Tuple[str, int, int, int]]]:
+    """The compact layout's query segments, in order, as (kind, start of its tokens in the original layout, length,
+    position of its first token): kind "alone" (a sequence shared with no other), "prefix" (a run's common prefix)
+    or "member" (a run member's own tokens, after its prefix). None where sharing would save under MIN_SAVING of the
+    tokens."""
     if len(seqlens) < 2:
         return None
     flat = ids.tolist()
     starts = [0]
     for L in seqlens:
         starts.append(starts[-1] + L)
-    seqs = [flat[starts[i]:starts[i + 1]] for i in range(len(seqlens))]
-    groups = _groups(seqs)
-    saved = sum((j - i - 1) * L for i, j, L in groups)
-    if saved < MIN_SAVING * len(flat):
+    groups = _groups([flat[starts[i]:starts[i + 1]] for i in range(len(seqlens))])
+    if sum((j - i - 1) * L for i, j, L in groups) < MIN_SAVING * len(flat):
         return None
-    # segments: (start of the source tokens in the original layout, query length, key rows before the queries)
     by_first = {i: (j, L) for i, j, L in groups}
-    rows, pos, expand_parts, q_lens, k_parts, k_lens = [], [], [], [], [], []
-    n_rows, i = 0, 0
-
-    def segment(src: int, length: int, first_pos: int, prefix_rows: Optional[torch.Tensor]):
-        nonlocal n_rows
-        own = torch.arange(n_rows, n_rows + length)
-        rows.append((src, length))
-        pos.append(torch.arange(first_pos, first_pos + length))
-        q_lens.append(length)
-        k_parts.append(own if prefix_rows is None else torch.cat([prefix_rows, own]))
-        k_lens.append(length + (0 if prefix_rows is None else prefix_rows.numel()))
-        n_rows += length
-        return own
-
+    out, i = [], 0
     while i < len(seqlens):
         if i not in by_first:
-            expand_parts.append(segment(starts[i], seqlens[i], 0, None))
+            out.append(("alone", starts[i], seqlens[i], 0))
             i += 1
             continue
         j, L = by_first[i]
-        prefix = segment(starts[i], L, 0, None)
-        for m in range(i, j):
-            expand_parts.append(torch.cat([prefix, segment(starts[m] + L, seqlens[m] - L, L, prefix)]))
+        out.append(("prefix", starts[i], L, 0))
+        out += [("member", starts[m] + L, seqlens[m] - L, L) for m in range(i, j)]
         i = j
-    src_index = torch.cat([torch.arange(s, s + n) for s, n in rows])
-    dev = ids.device
+    return out
+
+
+def segment_lengths(ids: torch.Tensor, seqlens: List[int]) -> List[int]:
+    """The query lengths of the segments :func:`share_prefixes` lays ``ids`` out in (``seqlens`` where it leaves the
+    layout as it is), without building the layout: what the blocks attend over, for the memory model."""
+    segs = _segments(ids, seqlens)
+    return list(seqlens) if segs is None else [length for _, _, length, _ in segs]
+
+
+def share_prefixes(ids: torch.Tensor, seqlens: List[int],
+                   device=None) -> Optional[Tuple[torch.Tensor, torch.Tensor, PrefixTree]]:
+    """(compact ids, compact position ids, tree) of packed ``ids`` [T] with ``seqlens``, on ``device`` (default the
+    ids'), or None where no prefix worth sharing is found (or sharing would save under MIN_SAVING of the tokens).
+    The layout is worked out where ``ids`` live (the host, before they move: no device round trip)."""
+    segs = _segments(ids, seqlens)
+    if segs is None:
+        return None
+    src_parts, pos, expand_parts, q_lens, k_parts, k_lens = [], [], [], [], [], []
+    n_rows, prefix = 0, None
+    for kind, src, length, first_pos in segs:
+        own = torch.arange(n_rows, n_rows + length)
+        n_rows += length
+        src_parts.append(torch.arange(src, src + length))
+        pos.append(torch.arange(first_pos, first_pos + length))
+        keys = torch.cat([prefix, own]) if kind == "member" else own
+        q_lens.append(length)
+        k_parts.append(keys)
+        k_lens.append(keys.numel())
+        if kind == "prefix":
+            prefix = own  # its rows are read by the members that follow; its tokens expand only through them
+        else:
+            expand_parts.append(keys)  # a member's tokens in the original layout: its prefix's rows, then its own
+    dev = ids.device if device is None else torch.device(device)
     q_cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     q_cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
     k_cu = torch.zeros(len(k_lens) + 1, dtype=torch.int32)
     k_cu[1:] = torch.cumsum(torch.tensor(k_lens, dtype=torch.int32), 0)
     tree = PrefixTree(expand=torch.cat(expand_parts).to(dev), q_cu=q_cu.to(dev), k_index=torch.cat(k_parts).to(dev),
                       k_cu=k_cu.to(dev), max_q=max(q_lens), max_k=max(k_lens), q_lens=q_lens, k_lens=k_lens)
-    return ids.index_select(0, src_index.to(dev)), torch.cat(pos).to(dev), tree
+    compact = ids.index_select(0, torch.cat(src_parts).to(ids.device))
+    return compact.to(dev), torch.cat(pos).to(dev), tree
 
 
 def tree_attention(q, k, v, tree: PrefixTree, scale: float, kernel: str = "sdpa"):
