@@ -81,7 +81,7 @@ def _args(argv):
                     help="add: one-step addition, lenient grading (the last number counts), 40 new tokens; mix: one- "
                          "and two-step add/sub/mul problems with disjoint held-out templates and numbers, strict "
                          "grading (the answer stated, the answer ended before the limit), --max-new-tokens")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="--task mix: the answer length limit")
+    ap.add_argument("--max-new-tokens", type=int, default=112, help="--task mix: the answer length limit")
     ap.add_argument("--mix-max-value", type=int, default=10,
                     help="--task mix: the largest number added or subtracted (factors are 2..9)")
     ap.add_argument("--prompts", type=int, default=None, help=f"prompts per step ({GROUP_SIZE} answers each); default 4 for "
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     train, test = make_data(a.out, n_train=2000, n_test=a.n_test, task=a.task, mix_max_value=a.mix_max_value)
     max_new = a.max_new_tokens if strict else MAX_NEW_TOKENS
     eval_kw = dict(max_new_tokens=max_new, prompt_template=PROMPT_TEMPLATE, use_chat_template=True,
-                   allow_last_number=not strict, require_eos=strict, threads=os.cpu_count())
+                   allow_last_number=not strict, require_eos=strict, threads=os.cpu_count(), batch_size=a.n_test)
     before = math_accuracy(model, test, **eval_kw)
     log.info(f"held-out greedy accuracy before: {before.accuracy:.1%} ({before.n_correct}/{before.n}) in {before.seconds:.0f}s")
 
