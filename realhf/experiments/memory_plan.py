@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 
 from realhf.base import logging
 from realhf.plan.fit import (GPU_RESERVED, GPU_USABLE, HOST_USABLE, PROCESS_BASE, UNBOUNDED, Capacity, MemoryPlan,
-                              Workload, auto_budget, plan, refusal, shared_body_share)
+                              Workload, auto_budget, plan, refusal_of, shared_body_share)
 from realhf.plan.memory import GiB
 from realhf.plan.shapes import shape_of
 
@@ -184,7 +184,7 @@ def plan_run(exp_name: str, cfg, build, capacity_of=None) -> Tuple[object, objec
     p = plan(spec, cfgs, work, cap)
     bad = p.unfit()
     if bad:
-        raise ValueError(refusal(bad[0], cap, mfc_config_key(cfg, bad[0].mfc)))
+        raise ValueError(refusal_of(bad, cap, lambda mfc: mfc_config_key(cfg, mfc)))
     if cap.per_rank is None:
         logger.info(f"memory plan: capacity unknown ({cap.source}); auto budgets leave micro-batches whole")
     return resolved, spec, p

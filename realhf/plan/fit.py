@@ -272,6 +272,18 @@ def refusal(c: RankCall, cap: Capacity, mb_key: str) -> str:
             f"{gib(cap.per_rank):.2f} GiB{alone} ({cap.source}). To fit: " + "; ".join(fixes))
 
 
+def refusal_of(bad: List[RankCall], cap: Capacity, mb_key_of) -> str:
+    """The message of a plan whose calls ``bad`` (:meth:`MemoryPlan.unfit`, the largest first) do not fit: the
+    largest in full (:func:`refusal`), then every other one with its estimate, so that a user fixing the first learns
+    at once what else must change. ``mb_key_of(mfc)``: the config section of an MFC's micro-batches."""
+    msg = refusal(bad[0], cap, mb_key_of(bad[0].mfc))
+    if len(bad) > 1:
+        msg += (f". Also over {gib(cap.per_rank):.2f} GiB: "
+                + "; ".join(f"{c.mfc} on model worker {c.rank}, estimated {gib(c.total):.2f} GiB ({c.model}, layout "
+                            f"{c.layout})" for c in bad[1:]))
+    return msg
+
+
 def server_estimate(s: Shard, rows: int, max_len: int) -> Estimate:
     """A realhf generation server (``gen.``) with ``rows`` samples in flight of up to ``max_len`` tokens each: its
     parameters, the KV cache of every row at full length, and the larger of a prefill of ``max_len`` tokens and a

@@ -130,6 +130,8 @@ def test_plan_command_prints_the_step_and_refuses_a_plan_that_does_not_fit(tiny_
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert "does not fit on model worker" in p.stderr, p.stderr
     assert "what it holds between calls alone is more than that" in p.stderr, p.stderr
+    # the largest unfit call in full, then every other one: the training call is named wherever it ranks
+    assert "actor_train" in p.stderr and "Also over" in p.stderr, p.stderr
     p = _plan_cmd(_tiny_args(d, model, "d2m1p1", 2, "--cluster", "b300x8"))
     assert p.returncode == 2 and "--cluster 'b300x8'" in p.stderr, p.stderr
 
