@@ -226,15 +226,18 @@ def test_whole_block_in_one_call_equals_the_op_by_op_path(ops, monkeypatch, fami
 
 def test_whole_block_over_shared_prompt_keys_values(ops, monkeypatch):
     """The samples of a prompt decoding over one shared copy of its keys/values (SharedPrefixCache): generation with
-    decode_block equals generation with the op-by-op path, tokens and log-probs to the bit."""
+    decode_block equals generation with the op-by-op path, tokens and log-probs to the bit. Both on the tile kernel:
+    where this process multiplies with oneDNN (cpu_gemm), generation's packed weights would move the op-by-op path's
+    products to oneDNN, whose sums are ordered otherwise."""
     from realhf.api.core.model_api import GenerationHyperparameters
     from realhf.base.topology import single_process_grid
     from realhf.impl.model.conversion.hf_io import build_from_hf
-    from realhf.impl.model.nn import generation, real_model
+    from realhf.impl.model.nn import cpu_gemm, generation, real_model
     from realhf.impl.model.tiny import ensure_tiny_model
 
     model = build_from_hf(ensure_tiny_model("qwen2"), grid=single_process_grid())
     monkeypatch.setattr(generation, "_share_prefixes", lambda *a: True)
+    monkeypatch.setattr(cpu_gemm, "packing", lambda: False)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (6, 11, 3)]
     gc = GenerationHyperparameters(max_new_tokens=10, min_new_tokens=10, n=3, temperature=0.9)

@@ -136,6 +136,7 @@ ON_HOST = {
     ("sampling.py", "RowStreams.uniforms"): "per-sequence host generators: the same samples on any device",
     ("engine.py", "InferenceEngine.offload"): "the offloaded copy is host memory by definition",
     ("cpu_gemm.py", "probe"): "times the CPU GEMM kernels: host tensors by definition",
+    ("cpu_gemm.py", "onednn_serves"): "asks oneDNN, a CPU library, whether it runs a dtype: host tensors by definition",
 }
 
 

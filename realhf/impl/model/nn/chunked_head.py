@@ -172,6 +172,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
                 grad = logp.exp_().mul_(g).neg_()
             else:
                 grad = logp.zero_()
+            del logp  # with entropy its buffer is free now (grad is p's): at most two chunk buffers from here on
             if g is not None:
                 local = labels[s:e] - ctx.start
                 inside = (local >= 0) & (local < grad.shape[-1])
@@ -185,7 +186,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             if need_w:
                 part = _weight_grad(grad, h[s:e])
                 gw = part if gw is None else gw.add_(part)
-            del grad, logp
+            del grad
         return gh, gw, None, None, None, None, None, None, None
 
 
