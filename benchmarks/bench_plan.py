@@ -57,8 +57,14 @@ def measure_and_simulate(model: str, data: str, root: str, layout: str, n_dev: i
     _, cfg = parse_cli(args)
     est, _ = estimate("ppo-math", cfg, prompt_len=statistics.mean(r["avg_prompt_len"] for r in later))
     measured = statistics.median(r["step_time"] for r in later)
-    mfcs = {c.name: dict(measured_s=round(statistics.median(r.get(f"{c.name}/time", 0.0) for r in later), 4),
-                         simulated_s=round(c.time_s, 4)) for c in est.calls}
+    def med(key: str) -> float:
+        return round(statistics.median(r.get(key, 0.0) for r in later), 4)
+
+    # per MFC: the master's time of the call (request to last reply), the slowest worker's own compute time in it,
+    # and the simulator's call (its computation, its inputs' move, the fixed cost)
+    mfcs = {c.name: dict(measured_s=med(f"{c.name}/time"), measured_compute_s=med(f"{c.name}/compute_time"),
+                         simulated_s=round(c.time_s, 4), simulated_compute_s=round(c.compute_s, 4))
+            for c in est.calls}
     return dict(plan=layout, extra=list(kw.get("extra", ())), steps=len(later), measured_s=round(measured, 4),
                 simulated_s=round(est.step_s, 4), ratio=round(est.step_s / measured, 3), mfcs=mfcs)
 

@@ -35,11 +35,23 @@ def _hardware_and_capacity(cluster, cfg, spec, cfgs):
 
 
 def with_prompt_len(work, bound: int, prompt_len: float):
-    """``work`` (the MFCs' workloads, sized for prompts of ``bound`` tokens) for prompts of ``prompt_len`` tokens."""
+    """``work`` (the MFCs' workloads, sized for prompts of ``bound`` tokens) for prompts of ``prompt_len`` tokens:
+    the sequences' length, and the shares of their tokens that the head (the answer rows) and the blocks (a group's
+    prompt once: its answers are the generation's ``n``) compute, taken again at that length."""
+    from realhf.plan.fit import shared_body_share
+
+    n = next((w.n for w in work.values() if w.kind == "generate"), 1)
     out = {}
     for k, w in work.items():
-        seq = prompt_len if w.kind == "generate" else w.seq_len - bound + prompt_len
-        out[k] = dataclasses.replace(w, seq_len=max(1, int(math.ceil(seq))))
+        if w.kind == "generate":
+            out[k] = dataclasses.replace(w, seq_len=max(1, int(math.ceil(prompt_len))))
+            continue
+        answer = max(0, w.seq_len - bound)
+        seq = max(1, int(math.ceil(answer + prompt_len)))
+        # a share below 1 was taken at the bound (the head's rows: the answers; the blocks': a shared prompt)
+        head = w.head_share if w.head_share >= 1.0 else min(1.0, answer / seq)
+        body = w.body_share if w.body_share >= 1.0 else shared_body_share(prompt_len, answer, n)
+        out[k] = dataclasses.replace(w, seq_len=seq, head_share=head, body_share=body)
     return out
 
 
