@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from realhf.base import logging
 from realhf.base.process import MASTER_LOST_EXIT, tail
@@ -30,10 +30,19 @@ class Job:
 
 
 class JobFailure(RuntimeError):
-    def __init__(self, name: str, code: int, log_tail: str, reason: Optional[str] = None):
+    def __init__(self, name: str, code: int, log_tail: str, reason: Optional[str] = None, also: Sequence[str] = ()):
         self.name, self.code, self.log_tail = name, code, log_tail
         sig = f" (killed by signal {-code})" if code < 0 else ""
-        super().__init__(f"{reason or f'{name} exited with code {code}{sig}'}. Last lines of its log:\n{log_tail}")
+        more = f"; also ended: {', '.join(also)}" if also else ""
+        what = reason or f"{name} exited with code {code}{sig}"
+        super().__init__(f"{what}{more}. Last lines of its log:\n{log_tail}")
+
+
+def _cause_first(failed: List[Tuple[str, int]], main: str) -> List[Tuple[str, int]]:
+    """Jobs that ended in failure within one poll, the likeliest cause first: one killed by a signal (a kill, the
+    OOM killer) before one that exited with an error (its peers' collectives and the master fail because of it),
+    a worker before ``main`` (which ends when a worker's reply is an error)."""
+    return sorted(failed, key=lambda nc: (nc[1] >= 0, nc[0] == main))
 
 
 class WaitMixin:
@@ -64,6 +73,7 @@ class WaitMixin:
             if on_poll is not None:
                 on_poll()
             codes = self._codes()
+            failed = []
             for name, code in codes.items():
                 if code == MASTER_LOST_EXIT and name != main:
                     raise JobFailure(main, code, tail(self.jobs[name].log_path),
@@ -80,8 +90,11 @@ class WaitMixin:
                         if on_survived is not None:
                             on_survived(name, code)
                         continue
-                    raise JobFailure(name, code, tail(self.jobs[name].log_path),
-                                     reason=getattr(self, "lost", {}).get(name))
+                    failed.append((name, code))
+            if failed:
+                (name, code), *rest = _cause_first(failed, main)
+                raise JobFailure(name, code, tail(self.jobs[name].log_path), reason=getattr(self, "lost", {}).get(name),
+                                 also=[f"{n} (exit code {c})" for n, c in rest])
             if codes[main] == 0:
                 return
             if timeout is not None and time.monotonic() - t0 > timeout:
