@@ -14,37 +14,48 @@ from realhf.plan.simulate import PlanCall, PlanModel, compute_time
 BOUND, ANSWER, GROUP = 256, 16, 4
 
 
-def _work():
-    """ppo-math's workloads as the memory plan sizes them (memory_plan.workloads): prompts of BOUND tokens, the head's
-    rows a sequence's answer with prompts of half the bound, a group's prompt computed once."""
-    seq = BOUND + ANSWER
-    body = shared_body_share(BOUND, ANSWER, GROUP)
-    return {"actor_gen": Workload("generate", 8, BOUND, n=GROUP, max_new=ANSWER),
-            "actor_train": Workload("train", 8 * GROUP, seq, ANSWER / (ANSWER + BOUND / 2), body),
-            "rew_inf": Workload("inference", 8 * GROUP, seq, 1.0, 1.0)}
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """ppo-math's workloads as the memory plan sizes them (memory_plan.workloads): prompts of BOUND tokens, answers
+    of ANSWER, groups of GROUP, a critic (its value head on every token)."""
+    from realhf.api.quickstart.entry import parse_cli
+    from realhf.experiments import registered
+    from realhf.experiments.memory_plan import workloads
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    data = tmp_path_factory.mktemp("work") / "math.jsonl"
+    data.write_text("")
+    registered()
+    _, cfg = parse_cli(["ppo-math", f"actor.path={ensure_tiny_model('qwen2')}", f"dataset.path={data}",
+                        f"dataset.max_prompt_len={BOUND}", f"ppo.gen.max_new_tokens={ANSWER}", f"group_size={GROUP}",
+                        "dataset.train_bs_n_seqs=8", "use_critic=true"])
+    return workloads(cfg)
 
 
-def test_shares_are_taken_again_at_the_measured_prompt_length():
-    out = with_prompt_len(_work(), BOUND, 4.0)
+def test_shares_are_taken_again_at_the_measured_prompt_length(work):
+    out = with_prompt_len(work, BOUND, 4.0)
     train = out["actor_train"]
     assert (out["actor_gen"].seq_len, train.seq_len) == (4, 4 + ANSWER)
     # the head computes the answers' rows: 16 of 20 tokens (not 16 of 144, the bound's share)
     assert train.head_share == pytest.approx(ANSWER / (ANSWER + 4))
     # the blocks compute the prompt once per group of 4: (4 + 4 * 16) / (4 * 20)
     assert train.body_share == pytest.approx((4 + GROUP * ANSWER) / (GROUP * (4 + ANSWER)))
-    # a share of 1 (a per-sequence head, no shared prompt) stays 1
-    assert (out["rew_inf"].head_share, out["rew_inf"].body_share) == (1.0, 1.0)
+    # a share of 1 (the critic's value head on every token) stays 1; its blocks share the prompt as the actor's do
+    assert out["critic_train"].head_share == 1.0
+    assert out["critic_train"].body_share == pytest.approx(train.body_share)
 
 
-def test_the_training_calls_time_follows_the_tokens_it_computes():
+def test_the_training_calls_time_follows_the_tokens_it_computes(work):
     """The simulated training call at the measured prompt length is that of a workload built at that length: the
-    shares of the bound (a tenth of the head's rows, a third of the blocks' tokens here) would undercount it."""
+    shares of the bound (a ninth of the head's rows, under a third of the blocks' tokens here) would undercount it."""
     cfg, hw = model_config("smollm2-135m"), get("h100")
     m = PlanModel("actor", cfg, Mesh(1, 1, 1, 0), "bfloat16", trains=True)
-    got = with_prompt_len(_work(), BOUND, 4.0)["actor_train"]
-    direct = Workload("train", 8 * GROUP, 4 + ANSWER, ANSWER / (ANSWER + 4), shared_body_share(4, ANSWER, GROUP))
-    stale = Workload("train", 8 * GROUP, 4 + ANSWER, _work()["actor_train"].head_share,
-                     _work()["actor_train"].body_share)
+    bound = work["actor_train"]
+    got = with_prompt_len(work, BOUND, 4.0)["actor_train"]
+    direct = Workload("train", bound.seqs, 4 + ANSWER, ANSWER / (ANSWER + 4), shared_body_share(4, ANSWER, GROUP),
+                      minibatches=bound.minibatches)
+    stale = Workload("train", bound.seqs, 4 + ANSWER, bound.head_share, bound.body_share,
+                     minibatches=bound.minibatches)
 
     def t(w):
         return compute_time(hw, m, PlanCall("actor_train", "actor", (), w))
