@@ -5,8 +5,9 @@
    add/sub/mul problems; the held-out ones use other names, objects, sentence frames and operand combinations);
 3. measures held-out greedy accuracy before training, strictly graded (the answer stated as "The answer is N"
    and ended with EOS within ``--max-new-tokens``), with the EOS rate, answer lengths and accuracy per kind;
-4. runs `ppo-math` (GRPO: no critic, group-normalised rewards, an unfinished answer scores as wrong, flat
-   groups skipped in training) through the quickstart launcher;
+4. runs `ppo-math` (GRPO: no critic, group-normalised rewards, an unfinished answer scores as wrong; dynamic
+   sampling: a prompt whose answers all got one reward is replaced by a new one, so every step trains on
+   ``--prompts`` groups with a signal) through the quickstart launcher;
 5. measures again on the trained checkpoint, prints before/after and writes `<out>/summary.json` (with
    before/after examples) and the reward curve (realhf.apps.plot: the task reward, +5 right / -5 wrong, and
    each MFC's time per step) to `<out>/reward_curve.png`.
@@ -84,13 +85,12 @@ def _args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=112, help="--task mix: the answer length limit")
     ap.add_argument("--mix-max-value", type=int, default=10,
                     help="--task mix: the largest number added or subtracted (factors are 2..9)")
-    ap.add_argument("--prompts", type=int, default=None, help=f"prompts per step ({GROUP_SIZE} answers each); default 4 for "
-                    "add, 8 for mix")
+    ap.add_argument("--prompts", type=int, default=4, help=f"prompts trained per step ({GROUP_SIZE} answers each); mix: "
+                    "prompts whose answers all got one reward are replaced by new ones until this many differ")
     ap.add_argument("overrides", nargs="*", help="extra ppo-math key=value overrides")
     a = ap.parse_args(argv)
     a.out = a.out or os.path.join(ROOT, "outputs", "main_job", f"seed{a.seed}")
     a.steps = a.steps or (16 if a.task == "mix" else 14)
-    a.prompts = a.prompts or (8 if a.task == "mix" else 4)
     a.n_test = a.n_test or (96 if a.task == "mix" else 64)
     return a
 
@@ -104,6 +104,7 @@ def _overrides(a, model: str, max_new: int, strict: bool) -> list:
         f"prompt_template={PROMPT_TEMPLATE}", f"reward.allow_last_number={str(not strict).lower()}",
         f"reward.unfinished_as_wrong={str(strict).lower()}", "use_chat_template=true", f"ppo.gen.max_new_tokens={max_new}", "ppo.gen.temperature=0.7", "ppo.ppo_n_minibatches=2",
         "ppo.adv_norm=false", "ppo.group_adv_norm=true", "ppo.eps_clip=0.2", f"ppo.skip_zero_advantage={str(strict).lower()}",
+        f"ppo.dynamic_sampling={str(strict).lower()}",
         f"actor.optimizer.lr={a.lr}", "actor.optimizer.gradient_clipping=1.0", "actor.optimizer.weight_decay=0.0",
         f"exp_ctrl.benchmark_steps={a.steps}", "exp_ctrl.save_freq_steps=1000000", f"seed={a.seed}",
     ] + list(a.overrides)
@@ -144,7 +145,9 @@ def main(argv=None) -> int:
     from realhf.apps.plot import plot_run, step_rows
 
     png = plot_run(cfg.log_dir(), os.path.join(a.out, "reward_curve.png"))
-    rewards = [r["task_reward"] for r in step_rows(cfg.log_dir())]
+    rows = step_rows(cfg.log_dir())
+    # the training batch keeps mixed groups only under dynamic sampling: the step's every answer counts here
+    rewards = [r.get("dynamic_sampling/all_mean", r["task_reward"]) for r in rows]
     k = max(1, len(rewards) // 4)
     summary = {
         "model": "SmolLM2-135M-Instruct", "algorithm": "GRPO", "steps": len(rewards), "seed": a.seed,
@@ -156,6 +159,8 @@ def main(argv=None) -> int:
         "train_seconds": round(train_secs), "total_seconds": round(time.time() - t_start), "checkpoint": ckpts[-1],
         "reward_curve": png, "task": a.task, "max_new_tokens": max_new, "lr": a.lr,
         "prompts_per_step": a.prompts, "answers_per_prompt": GROUP_SIZE,
+        "dynamic_sampling": any("dynamic_sampling/rounds" in r for r in rows),
+        "prompts_generated": round(sum(r.get("dynamic_sampling/rounds", 1.0) for r in rows) * a.prompts),
         "before": before.summary(6), "after": after.summary(6, example_ids=[r["query_id"] for r in before.examples(6)]),
     }
     with open(os.path.join(a.out, "summary.json"), "w") as f:

@@ -32,8 +32,10 @@ def step_rows(log_dir: str) -> List[dict]:
 
 
 def curve_key(rows: List[dict]) -> Optional[str]:
-    """What the curve shows: the task reward when the run has one, else the training loss."""
-    for key in ("task_reward", "loss"):
+    """What the curve shows: the mean reward of every answer generated in a step under dynamic sampling (whose
+    trained batch, ``task_reward``'s, keeps only prompts with mixed rewards), else the task reward when the run has
+    one, else the training loss."""
+    for key in ("dynamic_sampling/all_mean", "task_reward", "loss"):
         if any(isinstance(r.get(key), float) for r in rows):
             return key
     return None

@@ -268,6 +268,7 @@ def test_dynamic_sampling_refills_the_batch_and_fills_up_after_the_last_round():
     assert got.mfc_stats["actor_gen"]["time"] == 3.0
     assert got.stats["dynamic_sampling/rounds"] == 3 and got.stats["dynamic_sampling/filled"] == 0
     close(got.stats["dynamic_sampling/signal_frac"], 6 / 12)
+    close(got.stats["dynamic_sampling/all_mean"], 12 / 24)  # 6 prompts answered (1, -1), 6 (1, 1)
     # at most two rounds: three prompts with signal, the fourth place filled with a dropped prompt
     fetched = iter(batches)
     got = fill_batch(fetch, lambda ids: {}, lambda ids: {i: vals[i] for i in ids}, max_rounds=2)

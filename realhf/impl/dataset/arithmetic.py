@@ -166,16 +166,35 @@ MIX_FRAMES = {
                      "There are {a} plates with {b} {o} on each plate. {n} takes {c} {o} away. How many {o} are "
                      "still on the plates?"),
     },
-    "test": {
-        "add1": ("There are {a} {o} in a box. {n} puts in {b} more {o}. What is the number of {o} in the box now?",),
-        "sub1": ("A basket holds {a} {o}. {n} takes out {b} {o}. What is the number of {o} still in the basket?",),
-        "mul1": ("{n} lays out {a} rows of {o}, {b} {o} per row. What is the total number of {o}?",),
+    "test": {  # three frames a kind: how a run reads one frame moves a third of a kind's problems, not all of them
+        "add1": ("There are {a} {o} in a box. {n} puts in {b} more {o}. What is the number of {o} in the box now?",
+                 "{n} collects {a} {o} on Monday and {b} {o} on Tuesday. What is the number of {o} collected over "
+                 "the two days?",
+                 "{n} owns {a} {o} and gets {b} more as a gift. What is the number of {o} {n} owns now?"),
+        "sub1": ("A basket holds {a} {o}. {n} takes out {b} {o}. What is the number of {o} still in the basket?",
+                 "{n} owns {a} {o} and hands {b} of them to a friend. What is the number of {o} {n} still owns?",
+                 "There were {a} {o} on the desk. {n} used {b} of them. What is the number of {o} left on the desk?"),
+        "mul1": ("{n} lays out {a} rows of {o}, {b} {o} per row. What is the total number of {o}?",
+                 "{n} keeps {a} packs of {o}, and every pack holds {b} {o}. What is the number of {o} in the packs?",
+                 "Each of {a} shelves holds {b} {o}. What is the total number of {o} on the shelves?"),
         "add_sub2": ("A shelf has {a} {o}. {n} adds {b} {o} and later removes {c} {o}. What is the number of {o} on "
-                     "the shelf at the end?",),
+                     "the shelf at the end?",
+                     "{n} starts with {a} {o}, gets {b} more, and then hands {c} to a friend. What is the number of "
+                     "{o} {n} owns at the end?",
+                     "A drawer holds {a} {o}. {n} puts {b} more {o} in and later pulls {c} {o} out. What is the "
+                     "number of {o} in the drawer now?"),
         "mul_add2": ("{n} fills {a} jars, {b} {o} per jar, and {c} more {o} lie on the table. What is the total "
-                     "number of {o}?",),
+                     "number of {o}?",
+                     "{n} keeps {a} packs of {o}, every pack holding {b} {o}, and {c} single {o}. What is the "
+                     "number of {o} {n} keeps in total?",
+                     "Each of {a} shelves holds {b} {o}, and {c} more {o} sit on the floor. What is the total "
+                     "number of {o}?"),
         "mul_sub2": ("{n} packs {a} boxes, {b} {o} per box, then hands out {c} {o}. What is the number of {o} still "
-                     "packed?",),
+                     "packed?",
+                     "{n} keeps {a} packs of {o}, every pack holding {b} {o}, and uses up {c} {o}. What is the "
+                     "number of {o} left?",
+                     "Each of {a} shelves holds {b} {o}. {n} clears {c} {o} off the shelves. What is the number of "
+                     "{o} still on the shelves?"),
     },
 }
 MIX_FAMILIES = ("train", "test")

@@ -49,6 +49,7 @@ def fill_batch(fetch: Callable[[], Tuple[List[str], dict]], run_rollout: Callabl
     kept: List[str] = []
     dropped: List[str] = []
     all_ids: List[str] = []
+    total, count = 0.0, 0  # the key's values over every fetched sample, kept or dropped
     mfc_stats: Dict[str, dict] = {}
     batch_size, rounds, epoch_last, info = None, 0, False, {}
     while rounds < max_rounds and (batch_size is None or len(kept) < batch_size):
@@ -61,6 +62,8 @@ def fill_batch(fetch: Callable[[], Tuple[List[str], dict]], run_rollout: Callabl
         vals = values(ids)
         for sid in ids:
             (kept if has_signal(vals[sid]) else dropped).append(sid)
+            total += sum(float(v) for v in vals[sid])
+            count += len(vals[sid])
     n_signal = len(kept)
     if n_signal < batch_size:
         logger.warning(f"dynamic sampling: {n_signal} of {len(all_ids)} prompts generated in {rounds} rounds have "
@@ -70,5 +73,7 @@ def fill_batch(fetch: Callable[[], Tuple[List[str], dict]], run_rollout: Callabl
     info = dict(info, is_epoch_last=epoch_last)
     stats = {"dynamic_sampling/rounds": float(rounds),
              "dynamic_sampling/signal_frac": n_signal / max(len(all_ids), 1),
-             "dynamic_sampling/filled": float(max(batch_size - n_signal, 0))}
+             "dynamic_sampling/filled": float(max(batch_size - n_signal, 0)),
+             # the trained batch keeps mixed groups only, so its mean reward is not the policy's: this one is
+             "dynamic_sampling/all_mean": total / max(count, 1)}
     return FilledBatch(kept[:batch_size], all_ids, info, mfc_stats, stats)
