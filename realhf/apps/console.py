@@ -187,9 +187,8 @@ class Console:
             return
         lines = [f"{name} finished: {summary['steps']} steps in {fmt_secs(summary['step_seconds'])} of step time "
                  f"(last global step {summary['last_global_step']})"]
-        for key in ("task_reward", "loss"):
-            if key in summary:
-                q = summary[key]
+        for key, q in summary.items():  # the curve's value (realhf.apps.plot.curve_key), by quarter of the steps
+            if isinstance(q, dict) and "first_quarter" in q:
                 lines.append(f"  {key}: {q['first_quarter']:.4g} in the first quarter of steps -> "
                              f"{q['last_quarter']:.4g} in the last")
         lines.append(f"  logs: {summary['logs']}")
