@@ -149,12 +149,14 @@ def _comm_worker(rank: int, world: int, store_path: str, backend: str, sizes: Se
         q.put((rank, None, f"{type(e).__name__}: {e}"))
 
 
-def _collectives_in_step(dist, device: str, reps: int = 40, small: int = 4 << 10) -> Dict[str, float]:
+def _collectives_in_step(dist, device: str, reps: int = 40, rounds: int = 9, small: int = 4 << 10,
+                         products: int = 8) -> Dict[str, float]:
     """Mean seconds of a small all-reduce, all-gather and broadcast as they run in a model's step: each after a
-    short stretch of computation on both ranks (a decode step's products), not back to back. Between processes that
-    share a few cores, a collective pays for waking its peer; its least time over back-to-back calls (what
-    :func:`timed` reports) was 4-6x below its mean in a decode step on a 2-core host, and a step pays the mean of
-    each of its collectives."""
+    short stretch of computation on both ranks (``products`` 128x128 products, a decode layer's order), not back to
+    back. Between processes that share a few cores, a collective pays for waking its peer; its least time over
+    back-to-back calls (what :func:`timed` reports) was 4-6x below its mean in a decode step on a 2-core host, and a
+    step pays the mean of each of its collectives. That mean is itself noisy there (one round of 40 calls gave 0.5 to
+    1.8 ms on one idle host a minute apart): the figure is the median over ``rounds`` rounds of each round's mean."""
     import statistics
 
     t = torch.ones(small // 4, dtype=torch.float32, device=device)
@@ -162,20 +164,21 @@ def _collectives_in_step(dist, device: str, reps: int = 40, small: int = 4 << 10
     a = torch.randn(128, 128, device=device)
     ops = {"allreduce": lambda: dist.all_reduce(t), "allgather": lambda: dist.all_gather(parts, t),
            "broadcast": lambda: dist.broadcast(t, 0)}
-    out = {}
-    for name, op in ops.items():
-        ts = []
-        for i in range(reps + 3):
-            for _ in range(4):
-                a @ a
-            _sync(device)
-            s = time.perf_counter()
-            op()
-            _sync(device)
-            if i >= 3:
-                ts.append(time.perf_counter() - s)
-        out[name] = statistics.mean(ts)
-    return out
+    means: Dict[str, list] = {name: [] for name in ops}
+    for _ in range(rounds):
+        for name, op in ops.items():  # the ops take turns, so a slow spell of the host touches each alike
+            ts = []
+            for i in range(reps + 3):
+                for _ in range(products):
+                    a @ a
+                _sync(device)
+                s = time.perf_counter()
+                op()
+                _sync(device)
+                if i >= 3:
+                    ts.append(time.perf_counter() - s)
+            means[name].append(statistics.mean(ts))
+    return {name: statistics.median(v) for name, v in means.items()}
 
 
 def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20), timeout: float = 120.0) -> Optional[Dict]:

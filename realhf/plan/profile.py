@@ -33,7 +33,8 @@ from realhf.plan.shapes import model_config
 
 logger = logging.getLogger("realhf.plan.profile")
 
-PROFILE_VERSION = 2  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs
+PROFILE_VERSION = 3  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
+# 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
