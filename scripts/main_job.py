@@ -9,8 +9,8 @@
    sampling: a prompt whose answers all got one reward is replaced by a new one, so every step trains on
    ``--prompts`` groups with a signal) through the quickstart launcher;
 5. measures again on the trained checkpoint, prints before/after and writes `<out>/summary.json` (with
-   before/after examples) and the reward curve (realhf.apps.plot: the task reward, +5 right / -5 wrong, and
-   each MFC's time per step) to `<out>/reward_curve.png`.
+   before/after examples) and the reward curve (realhf.apps.plot: the mean reward of a step's answers, +5 right /
+   -5 wrong, and each MFC's time per step) to `<out>/reward_curve.png`.
 
 ``--task add`` is the earlier main job: one-step additions, the last number of an answer counted, 40 tokens.
 
@@ -142,12 +142,12 @@ def main(argv=None) -> int:
     train_secs = time.time() - t0
     ckpts = sorted(glob.glob(os.path.join(cfg.ckpt_dir(), "actor", "*")), key=os.path.getmtime)
     after = math_accuracy(ckpts[-1], test, **eval_kw)
-    from realhf.apps.plot import plot_run, step_rows
+    from realhf.apps.plot import curve_key, plot_run, step_rows
 
     png = plot_run(cfg.log_dir(), os.path.join(a.out, "reward_curve.png"))
     rows = step_rows(cfg.log_dir())
-    # the training batch keeps mixed groups only under dynamic sampling: the step's every answer counts here
-    rewards = [r.get("dynamic_sampling/all_mean", r["task_reward"]) for r in rows]
+    key = curve_key(rows)  # the curve's reward: every answer of a step under dynamic sampling, not the kept ones
+    rewards = [r[key] for r in rows]
     k = max(1, len(rewards) // 4)
     summary = {
         "model": "SmolLM2-135M-Instruct", "algorithm": "GRPO", "steps": len(rewards), "seed": a.seed,
