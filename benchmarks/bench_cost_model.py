@@ -4,8 +4,8 @@ For each model (``tiny``: the tests' tiny Qwen2 shape; ``smollm2``: SmolLM2-135M
 checkpoint needed) it profiles this machine at the model's shape (``realhf.plan.profile``: cached after the first
 run), then times, in this process, a forward pass (log-probs of packed sequences), a training step (forward, backward,
 AdamW: ``_timing.realhf_train_step``) and a greedy generation of exactly N new tokens, and prints one JSON line per
-work: the cost model's prediction, the measured time (the least of ``--reps`` runs, as the profile times its kernels:
-other work on a shared machine only adds time), and predicted / measured.
+work: the cost model's prediction, the measured time (the median of ``--reps`` runs, as the profile times its
+kernels), and predicted / measured.
 
 Usage: python benchmarks/bench_cost_model.py [--models tiny,smollm2] [--threads 1] [--reps 3] [--refresh]
 """
@@ -30,14 +30,16 @@ def _cfg(name: str):
     return model_config({"smollm2": "smollm2-135m"}.get(name, name))
 
 
-def _least(fn, reps: int) -> float:
+def _median(fn, reps: int) -> float:
+    import statistics
+
     fn()  # warm-up
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return min(ts)
+    return statistics.median(ts)
 
 
 def works(name: str):
@@ -94,7 +96,7 @@ def run_model(name: str, reps: int, refresh: bool):
                 generate(model, prompts, gc)
 
             pred = cm.generate(kw["prompts"], kw["prompt_len"], 1, kw["new"])
-        meas = _least(fn, reps)
+        meas = _median(fn, reps)
         emit(model=name, work=work, **kw, predicted_s=round(pred, 4), measured_s=round(meas, 4),
              ratio=round(pred / meas, 3))
 

@@ -145,7 +145,8 @@ def _train_time(s: AsyncSetting, hw: Hardware, lengths: List[int], cm: Optional[
                                           max_tokens=s.train_max_tokens), cm)
     n = params(Shard(s.cfg, 1, 1, 0, dtype_bytes(s.dtype)))
     method = "disk" if s.weight_sync == "disk" else "broadcast"
-    return t + comm_cost.publish_weights(hw, n, dtype_bytes(s.dtype), s.servers, method)
+    return t + comm_cost.publish_weights(hw, n, dtype_bytes(s.dtype), s.servers, method,
+                                         tensors=comm_cost.hf_tensor_count(s.cfg))
 
 
 def steady_state(s: AsyncSetting, hw: Hardware, eta: int, batches: int = 48, warmup: int = 8,

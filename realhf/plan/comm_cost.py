@@ -25,6 +25,8 @@ def allreduce(hw: Hardware, nbytes: float, n: int, intra: bool = True) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     bw, lat = hw.link(intra)
+    if intra and hw.allreduce_bw > 0:  # measured: the reduction's own work on the way (gloo on CPU)
+        bw = hw.allreduce_bw
     return 2.0 * (n - 1) / n * nbytes / bw + 2.0 * (n - 1) * lat
 
 
@@ -152,7 +154,11 @@ def realloc(hw: Hardware, cfg: ReaLModelConfig, src: Mesh, dst: Mesh, dtype_byte
         return 0.0
     lo = min(src.first, dst.first)
     hi = max(src.first + src.world, dst.first + dst.world) - 1
-    bw, lat = hw.link(lo // hw.devices_per_node == hi // hw.devices_per_node)
+    intra = lo // hw.devices_per_node == hi // hw.devices_per_node
+    if intra and hw.realloc_bw > 0:  # measured on this machine (realhf.plan.probes.realloc_rates)
+        return hw.realloc_fixed_s + max((max(s, r) + hw.realloc_both_ways * min(s, r)) * dtype_bytes / hw.realloc_bw
+                                        for s, r, _ in t.values())
+    bw, lat = hw.link(intra)
     return max(max(s, r) * dtype_bytes / bw + m * lat for s, r, m in t.values())
 
 
@@ -190,11 +196,25 @@ def data_transfer(hw: Hardware, tokens: float, bytes_per_token: float, src: Mesh
     return send(hw, per_rank, lo // hw.devices_per_node == hi // hw.devices_per_node)
 
 
+def hf_tensor_count(cfg: ReaLModelConfig) -> int:
+    """The named tensors of ``cfg``'s HF checkpoint (what a publication sends one by one): per block its projections,
+    their biases, its norms; the embedding, the final norm and an untied head."""
+    per = 4 + 2 + (3 if cfg.mlp_type == "gated" else 2)  # q k v o, two norms, the MLP's projections
+    per += 3 * cfg.use_attention_bias + cfg.use_attn_proj_bias + 2 * cfg.qk_layernorm
+    per += (3 if cfg.mlp_type == "gated" else 2) * cfg.use_mlp_bias
+    per += 2 * (cfg.layer_norm_type == "layer")  # a LayerNorm's bias beside each weight
+    if cfg.family == "gpt2":  # one fused q/k/v projection (and bias)
+        per -= 2 + 2 * cfg.use_attention_bias
+    tail = 1 + (cfg.n_positions is not None) + 1 + (cfg.layer_norm_type == "layer") + (not cfg.tied_embedding)
+    return cfg.n_layers * per + tail
+
+
 def publish_weights(hw: Hardware, params: float, dtype_bytes: int, servers: int, method: str = "disk",
-                    disk_bw: Optional[float] = None) -> float:
+                    disk_bw: Optional[float] = None, tensors: int = 1) -> float:
     """Publishing a model's weights to ``servers`` generation servers: ``disk`` (one checkpoint written, then read by
     every server at once from the shared file system: the reads share ``disk_bw``) or ``broadcast`` (a tree broadcast
-    from the trainer over the network: ``log2(servers + 1)`` rounds of the whole model)."""
+    from the trainer over the network: ``log2(servers + 1)`` rounds of the whole model, each of its ``tensors`` a
+    broadcast of its own that pays the link's latency)."""
     nbytes = params * dtype_bytes
     if method == "disk":
         bw = disk_bw if disk_bw is not None else hw.disk_bw
@@ -203,5 +223,6 @@ def publish_weights(hw: Hardware, params: float, dtype_bytes: int, servers: int,
         import math
 
         rounds = math.ceil(math.log2(servers + 1))
-        return rounds * send(hw, nbytes, intra=False)
+        lat = hw.broadcast_lat or hw.link(False)[1]
+        return rounds * (send(hw, nbytes, intra=False) + (max(1, tensors) - 1) * lat)
     raise ValueError(f"publish_weights: method={method!r}; allowed: 'disk', 'broadcast'")

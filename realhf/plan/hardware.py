@@ -70,7 +70,13 @@ class Hardware:
     ``step_overhead_s``: a step's own (fetching and clearing the batch); ``optimizer_s_per_param``: AdamW's step per
     parameter;
     ``intra_*``/``inter_*``: links inside a node and between nodes (bytes/s each way, seconds per message);
-    ``devices_per_node``; ``disk_bw``: bytes/s of writing, and reading back, a checkpoint; ``memory_bytes``: capacity of one device; ``sources``: where each figure came from."""
+    ``devices_per_node``; ``disk_bw``: bytes/s of writing, and reading back, a checkpoint; ``memory_bytes``: capacity
+    of one device; ``allreduce_bw``: bytes/s a ring all-reduce's data moves at inside a node where it was measured
+    (0: the link's); ``realloc_fixed_s``, ``realloc_bw``, ``realloc_both_ways``: a parameter reallocation as measured
+    (its fixed cost, bytes/s of the busiest rank's larger direction, the share of the lesser direction's bytes that
+    adds to the time; ``realloc_bw`` 0: the link's rate and a latency per message); ``broadcast_lat``: seconds of
+    a small broadcast between two processes where measured (0: the link's latency); ``sources``: where each figure
+    came from."""
 
     name: str
     matmul_flops: Dict[str, float]
@@ -96,6 +102,11 @@ class Hardware:
     step_overhead_s: float = STEP_OVERHEAD_S
     matmul_rows: Tuple[Tuple[int, float], ...] = ()
     disk_bw: float = 2 * GB
+    allreduce_bw: float = 0.0
+    realloc_fixed_s: float = 0.0
+    realloc_bw: float = 0.0
+    realloc_both_ways: float = 0.0
+    broadcast_lat: float = 0.0
     device: str = "cuda"
     sources: Dict[str, str] = dataclasses.field(default_factory=dict)
 

@@ -84,3 +84,52 @@ def train_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: 
               + cm.optimizer_step(params(Shard(cfg, 1, 1, 0, dtype_bytes(dtype)))))
     measured = statistics.median(ts)
     return max(0.0, measured - passes), dict(measured_s=measured, passes_s=passes)
+
+
+def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: str,
+                           reps: int = 5) -> Tuple[float, dict]:
+    """(seconds a generation call spends beside its prefill and decode steps: the median of the real PPO actor's
+    ``generate`` (``PROBE_PROMPTS`` prompts of ``PROBE_PROMPT_LEN`` tokens, ``PROBE_GROUP`` answers each of exactly
+    ``PROBE_ANSWER_LEN`` tokens, sampled with the default sampling options) less the cost model's generation on
+    ``hw`` without its own setup cost (at least 0), the figures behind it). ``cfg``: a small model (the profiler's
+    proxy)."""
+    import dataclasses
+
+    import torch
+
+    from realhf.api.core.data_api import SequenceSample
+    from realhf.api.core.dfg import MicroBatchSpec
+    from realhf.api.core.model_api import Model
+    from realhf.api.quickstart.ppo_config import PPOHyperparameters
+    from realhf.base.topology import single_process_grid
+    from realhf.impl.model.backend.engine import InferenceEngine
+    from realhf.impl.model.interface.ppo_interface import PPOActorInterface
+    from realhf.impl.model.nn.real_model import ReaLModel
+    from realhf.plan.cost import CostModel
+
+    grid = single_process_grid()
+    m = ReaLModel(cfg, grid=grid, dtype=getattr(torch, dtype), device=device)
+    m.init_random(seed=1)
+    model = Model(name="actor", engine=InferenceEngine(m), tokenizer=None, grid=grid, path="")
+    ppo = PPOHyperparameters(kl_ctl=0.0)
+    ppo.gen.max_new_tokens = ppo.gen.min_new_tokens = PROBE_ANSWER_LEN
+    iface = PPOActorInterface(ppo, group_size=PROBE_GROUP, use_critic=False, seed=1)
+    g = torch.Generator().manual_seed(0)
+    P = PROBE_PROMPT_LEN
+    prompts = torch.randint(3, cfg.vocab_size, (PROBE_PROMPTS * P,), generator=g)
+    data = SequenceSample(keys={"packed_prompts"}, ids=list(range(PROBE_PROMPTS)),
+                          seqlens={"packed_prompts": [[P] for _ in range(PROBE_PROMPTS)]},
+                          trailing_shapes={"packed_prompts": ()}, dtypes={"packed_prompts": torch.long},
+                          data={"packed_prompts": prompts})
+    ts = []
+    for i in range(reps + 2):
+        t = time.perf_counter()
+        iface.generate(model, data, MicroBatchSpec())
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:
+            ts.append(time.perf_counter() - t)
+    passes = CostModel(cfg, dataclasses.replace(hw, generate_overhead_s=0.0), dtype).generate(
+        PROBE_PROMPTS, P, PROBE_GROUP, PROBE_ANSWER_LEN)
+    measured = statistics.median(ts)
+    return max(0.0, measured - passes), dict(measured_s=measured, passes_s=passes)

@@ -24,9 +24,10 @@ def _sync(device: str):
 
 
 def timed(fn: Callable[[], object], device: str, reps: int = 5, budget_s: float = 0.5) -> float:
-    """Least seconds of ``fn`` after two warm-up calls (the first calls pay one-off costs), over at most ``reps``
-    calls and about ``budget_s``: other work on the machine only ever adds time, so the least is the figure that
-    repeats (on a shared machine medians drifted by 2-5x between runs)."""
+    """Median seconds of ``fn`` after two warm-up calls (the first calls pay one-off costs), over at most ``reps``
+    calls and about ``budget_s``. The median, not the least: a run pays the typical call, and on a 2-core host the
+    least figure of the passes put SmolLM2-135M's training and generation 20-40% below what the same passes took
+    inside a run (the median: within 10% for training)."""
     for _ in range(2):
         fn()
     _sync(device)
@@ -37,7 +38,9 @@ def timed(fn: Callable[[], object], device: str, reps: int = 5, budget_s: float 
         fn()
         _sync(device)
         ts.append(time.perf_counter() - t)
-    return min(ts)
+    import statistics
+
+    return statistics.median(ts)
 
 
 def _linear_fn(device: str):
@@ -143,6 +146,7 @@ def _comm_worker(rank: int, world: int, store_path: str, backend: str, sizes: Se
 
             res["sendrecv"].append((n, timed(pingpong, device, reps=7, budget_s=0.5) / 2))
         res["in_step"] = _collectives_in_step(dist, device)
+        res["realloc"] = _realloc_probe(dist, device)
         dist.destroy_process_group()
         q.put((rank, res, None))
     except Exception as e:  # reported to the parent, which decides
@@ -181,12 +185,86 @@ def _collectives_in_step(dist, device: str, reps: int = 40, rounds: int = 9, sma
     return {name: statistics.median(v) for name, v in means.items()}
 
 
-def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20), timeout: float = 120.0) -> Optional[Dict]:
+# two synthetic shapes for the reallocation probe: a small one (its fixed cost) and one of ~120 MB in fp32 (its rate)
+REALLOC_PROBE_SHAPES = (dict(n_layers=2, n_q_heads=2, n_kv_heads=2, head_dim=32, hidden_dim=64, intermediate_dim=128,
+                             vocab_size=1024),
+                        dict(n_layers=4, n_q_heads=8, n_kv_heads=8, head_dim=64, hidden_dim=512, intermediate_dim=1536,
+                             vocab_size=32768))
+# (source, destination) layouts over the two ranks: one way (rank 0's whole model to both) and both ways (each rank
+# trades its tensor-parallel half for the other's)
+REALLOC_PROBE_PAIRS = (("d1m1p1", "d2m1p1"), ("d1m2p1", "d2m1p1"))
+
+
+def _realloc_probe(dist, device: str, reps: int = 3) -> List[Dict]:
+    """The real parameter reallocation (:func:`realhf.impl.model.parallelism.realloc.execute_plan`) between the two
+    ranks, for each shape of ``REALLOC_PROBE_SHAPES`` and pair of ``REALLOC_PROBE_PAIRS``: the median seconds of
+    ``reps`` runs after a warm-up, and the busiest rank's elements sent and received."""
+    import statistics
+
+    from realhf.api.core.model_api import ReaLModelConfig
+    from realhf.base.topology import ParallelDims, ParallelGrid
+    from realhf.impl.model.nn.real_model import ReaLModel
+    from realhf.impl.model.parallelism.realloc import PlacedLayout, execute_plan, make_plan
+
+    rank, out = dist.get_rank(), []
+    for shape in REALLOC_PROBE_SHAPES:
+        cfg = ReaLModelConfig(**shape, n_positions=None, tied_embedding=True, family="llama")
+        for a, b in REALLOC_PROBE_PAIRS:
+            da, db = ParallelDims.parse(a), ParallelDims.parse(b)
+            ra, rb = list(range(da.world_size)), list(range(db.world_size))
+            ga, gb = ParallelGrid(da, ranks=ra), ParallelGrid(db, ranks=rb)
+            src = ReaLModel(cfg, grid=ga, device=device) if ga.is_member else None
+            dst = ReaLModel(cfg, grid=gb, device=device) if gb.is_member else None
+            plan = make_plan(cfg, PlacedLayout.of(da, ra), PlacedLayout.of(db, rb))
+            ts, moved = [], {}
+            for i in range(reps + 1):
+                dist.barrier()
+                _sync(device)
+                t = time.perf_counter()
+                moved = execute_plan(plan, rank, src.flat if src else None, dst.flat if dst else None)
+                _sync(device)
+                dist.barrier()
+                if i:
+                    ts.append(time.perf_counter() - t)
+            traffic = torch.tensor([moved["sent"], moved["received"]], dtype=torch.float64)
+            gathered = [torch.zeros_like(traffic) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, traffic)
+            busiest = max(gathered, key=lambda x: float(x.max()))
+            out.append(dict(pair=f"{a}:{b}", layers=cfg.n_layers, hidden=cfg.hidden_dim, seconds=statistics.median(ts),
+                            sent=float(busiest[0]), received=float(busiest[1]),
+                            bytes_per=src.flat.element_size() if src is not None else 4))
+            del src, dst
+    return out
+
+
+def realloc_rates(points: Sequence[Dict]) -> Dict[str, float]:
+    """The reallocation's cost from :func:`_realloc_probe`'s points: ``fixed_s`` (the small shape's one-way
+    reallocation), ``bw`` (bytes/s of the busiest rank's larger direction, from the two shapes' one-way
+    reallocations) and ``both_ways`` (the share of the lesser direction's bytes that adds to the time: 0 where a
+    rank sends and receives at once at full rate, 1 where the two directions take turns; from the large shape's
+    two-way reallocation). On a 2-core host the two-way reallocation alone ran 2-8x slower than taking turns in three
+    probes a minute apart (both processes' gloo threads on two cores), while the same exchange inside a training run
+    took what turns would: the share is held at 1 at most."""
+    one = sorted((p for p in points if p["received"] == 0 or p["sent"] == 0), key=lambda p: p["hidden"])
+    two = max((p for p in points if p["received"] > 0 and p["sent"] > 0), key=lambda p: p["hidden"])
+
+    def nbytes(p, f=max):
+        return f(p["sent"], p["received"]) * p["bytes_per"]
+
+    small, large = one[0], one[-1]
+    fixed = small["seconds"]
+    bw = (nbytes(large) - nbytes(small)) / max(large["seconds"] - small["seconds"], 1e-9)
+    both = ((two["seconds"] - fixed) * bw - nbytes(two)) / max(nbytes(two, min), 1.0)
+    return dict(fixed_s=fixed, bw=bw, both_ways=min(1.0, max(0.0, both)))
+
+
+def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeout: float = 180.0) -> Optional[Dict]:
     """All-reduce and send/recv times between two local processes (gloo; NCCL between two GPUs) at ``sizes``
     bytes, small collectives as they run between computation (``in_step``, :func:`_collectives_in_step`), and the
-    fitted link: bandwidth from the sends' difference in size, latency per collective step from the mean small
-    all-reduce between computation (at least the least one-way send). None where two devices are not here (one
-    GPU)."""
+    fitted link: bandwidth from the two largest sends' difference in size (``bw``; ``allreduce_bw`` likewise from the
+    all-reduces), latency per collective step from the mean small all-reduce between computation (at least the least
+    one-way send), and the real parameter reallocation's cost (``realloc``: :func:`realloc_rates`). None where two
+    devices are not here (one GPU)."""
     import multiprocessing as mp
 
     backend = "gloo"
@@ -216,8 +294,13 @@ def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20), timeout: float 
                     p.kill()
     res = got[0]
     out = dict(backend=backend, allreduce=res["allreduce"], sendrecv=res["sendrecv"])
-    (n0, s0), (n1, s1) = res["sendrecv"][0], res["sendrecv"][-1]
-    out["bw"] = (n1 - n0) / max(s1 - s0, 1e-9)
+    # bandwidths from the two largest sizes (a message past the caches moves slower than one inside them): a send's,
+    # and a two-rank all-reduce's (gloo reduces on the CPU: it ran at a third of a send's rate on a 2-core host)
+    (n0, s0), (n1, s1), (n2, s2) = res["sendrecv"][0], res["sendrecv"][-2], res["sendrecv"][-1]
+    out["bw"] = (n2 - n1) / max(s2 - s1, 1e-9)
+    (_, a1), (_, a2) = res["allreduce"][-2], res["allreduce"][-1]
+    out["allreduce_bw"] = (n2 - n1) / max(a2 - a1, 1e-9)
+    out["realloc"] = dict(points=res["realloc"], **realloc_rates(res["realloc"]))
     # the latency per step of a collective (a ring all-reduce of n ranks takes 2 (n - 1) steps) as a model's step pays
     # it: from the mean small all-reduce between computation, over both ranks (each waits for the later one)
     in_step = {k: max(r["in_step"][k] for r in got.values()) for k in got[0]["in_step"]}

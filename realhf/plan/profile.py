@@ -33,8 +33,10 @@ from realhf.plan.shapes import model_config
 
 logger = logging.getLogger("realhf.plan.profile")
 
-PROFILE_VERSION = 3  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
+PROFILE_VERSION = 4  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
 # 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
+# 4: links' bandwidths past the caches, a two-rank all-reduce's own rate, the real reallocation's cost, a generation
+# call's own cost on the real interface, every timing a median (was the least)
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
@@ -129,6 +131,10 @@ def hardware(p: Dict) -> Hardware:
         train_layer_overhead_s=o.get("train_layer_s", 0.0),
         **({} if trip is None else dict(call_overhead_s=trip, step_overhead_s=STEP_ROUND_TRIPS * trip)),
         optimizer_s_per_param=p["optimizer_s_per_param"], disk_bw=p["disk_bw"],
+        allreduce_bw=link.get("allreduce_bw", 0.0), realloc_fixed_s=(link.get("realloc") or {}).get("fixed_s", 0.0),
+        realloc_bw=(link.get("realloc") or {}).get("bw", 0.0),
+        realloc_both_ways=(link.get("realloc") or {}).get("both_ways", 0.0),
+        broadcast_lat=(link.get("in_step") or {}).get("broadcast", 0.0),
         matmul_rows=tuple((int(r), float(v)) for r, v in p["matmul_rows"]), device=p["key"]["device"],
         sources={"all": src, "links": "measured between two local processes" if link else
                  "not measured (one device): half a copy's rate and 10 us assumed",
@@ -273,6 +279,23 @@ def fit_train_overheads(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: 
     return dict(train_call_s=a, train_layer_s=b, train_points=points)
 
 
+def fit_generate_call(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: str) -> Dict:
+    """A generation call's own cost beside its prefill and decode steps, on the PPO actor's real ``generate``
+    (:func:`realhf.plan.interface_probe.generate_call_overhead`: the interface's sampling options, answers per prompt
+    and outputs) on 1 and 3 (or 2) blocks of ``cfg``'s shape: the mean of what the fitted passes leave. It replaces
+    the raw generation's setup cost of :func:`fit_overheads`, which the interface's work adds to."""
+    import torch
+
+    from realhf.plan.interface_probe import generate_call_overhead
+
+    left, points = [], []
+    for L in _fit_layers(cfg, torch.tensor([], dtype=getattr(torch, dtype)).element_size()):
+        extra, info = generate_call_overhead(_proxy(cfg, L), hw, dtype, device)
+        left.append(extra)
+        points.append(dict(kind="generate_call", layers=L, **info))
+    return dict(generate_s=sum(left) / len(left), generate_points=points)
+
+
 def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
             round_trip: Optional[Callable[[], float]] = None) -> Dict:
     """Every figure of a profile (seconds: a few on CPU for a small model; longer for a 7B block); ``round_trip``:
@@ -298,7 +321,9 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
                      "overheads": dict(layer_s=0.0, elementwise_s=0.0, decode_layer_s=0.0, decode_elementwise_s=0.0,
                                        pass_s=0.0, decode_step_s=0.0)})
     out["overheads"] = fit_overheads(cfg, base, dtype, device)
-    out["overheads"].update(fit_train_overheads(cfg, hardware({**out, "key": base_key}), dtype, device))
+    fitted = hardware({**out, "key": base_key})
+    out["overheads"].update(fit_train_overheads(cfg, fitted, dtype, device))
+    out["overheads"].update(fit_generate_call(cfg, fitted, dtype, device))
     return out
 
 

@@ -255,7 +255,8 @@ def realloc_time(hw: Hardware, plan: StepPlan, m: PlanModel) -> Tuple[float, str
     if m.servers is not None:
         n = params(Shard(src.cfg, 1, 1, 0, b))
         method = "disk" if m.servers.weight_sync == "disk" else "broadcast"
-        return comm_cost.publish_weights(hw, n, b, m.servers.n, method), "publish", src_devs
+        return (comm_cost.publish_weights(hw, n, b, m.servers.n, method, tensors=comm_cost.hf_tensor_count(src.cfg)),
+                "publish", src_devs)
     if m.mesh == src.mesh:
         return 0.0, "", ()
     return comm_cost.realloc(hw, m.cfg, src.mesh, m.mesh, b), "realloc", src_devs

@@ -106,6 +106,62 @@ def test_link_latency_is_a_collectives_mean_between_computation():
     assert all(v > 0 for v in c["in_step"].values())
     assert c["lat"] >= c["in_step"]["allreduce"] / 2 - 1e-12
     assert c["lat"] >= c["sendrecv"][0][1] - 1e-12
+    # bandwidths past the caches, from the two largest sizes; the real reallocation's cost
+    assert [n for n, _ in c["sendrecv"]][-1] >= 64 << 20 and c["bw"] > 0 and c["allreduce_bw"] > 0
+    r = c["realloc"]
+    assert r["fixed_s"] > 0 and r["bw"] > 0 and 0.0 <= r["both_ways"] <= 1.0
+    pairs = {p["pair"] for p in r["points"]}
+    assert pairs == {"d1m1p1:d2m1p1", "d1m2p1:d2m1p1"} and all(p["seconds"] > 0 for p in r["points"])
+    assert max(p["sent"] for p in r["points"]) > 1e7  # the large shape moves tens of MB
+
+
+def test_realloc_rates_from_one_way_and_two_way_reallocations():
+    """The fit of the reallocation probe: a fixed cost, a rate from the two one-way sizes, and the share of the
+    lesser direction that a two-way exchange adds (0 at full duplex, 1 taking turns, held in [0, 1])."""
+    from realhf.plan.probes import realloc_rates
+
+    def pts(t_two: float):
+        return [dict(pair="d1m1p1:d2m1p1", hidden=64, seconds=0.001, sent=1e5, received=0.0, bytes_per=4),
+                dict(pair="d1m2p1:d2m1p1", hidden=64, seconds=0.001, sent=5e4, received=5e4, bytes_per=4),
+                dict(pair="d1m1p1:d2m1p1", hidden=512, seconds=0.041, sent=1e7 + 1e5, received=0.0, bytes_per=4),
+                dict(pair="d1m2p1:d2m1p1", hidden=512, seconds=t_two, sent=5e6, received=5e6, bytes_per=4)]
+
+    full = realloc_rates(pts(0.001 + 0.02))  # 20 MB one way at 1 GB/s: both directions at once
+    assert full["fixed_s"] == 0.001 and full["bw"] == pytest.approx(1e9) and full["both_ways"] == pytest.approx(0.0)
+    turns = realloc_rates(pts(0.001 + 0.04))
+    assert turns["both_ways"] == pytest.approx(1.0)
+    assert realloc_rates(pts(0.5))["both_ways"] == 1.0  # contention beyond turns is held at 1
+
+
+def test_measured_link_rates_drive_allreduce_realloc_and_publication():
+    """A profiled machine's all-reduce rate and reallocation cost replace the link's; a publication through a weight
+    group pays one broadcast per tensor of the HF checkpoint."""
+    h = dataclasses.replace(hardware.get("h100"), intra_bw=10e9, intra_lat=0.0)
+    assert comm_cost.allreduce(dataclasses.replace(h, allreduce_bw=2e9), 4e9, 2) == pytest.approx(2.0)
+    assert comm_cost.allreduce(h, 4e9, 2) == pytest.approx(0.4)
+    cfg = model_config("smollm2-135m")
+    src, dst = Mesh(1, 2, 1), Mesh(2, 1, 1)
+    t = comm_cost.realloc_traffic(cfg, src, dst)
+    busiest = max(max(s, r) + min(s, r) for s, r, _ in t.values()) * 4
+    measured = dataclasses.replace(h, realloc_fixed_s=0.01, realloc_bw=1e9, realloc_both_ways=1.0)
+    assert comm_cost.realloc(measured, cfg, src, dst, 4) == pytest.approx(0.01 + busiest / 1e9)
+    pub = dataclasses.replace(h, inter_lat=1e-3, broadcast_lat=2e-4)
+    one = comm_cost.publish_weights(pub, 1e8, 4, 1, "broadcast")
+    many = comm_cost.publish_weights(pub, 1e8, 4, 1, "broadcast", tensors=comm_cost.hf_tensor_count(cfg))
+    assert many - one == pytest.approx((30 * 9 + 2 - 1) * 2e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gpt2"])
+def test_hf_tensor_count_is_the_checkpoints(family):
+    """The tensors a publication sends one by one: as many as the real HF state of a tiny model of each family."""
+    import torch
+
+    from realhf.impl.model.conversion.hf_io import stage_hf_state
+    from realhf.impl.model.tiny import ensure_tiny_model
+    from realhf.plan.profile import _model
+
+    cfg = model_config(ensure_tiny_model(family))
+    assert comm_cost.hf_tensor_count(cfg) == len(stage_hf_state(_model(cfg, torch.float32, "cpu")))
 
 
 def test_call_probe_times_a_real_round_trip_and_the_profile_uses_it():
@@ -134,3 +190,15 @@ def test_train_call_probe_runs_the_real_ppo_training_call():
     assert info["measured_s"] > 0 and info["passes_s"] > 0
     assert left == pytest.approx(max(0.0, info["measured_s"] - info["passes_s"]))
     assert math.isfinite(left)
+
+
+def test_generate_call_probe_runs_the_real_ppo_generation():
+    """The PPO actor's generate on a one-block model, answers of a fixed length: timed whole, the cost model's
+    prefill and decode steps beside it."""
+    from realhf.plan.interface_probe import generate_call_overhead
+    from realhf.plan.profile import _proxy
+
+    small = _proxy(model_config("smollm2-135m"), 1)
+    left, info = generate_call_overhead(small, _hw(1e-5), "float32", "cpu", reps=2)
+    assert info["measured_s"] > 0 and info["passes_s"] > 0
+    assert left == pytest.approx(max(0.0, info["measured_s"] - info["passes_s"]))
