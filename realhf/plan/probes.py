@@ -122,7 +122,8 @@ def disk_bandwidth(folder: str, nbytes: int = 64 << 20) -> float:
 # ------------------------------------------------------------------------------------------------ communication
 
 
-def _comm_worker(rank: int, world: int, store_path: str, backend: str, sizes: Sequence[int], q) -> None:
+def _comm_worker(rank: int, world: int, store_path: str, backend: str, sizes: Sequence[int], q,
+                 tp_model: Optional[Dict] = None) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -147,6 +148,8 @@ def _comm_worker(rank: int, world: int, store_path: str, backend: str, sizes: Se
             res["sendrecv"].append((n, timed(pingpong, device, reps=7, budget_s=0.5) / 2))
         res["in_step"] = _collectives_in_step(dist, device)
         res["realloc"] = _realloc_probe(dist, device)
+        if tp_model is not None:
+            res["tp_decode"] = _tp_decode_probe(device, **tp_model)
         dist.destroy_process_group()
         q.put((rank, res, None))
     except Exception as e:  # reported to the parent, which decides
@@ -237,6 +240,38 @@ def _realloc_probe(dist, device: str, reps: int = 3) -> List[Dict]:
     return out
 
 
+def _tp_decode_probe(device: str, cfg: Dict, dtype: str, rows: int, prompt: int, steps: Tuple[int, int],
+                     reps: int = 3) -> Dict:
+    """A real decode step of model ``cfg`` split over the two ranks (d1m2p1): sampled generations of ``steps[0]`` and
+    ``steps[1]`` new tokens over ``rows`` prompts of ``prompt`` tokens, the median of ``reps`` each; their difference
+    per step. What a tensor-parallel decode step pays for its collectives, between its own computation."""
+    import statistics
+
+    from realhf.api.core.model_api import GenerationHyperparameters, ReaLModelConfig
+    from realhf.base.topology import ParallelDims, ParallelGrid
+    from realhf.impl.model.nn.generation import generate
+    from realhf.impl.model.nn.real_model import ReaLModel
+
+    grid = ParallelGrid(ParallelDims.parse("d1m2p1"), ranks=[0, 1])
+    m = ReaLModel(ReaLModelConfig(**cfg), grid=grid, dtype=getattr(torch, dtype), device=device)
+    m.init_random(seed=1)
+    m.eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, cfg["vocab_size"], (prompt,), generator=g).tolist() for _ in range(rows)]
+
+    def run(k: int) -> float:
+        gc = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, temperature=1.0)
+        _sync(device)
+        t = time.perf_counter()
+        generate(m, prompts, gc, seeds=list(range(rows)))
+        _sync(device)
+        return time.perf_counter() - t
+
+    run(steps[0])  # warm-up
+    a, b = (statistics.median(run(k) for _ in range(reps)) for k in steps)
+    return dict(rows=rows, cached=prompt + (steps[0] + steps[1]) / 2, step_s=max(b - a, 1e-9) / (steps[1] - steps[0]))
+
+
 def realloc_rates(points: Sequence[Dict]) -> Dict[str, float]:
     """The reallocation's cost from :func:`_realloc_probe`'s points: ``fixed_s`` (the small shape's one-way
     reallocation), ``bw`` (bytes/s of the busiest rank's larger direction, from the two shapes' one-way
@@ -258,7 +293,8 @@ def realloc_rates(points: Sequence[Dict]) -> Dict[str, float]:
     return dict(fixed_s=fixed, bw=bw, both_ways=min(1.0, max(0.0, both)))
 
 
-def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeout: float = 180.0) -> Optional[Dict]:
+def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeout: float = 180.0,
+         tp_model: Optional[Dict] = None) -> Optional[Dict]:
     """All-reduce and send/recv times between two local processes (gloo; NCCL between two GPUs) at ``sizes``
     bytes, small collectives as they run between computation (``in_step``, :func:`_collectives_in_step`), and the
     fitted link: bandwidth from the two largest sends' difference in size (``bw``; ``allreduce_bw`` likewise from the
@@ -276,7 +312,8 @@ def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeo
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="realhf-comm-probe-") as d:
         store = os.path.join(d, "store")
-        procs = [ctx.Process(target=_comm_worker, args=(r, 2, store, backend, list(sizes), q), daemon=True)
+        procs = [ctx.Process(target=_comm_worker, args=(r, 2, store, backend, list(sizes), q, tp_model),
+                             daemon=True)
                  for r in range(2)]
         for p in procs:
             p.start()
@@ -301,6 +338,8 @@ def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeo
     (_, a1), (_, a2) = res["allreduce"][-2], res["allreduce"][-1]
     out["allreduce_bw"] = (n2 - n1) / max(a2 - a1, 1e-9)
     out["realloc"] = dict(points=res["realloc"], **realloc_rates(res["realloc"]))
+    if "tp_decode" in res:
+        out["tp_decode"] = max((r["tp_decode"] for r in got.values()), key=lambda d: d["step_s"])
     # the latency per step of a collective (a ring all-reduce of n ranks takes 2 (n - 1) steps) as a model's step pays
     # it: from the mean small all-reduce between computation, over both ranks (each waits for the later one)
     in_step = {k: max(r["in_step"][k] for r in got.values()) for k in got[0]["in_step"]}

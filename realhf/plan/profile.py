@@ -2,11 +2,13 @@
 
 A few seconds of the real kernels at a model's shapes (:mod:`realhf.plan.probes`): the FLOP/s of the model's block
 products by number of rows, a copy's bandwidth, the attention kernel's rate, AdamW's step per parameter, writing and
-reading a checkpoint, all-reduce and send/recv between two local processes (gloo; NCCL between two GPUs); then a whole
-forward pass and a whole decode step of the model's blocks (1 and 3 of them, a 1,024-token vocabulary) timed, and what
-the products and attention do not explain fitted as a cost per block, per token x hidden element of a block, and per
-pass (:func:`fit_overheads`), a generation call's own setup (its time beyond its prefill and steps) and a training
-call's host-side work (:mod:`realhf.plan.interface_probe`); and, where the caller passes the control plane's probe
+reading a checkpoint, all-reduce, send/recv and the real parameter reallocation between two local processes (gloo;
+NCCL between two GPUs); then a whole forward pass and a whole decode step of the model's blocks (1 and 3 of them, or
+the model's own depth up to ``FIT_WHOLE_DEPTH``; a 1,024-token vocabulary) timed, and what the products and attention
+do not explain fitted as a cost per block, per token x hidden element of a block, and per pass
+(:func:`fit_overheads`), a generation call's and a training call's own work on the real PPO interface
+(:mod:`realhf.plan.interface_probe`), and the latency a collective pays inside a real tensor-parallel decode step over
+the two processes (:func:`_decode_latency`); and, where the caller passes the control plane's probe
 (:mod:`realhf.system.transport.call_probe`, a layer above this one), an MFC's round trip over the real request/reply
 stream: the fixed cost of each call and, twice (fetching and clearing the batch), of each step. On CPU, where a
 "device" is a worker process, the rates are those of this process's threads (``--threads``).
@@ -36,13 +38,15 @@ logger = logging.getLogger("realhf.plan.profile")
 PROFILE_VERSION = 4  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
 # 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
 # 4: links' bandwidths past the caches, a two-rank all-reduce's own rate, the real reallocation's cost, a generation
-# call's own cost on the real interface, every timing a median (was the least)
+# call's own cost on the real interface, every timing a median (was the least), the collectives' latency from
+# a real tensor-parallel decode step, shallow models fitted at their own depth
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
 FIT_TOKENS = ((64, 1), (512, 2))  # (tokens, sequences) of the timed forward passes
 FIT_ROWS = (1, 16)  # rows of the timed decode steps
 FIT_PROMPT, FIT_STEPS = 32, (2, 18)  # prompt length; new tokens of the two timed generations (their difference)
+FIT_WHOLE_DEPTH = 8  # models of at most this many blocks are fitted at 1 block and at their own depth
 STEP_ROUND_TRIPS = 2  # a step's own requests to the workers beside its MFCs': fetching the batch, clearing it
 
 
@@ -147,6 +151,8 @@ def _fit_layers(cfg: ReaLModelConfig, bytes_per: int) -> Tuple[int, int]:
     from realhf.plan.comm_cost import _units
 
     per_layer = _units(cfg, 1, 0)[0][3]
+    if 2 <= cfg.n_layers <= FIT_WHOLE_DEPTH and cfg.n_layers * per_layer * bytes_per <= 1.5 * GB:
+        return (1, cfg.n_layers)  # a shallow model is timed at its own depth: nothing to extrapolate
     return (1, 3) if 3 * per_layer * bytes_per <= 1.5 * GB else (1, 2)
 
 
@@ -312,7 +318,7 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
                attention_flops=probes.attention_rate(cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, dt, device),
                optimizer_s_per_param=probes.optimizer_seconds_per_param(dt, device),
                disk_bw=probes.disk_bandwidth(realhf_cache_dir()), memory_bytes=_memory_bytes(device))
-    out["comm"] = probes.comm(device) if comm else None
+    out["comm"] = _measure_comm(cfg, dtype, device) if comm else None
     if round_trip is not None:
         out["mfc_round_trip"] = round_trip()
     out["measured_at"] = datetime.datetime.now().isoformat(timespec="seconds")
@@ -324,7 +330,49 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
     fitted = hardware({**out, "key": base_key})
     out["overheads"].update(fit_train_overheads(cfg, fitted, dtype, device))
     out["overheads"].update(fit_generate_call(cfg, fitted, dtype, device))
+    _decode_latency(out, cfg, dtype)
     return out
+
+
+TP_PROBE_LAYERS, TP_PROBE_ROWS = 2, 16  # the tensor-parallel decode probe's proxy depth and rows
+
+
+def _measure_comm(cfg: ReaLModelConfig, dtype: str, device: str) -> Optional[Dict]:
+    """The link probe between two processes, with a real tensor-parallel decode step of ``cfg``'s proxy when its
+    heads split in two (else without it)."""
+    from realhf.plan import probes
+
+    proxy = _proxy(cfg, min(TP_PROBE_LAYERS, cfg.n_layers))
+    try:
+        proxy.check_layout(2, 1)
+    except ValueError:
+        return probes.comm(device)
+    tp_model = dict(cfg=dataclasses.asdict(proxy), dtype=dtype, rows=TP_PROBE_ROWS, prompt=FIT_PROMPT, steps=FIT_STEPS)
+    return probes.comm(device, tp_model=tp_model)
+
+
+def _decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str) -> None:
+    """The link's latency per collective step as a tensor-parallel decode step pays it: what the real two-process
+    decode step (``comm["tp_decode"]``) takes beyond the fitted computation, over the latencies the cost model counts
+    in it. Kept as ``comm["lat"]`` (the small all-reduce between computation's figure stays as ``lat_in_step``)."""
+    from realhf.plan.cost import CostModel
+
+    link = data.get("comm") or {}
+    tp = link.get("tp_decode")
+    if not tp:
+        return
+    proxy = _proxy(cfg, min(TP_PROBE_LAYERS, cfg.n_layers))
+    hw = hardware({**data, "key": dict(dtype=dtype, machine="", device="cpu", threads=0)})
+
+    def step(lat: float) -> float:
+        h = dataclasses.replace(hw, intra_lat=lat, inter_lat=lat, broadcast_lat=0.0)
+        return CostModel(proxy, h, dtype).decode_step(tp["rows"], tp["cached"], tp=2)
+
+    units = step(1.0) - step(0.0)
+    lat = (tp["step_s"] - step(0.0)) / units if units > 0 else 0.0
+    if lat > 0:
+        link["lat_in_step"] = link.get("lat_in_step", link["lat"])
+        link["lat"] = lat
 
 
 def _zero_hw() -> Hardware:
@@ -356,9 +404,8 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
     if data is not None:  # cached without the link probe or the control plane's: add them
         if need_comm:
             logger.info("profile: measuring the links between two local processes")
-            from realhf.plan import probes
-
-            data["comm"] = probes.comm(device)
+            data["comm"] = _measure_comm(cfg, dtype, device)
+            _decode_latency(data, cfg, dtype)
         if need_trip:
             data["mfc_round_trip"] = round_trip()
     else:

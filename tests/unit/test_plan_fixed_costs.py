@@ -100,8 +100,12 @@ def test_link_latency_is_a_collectives_mean_between_computation():
     """Two real gloo processes: the small collectives timed as a step runs them (after computation), and the link's
     latency per ring step at least half such an all-reduce (it was the least back-to-back send before)."""
     from realhf.plan.probes import comm
+    from realhf.plan.profile import FIT_PROMPT, FIT_STEPS, _proxy
 
-    c = comm("cpu")
+    proxy = _proxy(model_config("smollm2-135m"), 1)
+    c = comm("cpu", tp_model=dict(cfg=dataclasses.asdict(proxy), dtype="float32", rows=4, prompt=FIT_PROMPT,
+                                  steps=FIT_STEPS))
+    assert c["tp_decode"]["rows"] == 4 and c["tp_decode"]["step_s"] > 0  # a real decode step over the two ranks
     assert set(c["in_step"]) == {"allreduce", "allgather", "broadcast"}
     assert all(v > 0 for v in c["in_step"].values())
     assert c["lat"] >= c["in_step"]["allreduce"] / 2 - 1e-12
@@ -113,6 +117,28 @@ def test_link_latency_is_a_collectives_mean_between_computation():
     pairs = {p["pair"] for p in r["points"]}
     assert pairs == {"d1m1p1:d2m1p1", "d1m2p1:d2m1p1"} and all(p["seconds"] > 0 for p in r["points"])
     assert max(p["sent"] for p in r["points"]) > 1e7  # the large shape moves tens of MB
+
+
+def test_decode_latency_inverts_the_cost_models_tensor_parallel_decode_step():
+    """The link's latency as a tensor-parallel decode step pays it: a probed step that took exactly what the cost
+    model gives at latency X yields X; without the probe the latency is left as measured between computation."""
+    from realhf.plan.cost import CostModel
+    from realhf.plan.profile import TP_PROBE_LAYERS, _decode_latency, _proxy, hardware as hw_of
+
+    cfg = model_config("smollm2-135m")
+    p = dict(key=dict(dtype="float32", machine="m", device="cpu", threads=1), measured_at="now",
+             matmul_rows=[(1, 1e9), (64, 5e10)], copy_bw=1e10, attention_flops=1e10, optimizer_s_per_param=1e-9,
+             disk_bw=1e9, memory_bytes=1e10, comm=dict(bw=1e9, lat=1e-4),
+             overheads=dict(layer_s=1e-5, elementwise_s=0.0, decode_layer_s=2e-5, decode_elementwise_s=0.0, pass_s=0.0,
+                            decode_step_s=1e-4))
+    _decode_latency(p, cfg, "float32")
+    assert p["comm"]["lat"] == 1e-4 and "lat_in_step" not in p["comm"]
+    x = 7e-4
+    h = dataclasses.replace(hw_of(p), intra_lat=x, inter_lat=x)
+    step = CostModel(_proxy(cfg, TP_PROBE_LAYERS), h, "float32").decode_step(16, 42.0, tp=2)
+    p["comm"]["tp_decode"] = dict(rows=16, cached=42.0, step_s=step)
+    _decode_latency(p, cfg, "float32")
+    assert p["comm"]["lat"] == pytest.approx(x) and p["comm"]["lat_in_step"] == 1e-4
 
 
 def test_realloc_rates_from_one_way_and_two_way_reallocations():
