@@ -75,7 +75,9 @@ class Hardware:
     (0: the link's); ``realloc_fixed_s``, ``realloc_bw``, ``realloc_both_ways``: a parameter reallocation as measured
     (its fixed cost, bytes/s of the busiest rank's larger direction, the share of the lesser direction's bytes that
     adds to the time; ``realloc_bw`` 0: the link's rate and a latency per message); ``broadcast_lat``: seconds of
-    a small broadcast between two processes where measured (0: the link's latency); ``sources``: where each figure
+    a small broadcast between two processes where measured (0: the link's latency); ``reward_s_per_answer``: the
+    rule-based reward's grading of one answer on the host where measured (0: not counted); ``sources``: where each
+    figure
     came from."""
 
     name: str
@@ -107,6 +109,7 @@ class Hardware:
     realloc_bw: float = 0.0
     realloc_both_ways: float = 0.0
     broadcast_lat: float = 0.0
+    reward_s_per_answer: float = 0.0
     device: str = "cuda"
     sources: Dict[str, str] = dataclasses.field(default_factory=dict)
 

@@ -133,3 +133,28 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
         PROBE_PROMPTS, P, PROBE_GROUP, PROBE_ANSWER_LEN)
     measured = statistics.median(ts)
     return max(0.0, measured - passes), dict(measured_s=measured, passes_s=passes)
+
+
+def reward_per_answer(n: int = 64, reps: int = 5) -> Tuple[float, dict]:
+    """(seconds per answer of the rule-based math reward, the figures behind it): the real grader
+    (:class:`realhf.impl.workflow.rewards.MathReward`, the last number allowed) over ``n`` short answers to arithmetic
+    problems, half of them right, the median of ``reps`` rounds after one that starts the grader."""
+    from realhf.impl.dataset import make_arithmetic_problems
+    from realhf.impl.workflow.rewards import MathReward
+
+    problems = make_arithmetic_problems(n, seed=5, kind="easy")
+    sols = [p["solutions"] for p in problems]
+    texts = [f"{p['prompt']} We add the numbers step by step, so the answer is "
+             f"{p['solutions'][0] if i % 2 else int(p['solutions'][0]) + 1}." for i, p in enumerate(problems)]
+    grader = MathReward(allow_last_number=True)
+    try:
+        ts = []
+        for i in range(reps + 1):
+            t = time.perf_counter()
+            grader.grade_many(texts, sols)
+            if i:
+                ts.append(time.perf_counter() - t)
+    finally:
+        grader.close()
+    per = statistics.median(ts) / n
+    return per, dict(answers=n, round_s=statistics.median(ts))

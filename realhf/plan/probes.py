@@ -247,9 +247,8 @@ def _tp_decode_probe(device: str, cfg: Dict, dtype: str, rows: int, prompt: int,
     per step. What a tensor-parallel decode step pays for its collectives, between its own computation."""
     import statistics
 
-    from realhf.api.core.model_api import GenerationHyperparameters, ReaLModelConfig
+    from realhf.api.core.model_api import ReaLModelConfig
     from realhf.base.topology import ParallelDims, ParallelGrid
-    from realhf.impl.model.nn.generation import generate
     from realhf.impl.model.nn.real_model import ReaLModel
 
     grid = ParallelGrid(ParallelDims.parse("d1m2p1"), ranks=[0, 1])
@@ -259,17 +258,23 @@ def _tp_decode_probe(device: str, cfg: Dict, dtype: str, rows: int, prompt: int,
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, cfg["vocab_size"], (prompt,), generator=g).tolist() for _ in range(rows)]
 
-    def run(k: int) -> float:
-        gc = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, temperature=1.0)
-        _sync(device)
-        t = time.perf_counter()
-        generate(m, prompts, gc, seeds=list(range(rows)))
-        _sync(device)
-        return time.perf_counter() - t
-
-    run(steps[0])  # warm-up
-    a, b = (statistics.median(run(k) for _ in range(reps)) for k in steps)
+    sampled_generation(m, prompts, steps[0], device)  # warm-up
+    a, b = (statistics.median(sampled_generation(m, prompts, k, device) for _ in range(reps)) for k in steps)
     return dict(rows=rows, cached=prompt + (steps[0] + steps[1]) / 2, step_s=max(b - a, 1e-9) / (steps[1] - steps[0]))
+
+
+def sampled_generation(model, prompts: List[List[int]], k: int, device: str) -> float:
+    """Seconds of a generation of exactly ``k`` new tokens for each prompt, sampled as an RL run samples
+    (temperature 1, a random stream per answer)."""
+    from realhf.api.core.model_api import GenerationHyperparameters
+    from realhf.impl.model.nn.generation import generate
+
+    gc = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, temperature=1.0)
+    _sync(device)
+    t = time.perf_counter()
+    generate(model, prompts, gc, seeds=list(range(len(prompts))))
+    _sync(device)
+    return time.perf_counter() - t
 
 
 def realloc_rates(points: Sequence[Dict]) -> Dict[str, float]:

@@ -35,11 +35,11 @@ from realhf.plan.shapes import model_config
 
 logger = logging.getLogger("realhf.plan.profile")
 
-PROFILE_VERSION = 4  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
+PROFILE_VERSION = 5  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
 # 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
 # 4: links' bandwidths past the caches, a two-rank all-reduce's own rate, the real reallocation's cost, a generation
-# call's own cost on the real interface, every timing a median (was the least), the collectives' latency from
-# a real tensor-parallel decode step, shallow models fitted at their own depth
+# call's own cost on the real interface, every timing a median (was the least); 5: the collectives' latency from a
+# real tensor-parallel decode step, shallow models fitted at their own depth, the rule-based reward's grading
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
@@ -139,6 +139,7 @@ def hardware(p: Dict) -> Hardware:
         realloc_bw=(link.get("realloc") or {}).get("bw", 0.0),
         realloc_both_ways=(link.get("realloc") or {}).get("both_ways", 0.0),
         broadcast_lat=(link.get("in_step") or {}).get("broadcast", 0.0),
+        reward_s_per_answer=o.get("reward_s", 0.0),
         matmul_rows=tuple((int(r), float(v)) for r, v in p["matmul_rows"]), device=p["key"]["device"],
         sources={"all": src, "links": "measured between two local processes" if link else
                  "not measured (one device): half a copy's rate and 10 us assumed",
@@ -202,29 +203,19 @@ def _time_decode_step(model, rows: int, device: str) -> Tuple[float, float]:
     """(seconds of one decode step of ``rows`` rows at about ``FIT_PROMPT + 10`` cached positions: the difference of
     two sampled generations of different lengths, divided by the steps between them; seconds of the shorter
     generation)."""
-    import time
+    import statistics
 
     import torch
 
-    from realhf.api.core.model_api import GenerationHyperparameters
-    from realhf.impl.model.nn.generation import generate
-    from realhf.plan.probes import _sync
+    from realhf.plan.probes import sampled_generation
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, FIT_VOCAB, (FIT_PROMPT,), generator=g).tolist() for _ in range(rows)]
-
-    def run(k: int) -> float:  # sampled as an RL run samples: temperature 1, a random stream per answer
-        gc = GenerationHyperparameters(max_new_tokens=k, min_new_tokens=k, temperature=1.0)
-        _sync(device)
-        t = time.perf_counter()
-        generate(model, prompts, gc, seeds=list(range(rows)))
-        _sync(device)
-        return time.perf_counter() - t
-
-    run(FIT_STEPS[0])  # warm-up
+    sampled_generation(model, prompts, FIT_STEPS[0], device)  # warm-up
     a, b = FIT_STEPS
-    short = min(run(a) for _ in range(3))
-    return max(min(run(b) for _ in range(3)) - short, 1e-9) / (b - a), short
+    short = statistics.median(sampled_generation(model, prompts, a, device) for _ in range(3))
+    return max(statistics.median(sampled_generation(model, prompts, b, device) for _ in range(3)) - short,
+               1e-9) / (b - a), short
 
 
 def fit_overheads(cfg: ReaLModelConfig, base: Hardware, dtype: str, device: str) -> Dict:
@@ -310,6 +301,7 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
 
     from realhf.plan import probes
     from realhf.plan.cost import CostModel
+    from realhf.plan.interface_probe import reward_per_answer
 
     dt = getattr(torch, dtype)
     lin = CostModel(cfg, _zero_hw(), dtype).linears(1)
@@ -330,6 +322,7 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
     fitted = hardware({**out, "key": base_key})
     out["overheads"].update(fit_train_overheads(cfg, fitted, dtype, device))
     out["overheads"].update(fit_generate_call(cfg, fitted, dtype, device))
+    out["overheads"]["reward_s"] = reward_per_answer()[0]
     _decode_latency(out, cfg, dtype)
     return out
 

@@ -97,7 +97,8 @@ class PlanModel:
 @dataclasses.dataclass(frozen=True)
 class PlanCall:
     """An MFC: its model, the parents it reads from with the bytes per token each edge moves, its workload (None:
-    no model computation, e.g. a rule-based reward) and its micro-batches."""
+    no model computation, e.g. a rule-based reward, which grades ``answers`` answers on the host) and its
+    micro-batches."""
 
     name: str
     model: str
@@ -105,6 +106,7 @@ class PlanCall:
     work: Optional[Workload] = None
     n_mbs: int = 1
     max_tokens: int = UNBOUNDED
+    answers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,8 +209,8 @@ def generate_time(cm: CostModel, w: Workload, prompts: float, tp: int, pp: int, 
 def compute_time(hw: Hardware, m: PlanModel, call: PlanCall, cm: Optional[CostModel] = None) -> float:
     """The computation of ``call`` on ``m``'s mesh (its slowest data-parallel rank), or on its servers."""
     w = call.work
-    if w is None:
-        return 0.0
+    if w is None:  # a rule-based reward: its data-parallel ranks grade their share of the answers
+        return math.ceil(call.answers / m.mesh.dp) * hw.reward_s_per_answer
     cm = cm or CostModel(m.cfg, hw, m.dtype)
     if w.kind == "generate":
         if m.servers is not None:
@@ -341,7 +343,7 @@ def simulate_step(plan: StepPlan, hw: Hardware, memo: Optional[dict] = None) -> 
             tokens = _tokens(c.work) or _tokens(calls[p].work)
             xfer = max(xfer, comm_cost.data_transfer(hw, tokens, bpt, models[calls[p].model].mesh, m.mesh))
         ckey = ("c", id(m.cfg), m.dtype, m.mesh, m.servers, c.work and dataclasses.astuple(c.work), c.n_mbs,
-                c.max_tokens)
+                c.max_tokens, c.answers)
         if ckey not in memo:
             memo[ckey] = compute_time(hw, m, c, cm)
         dkey = ("d", m.mesh, m.servers)
@@ -366,8 +368,8 @@ def _mesh(m) -> Mesh:
 def plan_of(spec, cfgs: Dict[str, ReaLModelConfig], workloads: Dict[str, Workload], device: str = "cpu",
             budgets: Optional[Dict[str, Tuple[int, int]]] = None) -> StepPlan:
     """The :class:`StepPlan` of an experiment's spec (``realhf.api.core.system_api.ExperimentSpec``): ``cfgs``, each
-    computing model's shape (a model without one, e.g. a rule-based reward, computes nothing); ``workloads``, each
-    MFC's work per step; ``budgets``: (n_mbs, max_tokens_per_mb) per MFC overriding the spec's."""
+    computing model's shape (a model without one, e.g. a rule-based reward, grades the generated answers);
+    ``workloads``, each MFC's work per step; ``budgets``: (n_mbs, max_tokens_per_mb) per MFC overriding the spec's."""
     from realhf.api.core.dfg import build_graph
     from realhf.plan.fit import model_dtype
 
@@ -388,11 +390,13 @@ def plan_of(spec, cfgs: Dict[str, ReaLModelConfig], workloads: Dict[str, Workloa
         models.append(PlanModel(m.name, cfg, _mesh(m), model_dtype(m, device), m.optimizer is not None,
                                 m.realloc_from, fleet))
     has_shape = set(cfgs) | {k for k, v in served_cfg.items() if v is not None}
+    answers = sum(w.seqs * w.n for w in workloads.values() if w.kind == "generate")  # what a rule-based reward grades
     calls = []
     for name in g.topological_order():
         f = g[name]
         parents = tuple((p, sum(key_bytes(k) for k in g.edge_keys(p, name))) for p in g.parents(name))
         n_mbs, max_tokens = (budgets or {}).get(name, (f.mb_spec.n_mbs, f.mb_spec.max_tokens_per_mb))
         work = workloads.get(name) if str(f.model_name) in has_shape else None
-        calls.append(PlanCall(name, str(f.model_name), parents, work, n_mbs, max_tokens))
+        graded = answers if work is None and f.is_inference else 0
+        calls.append(PlanCall(name, str(f.model_name), parents, work, n_mbs, max_tokens, graded))
     return StepPlan(tuple(models), tuple(calls))

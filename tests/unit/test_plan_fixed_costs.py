@@ -228,3 +228,16 @@ def test_generate_call_probe_runs_the_real_ppo_generation():
     left, info = generate_call_overhead(small, _hw(1e-5), "float32", "cpu", reps=2)
     assert info["measured_s"] > 0 and info["passes_s"] > 0
     assert left == pytest.approx(max(0.0, info["measured_s"] - info["passes_s"]))
+
+
+def test_rule_based_reward_grades_its_share_of_the_answers():
+    """A weightless reward call costs its data-parallel rank's share of the generated answers at the measured grading
+    rate; the probe grades real answers with the real grader; plan_of gives the call every answer of the step."""
+    from realhf.plan.interface_probe import reward_per_answer
+
+    per, info = reward_per_answer(n=16, reps=2)
+    assert per > 0 and info["answers"] == 16 and info["round_s"] == pytest.approx(16 * per)
+    h = dataclasses.replace(hardware.get("h100"), reward_s_per_answer=1e-3)
+    m = PlanModel("reward", CFG, Mesh(2, 1, 1))
+    assert compute_time(h, m, PlanCall("rew_inf", "reward", answers=256)) == pytest.approx(0.128)
+    assert compute_time(hardware.get("h100"), m, PlanCall("rew_inf", "reward", answers=256)) == 0.0

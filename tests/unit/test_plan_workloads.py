@@ -62,3 +62,27 @@ def test_the_training_calls_time_follows_the_tokens_it_computes(work):
 
     assert t(got) == pytest.approx(t(direct))
     assert t(got) > t(stale)
+
+
+def test_a_rule_based_reward_grades_every_answer_of_the_step(tmp_path):
+    """ppo-math's rew_inf (the rule-based grader, no weights) gets every generated answer of the step to grade, and a
+    step estimated on a cluster without a measured grading rate counts nothing for it."""
+    from realhf.api.quickstart.entry import parse_cli
+    from realhf.apps.planning import context
+    from realhf.experiments import registered
+    from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
+    from realhf.impl.model.tiny import ensure_tiny_model
+    from realhf.plan.simulate import plan_of
+
+    data = tmp_path / "math.jsonl"
+    write_math_jsonl(make_arithmetic_problems(16, seed=3, kind="easy"), str(data))
+    registered()
+    _, cfg = parse_cli(["ppo-math", f"actor.path={ensure_tiny_model('qwen2')}", f"dataset.path={data}",
+                        f"group_size={GROUP}", "dataset.train_bs_n_seqs=8", "use_critic=false", "ppo.kl_ctl=0",
+                        "allocation_mode=d2m1p1", "n_devices_per_node=2"])
+    ctx = context("ppo-math", cfg, ("h800", 2, 1))
+    plan = plan_of(ctx.spec, ctx.cfgs, ctx.work, ctx.hw.device)
+    reward = next(c for c in plan.calls if c.name == "rew_inf")
+    assert reward.work is None and reward.answers == 8 * GROUP
+    assert next(c for c in plan.calls if c.name == "actor_train").answers == 0
+    assert compute_time(ctx.hw, plan.model(reward.model), reward) == 0.0
