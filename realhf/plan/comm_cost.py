@@ -185,15 +185,20 @@ def realloc_exact(cfg: ReaLModelConfig, src: Mesh, dst: Mesh) -> Dict[int, Tuple
     return {r: tuple(v) for r, v in out.items()}
 
 
-def data_transfer(hw: Hardware, tokens: float, bytes_per_token: float, src: Mesh, dst: Mesh) -> float:
+def data_transfer(hw: Hardware, tokens: float, bytes_per_token: float, src: Mesh, dst: Mesh,
+                  messages: int = 0) -> float:
     """Moving ``tokens`` tokens of an MFC's outputs (``bytes_per_token``: e.g. 8 for token ids, 4 per fp32 value)
     from ``src``'s data-parallel ranks to ``dst``'s: each destination rank receives its share, the sources sending
-    theirs at once; nothing moves when the two meshes are the same ranks with the same data split."""
+    theirs at once, in ``messages`` messages over the whole batch (one per sample and key), each destination rank its
+    share of them at the cost of a batched message; nothing moves when the two meshes are the same ranks with the same
+    data split."""
     if src.first == dst.first and src.dp == dst.dp and src.tp == dst.tp and src.pp == dst.pp:
         return 0.0
     per_rank = tokens * bytes_per_token / min(src.dp, dst.dp)
     lo, hi = min(src.first, dst.first), max(src.first + src.world, dst.first + dst.world) - 1
-    return send(hw, per_rank, lo // hw.devices_per_node == hi // hw.devices_per_node)
+    intra = lo // hw.devices_per_node == hi // hw.devices_per_node
+    each = hw.p2p_msg_s or hw.link(intra)[1]
+    return send(hw, per_rank, intra) + max(0, -(-messages // dst.dp) - 1) * each
 
 
 def hf_tensor_count(cfg: ReaLModelConfig) -> int:

@@ -76,8 +76,9 @@ class Hardware:
     (its fixed cost, bytes/s of the busiest rank's larger direction, the share of the lesser direction's bytes that
     adds to the time; ``realloc_bw`` 0: the link's rate and a latency per message); ``broadcast_lat``: seconds of
     a small broadcast between two processes where measured (0: the link's latency); ``reward_s_per_answer``: the
-    rule-based reward's grading of one answer on the host where measured (0: not counted); ``sources``: where each
-    figure
+    rule-based reward's grading of one answer on the host where measured (0: not counted); ``p2p_msg_s``: seconds per
+    small message of a batch of point-to-point messages where measured (0: the link's latency); ``sources``: where
+    each figure
     came from."""
 
     name: str
@@ -110,6 +111,7 @@ class Hardware:
     realloc_both_ways: float = 0.0
     broadcast_lat: float = 0.0
     reward_s_per_answer: float = 0.0
+    p2p_msg_s: float = 0.0
     device: str = "cuda"
     sources: Dict[str, str] = dataclasses.field(default_factory=dict)
 

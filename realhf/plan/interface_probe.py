@@ -94,6 +94,7 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
     ``hw`` without its own setup cost (at least 0), the figures behind it). ``cfg``: a small model (the profiler's
     proxy)."""
     import dataclasses
+    import types
 
     import torch
 
@@ -110,7 +111,10 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
     grid = single_process_grid()
     m = ReaLModel(cfg, grid=grid, dtype=getattr(torch, dtype), device=device)
     m.init_random(seed=1)
-    model = Model(name="actor", engine=InferenceEngine(m), tokenizer=None, grid=grid, path="")
+    # the interface reads the tokenizer's end-of-sequence id alone: a run's tokenizer has one, and generation then
+    # holds it back until min_new_tokens (about 4% of a small model's generation)
+    eos_only = types.SimpleNamespace(eos_token_id=2)
+    model = Model(name="actor", engine=InferenceEngine(m), tokenizer=eos_only, grid=grid, path="")
     ppo = PPOHyperparameters(kl_ctl=0.0)
     ppo.gen.max_new_tokens = ppo.gen.min_new_tokens = PROBE_ANSWER_LEN
     iface = PPOActorInterface(ppo, group_size=PROBE_GROUP, use_critic=False, seed=1)

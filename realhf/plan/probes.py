@@ -148,6 +148,7 @@ def _comm_worker(rank: int, world: int, store_path: str, backend: str, sizes: Se
             res["sendrecv"].append((n, timed(pingpong, device, reps=7, budget_s=0.5) / 2))
         res["in_step"] = _collectives_in_step(dist, device)
         res["realloc"] = _realloc_probe(dist, device)
+        res["p2p_message"] = _p2p_message(dist, device)
         if tp_model is not None:
             res["tp_decode"] = _tp_decode_probe(device, **tp_model)
         dist.destroy_process_group()
@@ -238,6 +239,27 @@ def _realloc_probe(dist, device: str, reps: int = 3) -> List[Dict]:
                             bytes_per=src.flat.element_size() if src is not None else 4))
             del src, dst
     return out
+
+
+def _p2p_message(dist, device: str, n: int = 64, nbytes: int = 256, reps: int = 7) -> float:
+    """Seconds per message of a batch of ``n`` small point-to-point messages from rank 0 to rank 1, sent as the
+    data manager moves an MFC's inputs (``batch_isend_irecv``, one message per sample and key): the median of
+    ``reps`` batches after two, over ``n``."""
+    import statistics
+
+    rank = dist.get_rank()
+    bufs = [torch.ones(max(1, nbytes // 4), device=device) for _ in range(n)]
+    ts = []
+    for i in range(reps + 2):
+        dist.barrier()
+        t = time.perf_counter()
+        ops = [dist.P2POp(dist.isend if rank == 0 else dist.irecv, b, 1 - rank) for b in bufs]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        _sync(device)
+        if i >= 2:
+            ts.append(time.perf_counter() - t)
+    return statistics.median(ts) / n
 
 
 def _tp_decode_probe(device: str, cfg: Dict, dtype: str, rows: int, prompt: int, steps: Tuple[int, int],
@@ -343,6 +365,7 @@ def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeo
     (_, a1), (_, a2) = res["allreduce"][-2], res["allreduce"][-1]
     out["allreduce_bw"] = (n2 - n1) / max(a2 - a1, 1e-9)
     out["realloc"] = dict(points=res["realloc"], **realloc_rates(res["realloc"]))
+    out["p2p_message"] = max(r["p2p_message"] for r in got.values())
     if "tp_decode" in res:
         out["tp_decode"] = max((r["tp_decode"] for r in got.values()), key=lambda d: d["step_s"])
     # the latency per step of a collective (a ring all-reduce of n ranks takes 2 (n - 1) steps) as a model's step pays

@@ -39,7 +39,8 @@ PROFILE_VERSION = 5  # 2: collectives' latency as a step pays it, the control pl
 # 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
 # 4: links' bandwidths past the caches, a two-rank all-reduce's own rate, the real reallocation's cost, a generation
 # call's own cost on the real interface, every timing a median (was the least); 5: the collectives' latency from a
-# real tensor-parallel decode step, shallow models fitted at their own depth, the rule-based reward's grading
+# real tensor-parallel decode step, shallow models fitted at their own depth, the rule-based reward's grading,
+# a batched point-to-point message's cost
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
@@ -140,6 +141,7 @@ def hardware(p: Dict) -> Hardware:
         realloc_both_ways=(link.get("realloc") or {}).get("both_ways", 0.0),
         broadcast_lat=(link.get("in_step") or {}).get("broadcast", 0.0),
         reward_s_per_answer=o.get("reward_s", 0.0),
+        p2p_msg_s=link.get("p2p_message", 0.0),
         matmul_rows=tuple((int(r), float(v)) for r, v in p["matmul_rows"]), device=p["key"]["device"],
         sources={"all": src, "links": "measured between two local processes" if link else
                  "not measured (one device): half a copy's rate and 10 us assumed",

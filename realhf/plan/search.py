@@ -103,6 +103,8 @@ class Call:
     n_mbs: int
     max_tokens: Optional[int]
     follows: Optional[str] = None
+    answers: int = 0  # a weightless call's answers to grade (simulate.PlanCall)
+    messages: Tuple[int, ...] = ()  # per parent: the messages its outputs take
 
 
 @dataclasses.dataclass
@@ -171,7 +173,7 @@ class Problem:
                 raise SearchError(f"MFC {c.name!r} has no placement options and shares no model replica with an MFC "
                                   "that has them: this experiment cannot be searched")
             calls.append(Call(c.name, c.model.split("@")[0], trains[c.name], c.parents, c.work, c.n_mbs,
-                              None if c.name in auto else c.max_tokens, follows))
+                              None if c.name in auto else c.max_tokens, follows, c.answers, c.messages))
         return cls(roles, tuple(calls), n_nodes, per_node, hw, capacity, tuple(n for n in placeable if n in replica_of))
 
 
@@ -309,7 +311,7 @@ class Evaluator:
         for c in self.p.calls:
             n_mbs, mt = budgets[c.name]
             calls.append(PlanCall(c.name, of_mfc[c.name], c.parents, c.work if self.p.roles[c.role].has_weights else None,
-                                  n_mbs, mt))
+                                  n_mbs, mt, c.answers, c.messages))
         return StepPlan(tuple(models), tuple(calls))
 
     # ------------------------------------------------------------------------------------------------ memory

@@ -107,6 +107,7 @@ class PlanCall:
     n_mbs: int = 1
     max_tokens: int = UNBOUNDED
     answers: int = 0
+    messages: Tuple[int, ...] = ()  # per parent: the messages its outputs take (samples x keys), when known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,9 +340,10 @@ def simulate_step(plan: StepPlan, hw: Hardware, memo: Optional[dict] = None) -> 
         ready = max((done[p].end for p, _ in c.parents), default=0.0)
         start = max(ready, free.max_over(own + src_ranges))
         xfer = 0.0
-        for p, bpt in c.parents:  # each parent's outputs, moved at once from its mesh to this one
+        for i, (p, bpt) in enumerate(c.parents):  # each parent's outputs, moved at once from its mesh to this one
             tokens = _tokens(c.work) or _tokens(calls[p].work)
-            xfer = max(xfer, comm_cost.data_transfer(hw, tokens, bpt, models[calls[p].model].mesh, m.mesh))
+            msgs = c.messages[i] if i < len(c.messages) else 0
+            xfer = max(xfer, comm_cost.data_transfer(hw, tokens, bpt, models[calls[p].model].mesh, m.mesh, msgs))
         ckey = ("c", id(m.cfg), m.dtype, m.mesh, m.servers, c.work and dataclasses.astuple(c.work), c.n_mbs,
                 c.max_tokens, c.answers)
         if ckey not in memo:
@@ -391,12 +393,16 @@ def plan_of(spec, cfgs: Dict[str, ReaLModelConfig], workloads: Dict[str, Workloa
                                 m.realloc_from, fleet))
     has_shape = set(cfgs) | {k for k, v in served_cfg.items() if v is not None}
     answers = sum(w.seqs * w.n for w in workloads.values() if w.kind == "generate")  # what a rule-based reward grades
+    # the batch's samples (a prompt with its answers is one): the generation's prompts, else the largest call's rows
+    samples = max((w.seqs for w in workloads.values() if w.kind == "generate"),
+                  default=max((w.seqs for w in workloads.values()), default=0))
     calls = []
     for name in g.topological_order():
         f = g[name]
         parents = tuple((p, sum(key_bytes(k) for k in g.edge_keys(p, name))) for p in g.parents(name))
+        messages = tuple(samples * len(g.edge_keys(p, name)) for p in g.parents(name))
         n_mbs, max_tokens = (budgets or {}).get(name, (f.mb_spec.n_mbs, f.mb_spec.max_tokens_per_mb))
         work = workloads.get(name) if str(f.model_name) in has_shape else None
         graded = answers if work is None and f.is_inference else 0
-        calls.append(PlanCall(name, str(f.model_name), parents, work, n_mbs, max_tokens, graded))
+        calls.append(PlanCall(name, str(f.model_name), parents, work, n_mbs, max_tokens, graded, messages))
     return StepPlan(tuple(models), tuple(calls))

@@ -106,6 +106,7 @@ def test_link_latency_is_a_collectives_mean_between_computation():
     c = comm("cpu", tp_model=dict(cfg=dataclasses.asdict(proxy), dtype="float32", rows=4, prompt=FIT_PROMPT,
                                   steps=FIT_STEPS))
     assert c["tp_decode"]["rows"] == 4 and c["tp_decode"]["step_s"] > 0  # a real decode step over the two ranks
+    assert 0 < c["p2p_message"] < c["sendrecv"][-1][1]  # a batched small message, well under a 64 MB send
     assert set(c["in_step"]) == {"allreduce", "allgather", "broadcast"}
     assert all(v > 0 for v in c["in_step"].values())
     assert c["lat"] >= c["in_step"]["allreduce"] / 2 - 1e-12
@@ -241,3 +242,15 @@ def test_rule_based_reward_grades_its_share_of_the_answers():
     m = PlanModel("reward", CFG, Mesh(2, 1, 1))
     assert compute_time(h, m, PlanCall("rew_inf", "reward", answers=256)) == pytest.approx(0.128)
     assert compute_time(hardware.get("h100"), m, PlanCall("rew_inf", "reward", answers=256)) == 0.0
+
+
+def test_inputs_from_another_mesh_pay_a_message_per_sample_and_key():
+    """Moving a parent's outputs between meshes: the bytes at the link's rate, and each destination data-parallel
+    rank's share of the batch's messages at a batched message's cost; on the same mesh nothing moves."""
+    h = dataclasses.replace(hardware.get("h100"), intra_bw=1e9, intra_lat=1e-3, p2p_msg_s=1e-5)
+    src, dst = Mesh(2, 1, 1, 0), Mesh(1, 2, 1, 0)
+    plain = comm_cost.data_transfer(h, 1000, 8.0, src, dst)
+    assert plain == pytest.approx(1e-3 + 8000 / 1e9)
+    assert comm_cost.data_transfer(h, 1000, 8.0, src, dst, messages=64) == pytest.approx(plain + 63 * 1e-5)
+    assert comm_cost.data_transfer(h, 1000, 8.0, src, Mesh(2, 1, 1, 2), messages=64) > plain
+    assert comm_cost.data_transfer(h, 1000, 8.0, src, src, messages=64) == 0.0

@@ -84,5 +84,8 @@ def test_a_rule_based_reward_grades_every_answer_of_the_step(tmp_path):
     plan = plan_of(ctx.spec, ctx.cfgs, ctx.work, ctx.hw.device)
     reward = next(c for c in plan.calls if c.name == "rew_inf")
     assert reward.work is None and reward.answers == 8 * GROUP
-    assert next(c for c in plan.calls if c.name == "actor_train").answers == 0
+    train = next(c for c in plan.calls if c.name == "actor_train")
+    assert train.answers == 0
+    # its inputs arrive one message per sample (a prompt with its answers) and key, from each parent
+    assert len(train.messages) == len(train.parents) and all(n > 0 and n % 8 == 0 for n in train.messages)
     assert compute_time(ctx.hw, plan.model(reward.model), reward) == 0.0
