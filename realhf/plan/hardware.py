@@ -78,8 +78,7 @@ class Hardware:
     a small broadcast between two processes where measured (0: the link's latency); ``reward_s_per_answer``: the
     rule-based reward's grading of one answer on the host where measured (0: not counted); ``p2p_msg_s``: seconds per
     small message of a batch of point-to-point messages where measured (0: the link's latency); ``sources``: where
-    each figure
-    came from."""
+    each figure came from."""
 
     name: str
     matmul_flops: Dict[str, float]

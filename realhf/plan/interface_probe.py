@@ -8,6 +8,7 @@ Used by :mod:`realhf.plan.profile`; returns plain numbers.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Tuple
@@ -61,6 +62,7 @@ def train_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: 
     from realhf.impl.model.nn.real_model import ReaLModel
     from realhf.plan.cost import CostModel
     from realhf.plan.memory import Shard, dtype_bytes, params
+    from realhf.plan.probes import timed
 
     grid = single_process_grid()
     m = ReaLModel(cfg, grid=grid, dtype=getattr(torch, dtype), device=device)
@@ -70,19 +72,12 @@ def train_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: 
     iface = PPOActorInterface(PPOHyperparameters(ppo_n_minibatches=1, kl_ctl=0.0), group_size=PROBE_GROUP,
                               use_critic=False, seed=1)
     batch, mb = _batch(cfg.vocab_size), MicroBatchSpec()
-    ts = []
-    for i in range(reps + 2):
-        t = time.perf_counter()
-        iface.train_step(model, batch, mb)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:  # the first calls build the optimizer's state and warm the kernels
-            ts.append(time.perf_counter() - t)
+    # the two warm-up calls build the optimizer's state and warm the kernels
+    measured = timed(lambda: iface.train_step(model, batch, mb), device, reps=reps, budget_s=math.inf)
     tokens = PROBE_PROMPTS * PROBE_GROUP * (PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
     cm = CostModel(cfg, hw, dtype)
     passes = (cm.train(tokens, 1, PROBE_PROMPT_LEN + PROBE_ANSWER_LEN, tokens)
               + cm.optimizer_step(params(Shard(cfg, 1, 1, 0, dtype_bytes(dtype)))))
-    measured = statistics.median(ts)
     return max(0.0, measured - passes), dict(measured_s=measured, passes_s=passes)
 
 
@@ -107,6 +102,7 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
     from realhf.impl.model.interface.ppo_interface import PPOActorInterface
     from realhf.impl.model.nn.real_model import ReaLModel
     from realhf.plan.cost import CostModel
+    from realhf.plan.probes import timed
 
     grid = single_process_grid()
     m = ReaLModel(cfg, grid=grid, dtype=getattr(torch, dtype), device=device)
@@ -125,17 +121,9 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
                           seqlens={"packed_prompts": [[P] for _ in range(PROBE_PROMPTS)]},
                           trailing_shapes={"packed_prompts": ()}, dtypes={"packed_prompts": torch.long},
                           data={"packed_prompts": prompts})
-    ts = []
-    for i in range(reps + 2):
-        t = time.perf_counter()
-        iface.generate(model, data, MicroBatchSpec())
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:
-            ts.append(time.perf_counter() - t)
+    measured = timed(lambda: iface.generate(model, data, MicroBatchSpec()), device, reps=reps, budget_s=math.inf)
     passes = CostModel(cfg, dataclasses.replace(hw, generate_overhead_s=0.0), dtype).generate(
         PROBE_PROMPTS, P, PROBE_GROUP, PROBE_ANSWER_LEN)
-    measured = statistics.median(ts)
     return max(0.0, measured - passes), dict(measured_s=measured, passes_s=passes)
 
 

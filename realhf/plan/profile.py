@@ -123,6 +123,7 @@ def hardware(p: Dict) -> Hardware:
     if bw is None:  # one GPU: no link was measured; a copy's rate stands in (stated in sources)
         bw, lat = p["copy_bw"] / 2, 10e-6
     o = p["overheads"]
+    realloc = link.get("realloc") or {}
     trip = p.get("mfc_round_trip")
     return Hardware(
         name=f"{p['key']['machine']} ({p['key']['device']}, {p['key']['threads']} threads)",
@@ -136,9 +137,8 @@ def hardware(p: Dict) -> Hardware:
         train_layer_overhead_s=o.get("train_layer_s", 0.0),
         **({} if trip is None else dict(call_overhead_s=trip, step_overhead_s=STEP_ROUND_TRIPS * trip)),
         optimizer_s_per_param=p["optimizer_s_per_param"], disk_bw=p["disk_bw"],
-        allreduce_bw=link.get("allreduce_bw", 0.0), realloc_fixed_s=(link.get("realloc") or {}).get("fixed_s", 0.0),
-        realloc_bw=(link.get("realloc") or {}).get("bw", 0.0),
-        realloc_both_ways=(link.get("realloc") or {}).get("both_ways", 0.0),
+        allreduce_bw=link.get("allreduce_bw", 0.0), realloc_fixed_s=realloc.get("fixed_s", 0.0),
+        realloc_bw=realloc.get("bw", 0.0), realloc_both_ways=realloc.get("both_ways", 0.0),
         broadcast_lat=(link.get("in_step") or {}).get("broadcast", 0.0),
         reward_s_per_answer=o.get("reward_s", 0.0),
         p2p_msg_s=link.get("p2p_message", 0.0),
@@ -201,10 +201,9 @@ def _time_forward(model, tokens: int, seqs: int, device: str) -> float:
         return timed(lambda: model(x, inp), device, reps=5, budget_s=1.0)
 
 
-def _time_decode_step(model, rows: int, device: str) -> Tuple[float, float]:
-    """(seconds of one decode step of ``rows`` rows at about ``FIT_PROMPT + 10`` cached positions: the difference of
-    two sampled generations of different lengths, divided by the steps between them; seconds of the shorter
-    generation)."""
+def _time_decode_step(model, rows: int, device: str) -> float:
+    """Seconds of one decode step of ``rows`` rows at about ``FIT_PROMPT + 10`` cached positions: the difference of
+    two sampled generations of different lengths, divided by the steps between them."""
     import statistics
 
     import torch
@@ -215,9 +214,8 @@ def _time_decode_step(model, rows: int, device: str) -> Tuple[float, float]:
     prompts = [torch.randint(3, FIT_VOCAB, (FIT_PROMPT,), generator=g).tolist() for _ in range(rows)]
     sampled_generation(model, prompts, FIT_STEPS[0], device)  # warm-up
     a, b = FIT_STEPS
-    short = statistics.median(sampled_generation(model, prompts, a, device) for _ in range(3))
-    return max(statistics.median(sampled_generation(model, prompts, b, device) for _ in range(3)) - short,
-               1e-9) / (b - a), short
+    short, long = (statistics.median(sampled_generation(model, prompts, k, device) for _ in range(3)) for k in (a, b))
+    return max(long - short, 1e-9) / (b - a)
 
 
 def fit_overheads(cfg: ReaLModelConfig, base: Hardware, dtype: str, device: str) -> Dict:
@@ -230,7 +228,7 @@ def fit_overheads(cfg: ReaLModelConfig, base: Hardware, dtype: str, device: str)
 
     dt = getattr(torch, dtype)
     H = cfg.hidden_dim
-    fwd_rows, fwd_y, dec_rows, dec_y, points, gens = [], [], [], [], [], []
+    fwd_rows, fwd_y, dec_rows, dec_y, points = [], [], [], [], []
     for L in _fit_layers(cfg, torch.tensor([], dtype=dt).element_size()):
         pc = _proxy(cfg, L)
         cm = CostModel(pc, base, dtype)
@@ -242,8 +240,7 @@ def fit_overheads(cfg: ReaLModelConfig, base: Hardware, dtype: str, device: str)
             fwd_y.append(meas - pred)
             points.append(dict(kind="forward", layers=L, tokens=T, measured_s=meas, products_s=pred))
         for R in FIT_ROWS:
-            meas, short = _time_decode_step(model, R, device)
-            gens.append((L, R, short))
+            meas = _time_decode_step(model, R, device)
             pred = cm.decode_step(R, FIT_PROMPT + (FIT_STEPS[0] + FIT_STEPS[1]) / 2)
             dec_rows.append((L, L * R * H, 1.0))
             dec_y.append(meas - pred)
@@ -251,13 +248,8 @@ def fit_overheads(cfg: ReaLModelConfig, base: Hardware, dtype: str, device: str)
         del model
     a, c, f = _lstsq(fwd_rows, fwd_y)
     ad, cd, fd = _lstsq(dec_rows, dec_y)
-    fitted = dataclasses.replace(base, layer_overhead_s=a, elementwise_s=c, pass_overhead_s=f, decode_layer_overhead_s=ad,
-                                 decode_elementwise_s=cd, decode_step_overhead_s=fd, generate_overhead_s=0.0)
-    # a generation's own setup: what its prefill and steps, on the fitted rates, leave of the shorter timed generation
-    left = [short - CostModel(_proxy(cfg, L), fitted, dtype).generate(R, FIT_PROMPT, 1, FIT_STEPS[0])
-            for L, R, short in gens]
     return dict(layer_s=a, elementwise_s=c, pass_s=f, decode_layer_s=ad, decode_elementwise_s=cd, decode_step_s=fd,
-                generate_s=max(0.0, sum(left) / len(left)), points=points)
+                points=points)
 
 
 def fit_train_overheads(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: str) -> Dict:
@@ -281,8 +273,7 @@ def fit_train_overheads(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: 
 def fit_generate_call(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: str) -> Dict:
     """A generation call's own cost beside its prefill and decode steps, on the PPO actor's real ``generate``
     (:func:`realhf.plan.interface_probe.generate_call_overhead`: the interface's sampling options, answers per prompt
-    and outputs) on 1 and 3 (or 2) blocks of ``cfg``'s shape: the mean of what the fitted passes leave. It replaces
-    the raw generation's setup cost of :func:`fit_overheads`, which the interface's work adds to."""
+    and outputs) on 1 and 3 (or 2) blocks of ``cfg``'s shape: the mean of what the fitted passes leave."""
     import torch
 
     from realhf.plan.interface_probe import generate_call_overhead
@@ -325,7 +316,7 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
     out["overheads"].update(fit_train_overheads(cfg, fitted, dtype, device))
     out["overheads"].update(fit_generate_call(cfg, fitted, dtype, device))
     out["overheads"]["reward_s"] = reward_per_answer()[0]
-    _decode_latency(out, cfg, dtype)
+    _decode_latency(out, cfg, dtype, device)
     return out
 
 
@@ -337,7 +328,7 @@ def _measure_comm(cfg: ReaLModelConfig, dtype: str, device: str) -> Optional[Dic
     heads split in two (else without it)."""
     from realhf.plan import probes
 
-    proxy = _proxy(cfg, min(TP_PROBE_LAYERS, cfg.n_layers))
+    proxy = _tp_proxy(cfg)
     try:
         proxy.check_layout(2, 1)
     except ValueError:
@@ -346,7 +337,11 @@ def _measure_comm(cfg: ReaLModelConfig, dtype: str, device: str) -> Optional[Dic
     return probes.comm(device, tp_model=tp_model)
 
 
-def _decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str) -> None:
+def _tp_proxy(cfg: ReaLModelConfig) -> ReaLModelConfig:
+    return _proxy(cfg, min(TP_PROBE_LAYERS, cfg.n_layers))
+
+
+def _decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
     """The link's latency per collective step as a tensor-parallel decode step pays it: what the real two-process
     decode step (``comm["tp_decode"]``) takes beyond the fitted computation, over the latencies the cost model counts
     in it. Kept as ``comm["lat"]`` (the small all-reduce between computation's figure stays as ``lat_in_step``)."""
@@ -356,8 +351,8 @@ def _decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str) -> None:
     tp = link.get("tp_decode")
     if not tp:
         return
-    proxy = _proxy(cfg, min(TP_PROBE_LAYERS, cfg.n_layers))
-    hw = hardware({**data, "key": dict(dtype=dtype, machine="", device="cpu", threads=0)})
+    proxy = _tp_proxy(cfg)
+    hw = hardware({**data, "key": dict(dtype=dtype, machine="", device=device, threads=0)})
 
     def step(lat: float) -> float:
         h = dataclasses.replace(hw, intra_lat=lat, inter_lat=lat, broadcast_lat=0.0)
@@ -400,7 +395,7 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
         if need_comm:
             logger.info("profile: measuring the links between two local processes")
             data["comm"] = _measure_comm(cfg, dtype, device)
-            _decode_latency(data, cfg, dtype)
+            _decode_latency(data, cfg, dtype, device)
         if need_trip:
             data["mfc_round_trip"] = round_trip()
     else:

@@ -132,13 +132,13 @@ def test_decode_latency_inverts_the_cost_models_tensor_parallel_decode_step():
              disk_bw=1e9, memory_bytes=1e10, comm=dict(bw=1e9, lat=1e-4),
              overheads=dict(layer_s=1e-5, elementwise_s=0.0, decode_layer_s=2e-5, decode_elementwise_s=0.0, pass_s=0.0,
                             decode_step_s=1e-4))
-    _decode_latency(p, cfg, "float32")
+    _decode_latency(p, cfg, "float32", "cpu")
     assert p["comm"]["lat"] == 1e-4 and "lat_in_step" not in p["comm"]
     x = 7e-4
     h = dataclasses.replace(hw_of(p), intra_lat=x, inter_lat=x)
     step = CostModel(_proxy(cfg, TP_PROBE_LAYERS), h, "float32").decode_step(16, 42.0, tp=2)
     p["comm"]["tp_decode"] = dict(rows=16, cached=42.0, step_s=step)
-    _decode_latency(p, cfg, "float32")
+    _decode_latency(p, cfg, "float32", "cpu")
     assert p["comm"]["lat"] == pytest.approx(x) and p["comm"]["lat_in_step"] == 1e-4
 
 
