@@ -367,3 +367,49 @@ def test_a_worker_stays_while_tickets_run_elsewhere(loop):
     finally:
         loop.run(w.manager.close())
         m.stop()
+
+
+def test_a_held_allocation_gets_its_ticket_when_the_version_moves(loop, fleet, perturbed):
+    """``wait_s``: a worker's request refused for staleness is held, not answered, and gets its ticket as soon as new
+    weights load (a worker polling with back-off got it up to half a second late: a tiny asynchronous run's
+    throughput was 0.53-0.62x of colocated with polling, 0.86-1.06x held); one held past ``wait_s`` gets the refusal; a ticket's end (here a failure) wakes a
+    request refused because every slot was taken. Runs after the fleet lost server 1 (server 0 alone)."""
+    import time
+
+    v = raw(fleet.addresses[0], "/health")[1]["version"] + 1  # the version to load; the server holds v - 1
+    m = Running(loop, book_of(B=2, total=v + 2, ofp=0), fleet.addresses[:1], fleet.secret)
+    try:
+        m.mgr.book.set_version(v - 1)
+        taken = []
+        while (got := m.post("/allocate", worker="w"))["ticket"] is not None:
+            taken.append(got["ticket"])
+        assert got["reason"] == "staleness" and [t["batch"] for t in taken] == [b for b in range(v) for _ in "ab"]
+        t0 = time.monotonic()
+        refused = m.post("/allocate", worker="w", wait_s=0.3)
+        assert refused["ticket"] is None and refused["reason"] == "staleness" and time.monotonic() - t0 >= 0.3
+        held = loop.submit(asyncio.to_thread(m.post, "/allocate", worker="w", wait_s=20))
+        for t in taken:
+            m.post("/finish", ticket=t["id"], status="accepted")  # wakes the held request: still too stale
+        time.sleep(0.5)
+        assert not held.done(), "answered before the version moved"
+        m.post("/update_weights", path=perturbed, version=v)
+        got = held.result(10)
+        assert got["ticket"] is not None and got["ticket"]["batch"] == v and got["version"] == v
+        other = m.post("/allocate", worker="w")["ticket"]
+        assert other["batch"] == v
+        # the last batch's slots both running: "done" until one of them fails and its slot comes back
+        m.mgr.book.set_version(v + 1)
+        last = [m.post("/allocate", worker="w")["ticket"] for _ in range(2)]
+        assert [t["batch"] for t in last] == [v + 1] * 2 and m.post("/allocate", worker="w")["reason"] == "done"
+        held = loop.submit(asyncio.to_thread(m.post, "/allocate", worker="w", wait_s=20))
+        time.sleep(0.3)
+        assert not held.done()
+        m.post("/finish", ticket=last[1]["id"], status="failed")
+        again = held.result(10)["ticket"]
+        assert again is not None and (again["batch"], again["slot"]) == (v + 1, last[1]["slot"])
+        for bad in (-1, "5", True, 31):
+            with pytest.raises(Refused, match="wait_s") as e:
+                m.post("/allocate", worker="w", wait_s=bad)
+            assert e.value.status == 400
+    finally:
+        m.stop()

@@ -42,6 +42,9 @@ logger = logging.getLogger("realhf.rollout_manager")
 from realhf.system.transport.notices import Notices
 from realhf.system.rollout.ticket_book import EpisodeRetriesExhausted, TicketBook, _int, describe_prompt
 
+MAX_ALLOCATE_WAIT_S = 30.0  # the longest an allocation may be held (below the workers' request timeout)
+HELD_REASONS = ("done", "staleness", "concurrency", "weights")  # refusals a later event may lift
+
 
 # ====================================================================== the server
 class _HTTPError(Exception):
@@ -66,11 +69,16 @@ class RolloutManager:
     run's generation servers (``addresses``, in server-index order).
 
     ==========================  ===================================================================================
-    ``POST /allocate``          ``{"worker"}`` -> ``{"ticket": {id, batch, slot, head, prompt, cursor, version} |
-                                null, "reason", "version", "server": i|null, "complete"}``; reason ``ok``,
-                                ``done``, ``staleness``, ``concurrency``, ``weights`` (restored, until the
-                                trainer publishes) or ``stopping`` (a prompt failed too often:
-                                see ``fail``); 503 when every server is down
+    ``POST /allocate``          ``{"worker", "wait_s"?}`` -> ``{"ticket": {id, batch, slot, head, prompt, cursor,
+                                version} | null, "reason", "version", "server": i|null, "complete"}``; reason
+                                ``ok``, ``done``, ``staleness``, ``concurrency``, ``weights`` (restored, until
+                                the trainer publishes) or ``stopping`` (a prompt failed too often: see
+                                ``fail``); 503 when every server is down. With ``wait_s`` (at most
+                                ``MAX_ALLOCATE_WAIT_S``) a refusal that a later event lifts (``done`` while
+                                tickets still run, ``staleness``, ``concurrency``, ``weights``) is held until
+                                a ticket finishes, a worker is released, new weights load or the run stops,
+                                and tried again, for up to ``wait_s`` seconds: a worker gets its ticket when
+                                the version moves, not at its next poll
     ``POST /finish``            ``{"ticket": id, "status": "accepted"|"rejected"|"failed", "stats": {...}}`` -> ``{}``
     ``POST /server_down``       ``{"index", "reason"}`` -> ``{}``: stop routing to server ``index`` and updating it
     ``POST /worker_down``       ``{"worker", "reason"}`` -> ``{"released": n}``: the rollout worker is gone (the
@@ -117,6 +125,8 @@ class RolloutManager:
         self.episodes = [0] * n  # running episodes routed to each server
         self._server_of: Dict[int, int] = {}  # running ticket id -> server index
         self._update_lock = asyncio.Lock()
+        self._change = asyncio.Event()  # replaced by a fresh one at every _changed()
+        self._closing = False
         # after a restore, the servers hold the initial weights until the trainer publishes the resumed ones: no
         # ticket is issued before (its tokens would carry a version far behind the bound)
         self.awaiting_version: Optional[int] = book.version if book.version > 0 else None
@@ -161,6 +171,8 @@ class RolloutManager:
         return self.port
 
     async def stop(self) -> None:
+        self._closing = True  # held allocations answer now: the server's shutdown waits for its handlers
+        self._changed()
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
@@ -181,6 +193,7 @@ class RolloutManager:
         if self.fatal is not None:
             return
         self.fatal = message
+        self._changed()
         if self.on_fatal is not None:
             self.on_fatal()
         else:
@@ -200,10 +213,32 @@ class RolloutManager:
         why = "; ".join(f"{s.label}: {self.down_reason[s.index]}" for s in self.client.servers)
         return _HTTPError(503, f"every generation server is down ({why}); no episode can run")
 
+    def _changed(self) -> None:
+        """Something that may lift a refusal happened: wake the held allocations (they try again)."""
+        ev, self._change = self._change, asyncio.Event()
+        ev.set()
+
     async def _allocate(self, d):
-        worker = _body(d, ["worker"])["worker"]
+        d = _body(d, ["worker"], ["wait_s"])
+        worker, wait = d["worker"], d.get("wait_s", 0)
         if not isinstance(worker, str) or not worker:
             raise _HTTPError(400, f"worker must be a non-empty string, got {worker!r}")
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= MAX_ALLOCATE_WAIT_S:
+            raise _HTTPError(400, f"wait_s must be a number of seconds in [0, {MAX_ALLOCATE_WAIT_S:g}], got {wait!r}")
+        deadline = time.monotonic() + wait
+        while True:
+            change = self._change
+            got = self._allocate_now(worker)
+            left = deadline - time.monotonic()
+            if (got["ticket"] is not None or got["reason"] not in HELD_REASONS or got["complete"] or left <= 0
+                    or self._closing):
+                return got
+            try:
+                await asyncio.wait_for(change.wait(), left)
+            except asyncio.TimeoutError:
+                return got
+
+    def _allocate_now(self, worker: str) -> dict:
         live = self._live()
         if not live:
             raise self._all_down()
@@ -249,6 +284,7 @@ class RolloutManager:
         server = self._server_of.pop(tid, None)
         if server is not None:
             self.episodes[server] -= 1
+        self._changed()
         return {}
 
     async def _server_down(self, d):
@@ -270,6 +306,7 @@ class RolloutManager:
             server = self._server_of.pop(t.id, None)
             if server is not None:
                 self.episodes[server] -= 1
+        self._changed()
         logger.warning("rollout worker %s is gone (%s): its %d running ticket(s) %s are re-issued to the others",
                        worker, d.get("reason") or "reported by the launcher", len(tickets), [t.id for t in tickets])
         return {"released": len(tickets)}
@@ -312,6 +349,7 @@ class RolloutManager:
             self.book.set_version(version)
             if self.awaiting_version is not None and version >= self.awaiting_version:
                 self.awaiting_version = None
+            self._changed()
             secs = time.perf_counter() - t0
             self.weight_updates += 1
             self.weight_update_seconds += secs

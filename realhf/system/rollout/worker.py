@@ -6,7 +6,8 @@ episode tasks; each task repeats:
 
 1. ask the rollout manager for a ticket (``/allocate``): a (batch, slot) to fill, the prompt, the trainer head that
    trains it and the generation server to prefer. No ticket: the staleness bound or the concurrency limit holds
-   it back (wait a moment and ask again), or every batch of the run is taken (the task ends);
+   it back (the manager holds the request until a ticket finishes or new weights load, up to ``ALLOCATE_WAIT_S``,
+   then the task asks again), or every batch of the run is taken (the task ends);
 2. run the workflow's episode (``RolloutWorkflow.arun_episode``) on the prompt through a :class:`RolloutEngine`
    (generation requests survive weight updates: aborted samples are resumed under the new weights);
 3. push the trajectory to its trainer head (``realhf.system.transport.trajectory_stream``) and report ``accepted``;
@@ -31,8 +32,11 @@ import traceback
 from typing import Optional
 
 from realhf.base import failpoint, logging
+from realhf.system.rollout.manager import HELD_REASONS
 
 logger = logging.getLogger("realhf.rollout_worker")
+# how long the manager may hold an allocation it cannot serve yet (a fresh request follows at once)
+ALLOCATE_WAIT_S = 5.0
 
 
 def episode_seed(seed: int, version: int, query_id: str) -> int:
@@ -162,7 +166,7 @@ class RolloutWorker:
         t0 = time.monotonic()
         while True:
             try:
-                return await self.manager.allocate(self.name)
+                return await self.manager.allocate(self.name, wait_s=ALLOCATE_WAIT_S)
             except ManagerError as e:
                 if e.status is not None and e.status != 503:
                     raise
@@ -183,6 +187,8 @@ class RolloutWorker:
                 # killed) and come back, so the worker stays until every slot is accepted (``complete``)
                 if got.get("complete"):
                     return
+                if got.get("reason") in HELD_REASONS:  # the manager held the request until a change or its wait
+                    continue
                 await asyncio.sleep(idle)
                 idle = min(idle * 2, 0.5)
                 continue

@@ -62,8 +62,10 @@ class ManagerClient:
                                   lambda msg, status: ManagerError(self.address, msg, status=status), data=data,
                                   headers=headers)
 
-    async def allocate(self, worker: str) -> dict:
-        return await self._post("/allocate", {"worker": worker})
+    async def allocate(self, worker: str, wait_s: float = 0.0) -> dict:
+        """A ticket for ``worker``; with ``wait_s``, a refusal that a later event may lift is held by the manager
+        for up to that many seconds (see ``RolloutManager``)."""
+        return await self._post("/allocate", {"worker": worker, **({"wait_s": wait_s} if wait_s else {})})
 
     async def finish(self, ticket: int, status: str, stats: Optional[dict] = None) -> dict:
         return await self._post("/finish", {"ticket": ticket, "status": status, "stats": stats or {}})
