@@ -221,13 +221,20 @@ class CostModel:
         packet = comm_cost.send(self.hw, r * 16.0, pp * tp <= self.hw.devices_per_node)
         return pp * (stage + self._send(r, pp, tp) + packet) + self.hw.decode_step_overhead_s
 
+    def weights_setup(self, tp: int = 1, pp: int = 1) -> float:
+        """What a rank's generation pays for its weights before decoding with them (``Hardware.generate_layer_/
+        generate_head_overhead_s``): the largest stage's share of the blocks and the head, split over ``tp``."""
+        hw = self.hw
+        return (hw.generate_layer_overhead_s * self.stage_layers(pp) + hw.generate_head_overhead_s) / tp
+
     def generate(self, prompts: int, prompt_len: float, n: int, new_tokens: int, tp: int = 1, pp: int = 1) -> float:
         """Generation of ``n`` answers of ``new_tokens`` tokens to each of ``prompts`` prompts of ``prompt_len``
         tokens: the prefill of the distinct prompts, then ``new_tokens - 1`` decode steps over ``prompts * n`` rows
         (each answer's first token comes from the prefill), beside the call's own setup
-        (``Hardware.generate_overhead_s``)."""
+        (``Hardware.generate_overhead_s`` and :meth:`weights_setup`)."""
         rows = prompts * n
         t = self.prefill(prompts * prompt_len, prompts, tp, pp) + self.hw.generate_overhead_s
+        t += self.weights_setup(tp, pp)
         steps = max(0, int(new_tokens) - 1)
         if steps == 0:
             return t

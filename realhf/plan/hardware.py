@@ -64,6 +64,9 @@ class Hardware:
     passes and, ``decode_*``, for a decode step; ``pass_overhead_s`` / ``decode_step_overhead_s``: per pass or step
     (launching it, the host's bookkeeping, sampling's fixed cost); ``generate_overhead_s``: a generation call's own
     setup and output (caches, the packed prompts, the answers' lists) beside its prefill and steps;
+    ``generate_layer_overhead_s`` / ``generate_head_overhead_s``: what a generation call pays once per block and
+    once for the head beyond that, on a rank holding them whole (a CPU rank lays its weights out for the decode
+    kernel at every call, or at every weight update on a server);
     ``train_call_overhead_s``: a training call's host-side work beside its passes (advantages, the loss's weights, the
     statistics); ``train_layer_overhead_s``: what a training pass's backward costs per block beyond twice the
     forward's; ``call_overhead_s``: an MFC's fixed cost outside its computation (the master's request and the workers' reply);
@@ -98,6 +101,8 @@ class Hardware:
     pass_overhead_s: float = 0.0
     decode_step_overhead_s: float = 0.0
     generate_overhead_s: float = GENERATE_OVERHEAD_S
+    generate_layer_overhead_s: float = 0.0
+    generate_head_overhead_s: float = 0.0
     call_overhead_s: float = CALL_OVERHEAD_S
     train_call_overhead_s: float = TRAIN_CALL_OVERHEAD_S
     train_layer_overhead_s: float = 0.0
@@ -123,7 +128,7 @@ class Hardware:
             raise ValueError(f"Hardware {self.name!r}: matmul_flops needs a positive rate per dtype, "
                              f"got {self.matmul_flops!r}")
         for k in ("generate_overhead_s", "call_overhead_s", "step_overhead_s", "train_call_overhead_s",
-                  "train_layer_overhead_s"):
+                  "train_layer_overhead_s", "generate_layer_overhead_s", "generate_head_overhead_s"):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"Hardware {self.name!r}: {k} must be >= 0 seconds, got {getattr(self, k)!r}")
         if self.devices_per_node < 1:

@@ -86,7 +86,7 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
     """(seconds a generation call spends beside its prefill and decode steps: the median of the real PPO actor's
     ``generate`` (``PROBE_PROMPTS`` prompts of ``PROBE_PROMPT_LEN`` tokens, ``PROBE_GROUP`` answers each of exactly
     ``PROBE_ANSWER_LEN`` tokens, sampled with the default sampling options) less the cost model's generation on
-    ``hw`` without its own setup cost (at least 0), the figures behind it). ``cfg``: a small model (the profiler's
+    ``hw`` without its own setup costs (at least 0), the figures behind it). ``cfg``: a small model (the profiler's
     proxy)."""
     import dataclasses
     import types
@@ -122,7 +122,8 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
                           trailing_shapes={"packed_prompts": ()}, dtypes={"packed_prompts": torch.long},
                           data={"packed_prompts": prompts})
     measured = timed(lambda: iface.generate(model, data, MicroBatchSpec()), device, reps=reps, budget_s=math.inf)
-    passes = CostModel(cfg, dataclasses.replace(hw, generate_overhead_s=0.0), dtype).generate(
+    bare = dataclasses.replace(hw, generate_overhead_s=0.0, generate_layer_overhead_s=0.0, generate_head_overhead_s=0.0)
+    passes = CostModel(cfg, bare, dtype).generate(
         PROBE_PROMPTS, P, PROBE_GROUP, PROBE_ANSWER_LEN)
     return max(0.0, measured - passes), dict(measured_s=measured, passes_s=passes)
 

@@ -6,6 +6,7 @@ Only the CPU path has been run on the machine this was written on; the CUDA path
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -64,6 +65,20 @@ def matmul_rows(shapes: Sequence[Tuple[int, int]], rows: Sequence[int], dtype: t
             s = timed(lambda: [lin(xs[w.shape[1]], w) for w in ws], device, reps=5, budget_s=0.4)
             out.append((int(r), 2.0 * r * sum(k * n for k, n in shapes) / s))
     return out
+
+
+def pack_seconds(shapes: Sequence[Tuple[int, int]], dtype: torch.dtype, device: str, reps: int = 3) -> float:
+    """Seconds to lay out weights of the products ``shapes`` ((in, out) each) for the CPU decode kernel, as a
+    generation does once per call for every weight it multiplies by (:func:`realhf.impl.model.nn.cpu_gemm.pack`);
+    0 where generation lays out nothing (a GPU, the aten kernel, a dtype oneDNN does not serve here)."""
+    if device != "cpu":
+        return 0.0
+    from realhf.impl.model.nn import cpu_gemm
+
+    if cpu_gemm.kernel() != "onednn" or not cpu_gemm.onednn_serves(dtype):
+        return 0.0
+    ws = [torch.randn(n, k).to(dtype) for k, n in shapes]
+    return timed(lambda: [cpu_gemm.pack(w) for w in ws], device, reps=reps, budget_s=math.inf)
 
 
 def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> float:

@@ -35,12 +35,12 @@ from realhf.plan.shapes import model_config
 
 logger = logging.getLogger("realhf.plan.profile")
 
-PROFILE_VERSION = 5  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
+PROFILE_VERSION = 6  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
 # 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
 # 4: links' bandwidths past the caches, a two-rank all-reduce's own rate, the real reallocation's cost, a generation
 # call's own cost on the real interface, every timing a median (was the least); 5: the collectives' latency from a
 # real tensor-parallel decode step, shallow models fitted at their own depth, the rule-based reward's grading,
-# a batched point-to-point message's cost
+# a batched point-to-point message's cost; 6: a generation call's cost per block and for the head
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
@@ -133,7 +133,8 @@ def hardware(p: Dict) -> Hardware:
         attention_flops={dt: p["attention_flops"]}, layer_overhead_s=o["layer_s"], elementwise_s=o["elementwise_s"],
         decode_layer_overhead_s=o["decode_layer_s"], decode_elementwise_s=o["decode_elementwise_s"],
         pass_overhead_s=o["pass_s"], decode_step_overhead_s=o["decode_step_s"],
-        generate_overhead_s=o.get("generate_s", 0.0), train_call_overhead_s=o.get("train_call_s", 0.0),
+        generate_overhead_s=o.get("generate_s", 0.0), generate_layer_overhead_s=o.get("generate_layer_s", 0.0),
+        generate_head_overhead_s=o.get("generate_head_s", 0.0), train_call_overhead_s=o.get("train_call_s", 0.0),
         train_layer_overhead_s=o.get("train_layer_s", 0.0),
         **({} if trip is None else dict(call_overhead_s=trip, step_overhead_s=STEP_ROUND_TRIPS * trip)),
         optimizer_s_per_param=p["optimizer_s_per_param"], disk_bw=p["disk_bw"],
@@ -271,19 +272,29 @@ def fit_train_overheads(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: 
 
 
 def fit_generate_call(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: str) -> Dict:
-    """A generation call's own cost beside its prefill and decode steps, on the PPO actor's real ``generate``
-    (:func:`realhf.plan.interface_probe.generate_call_overhead`: the interface's sampling options, answers per prompt
-    and outputs) on 1 and 3 (or 2) blocks of ``cfg``'s shape: the mean of what the fitted passes leave."""
+    """A generation call's own cost beside its prefill and decode steps: on CPU the decode kernel's layout of every
+    weight the call multiplies by, made afresh at each call (:func:`realhf.plan.probes.pack_seconds`: per block and
+    for the head of ``cfg``'s vocabulary; ~2 ms a SmolLM2-135M block and 60 ms its head here), and what the PPO
+    actor's real ``generate`` (:func:`realhf.plan.interface_probe.generate_call_overhead`: the interface's sampling
+    options, answers per prompt and outputs) on 1 and 3 (or 2) blocks of ``cfg``'s shape leaves beyond the fitted
+    passes and that layout: the mean, per call."""
     import torch
 
+    from realhf.plan.cost import CostModel
     from realhf.plan.interface_probe import generate_call_overhead
+    from realhf.plan.probes import pack_seconds
 
+    dt = getattr(torch, dtype)
+    block = pack_seconds(CostModel(cfg, _zero_hw(), dtype).linears(1), dt, device)
+    head = pack_seconds(((cfg.hidden_dim, cfg.vocab_size),), dt, device)
+    proxy_head = pack_seconds(((cfg.hidden_dim, FIT_VOCAB),), dt, device)
     left, points = [], []
-    for L in _fit_layers(cfg, torch.tensor([], dtype=getattr(torch, dtype)).element_size()):
+    for L in _fit_layers(cfg, torch.tensor([], dtype=dt).element_size()):
         extra, info = generate_call_overhead(_proxy(cfg, L), hw, dtype, device)
-        left.append(extra)
+        left.append(max(0.0, extra - L * block - proxy_head))
         points.append(dict(kind="generate_call", layers=L, **info))
-    return dict(generate_s=sum(left) / len(left), generate_points=points)
+    return dict(generate_s=sum(left) / len(left), generate_layer_s=block, generate_head_s=head,
+                generate_points=points)
 
 
 def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,

@@ -68,6 +68,47 @@ def test_generation_and_training_call_host_work_is_counted():
     assert with_host - without == pytest.approx(0.5)  # once per call, whatever its minibatches
 
 
+def test_generation_pays_its_weights_layout_per_block_and_for_the_head():
+    """A rank's generation call pays the layout of the blocks it holds (its largest pipeline stage) and the head,
+    split over tensor ranks; nothing of it where the hardware lays out nothing (a tabled GPU)."""
+    hw = _hw(1e-5, generate_layer_overhead_s=0.01, generate_head_overhead_s=0.3)
+    cm, bare = cost.CostModel(CFG, hw, "bfloat16"), cost.CostModel(CFG, _hw(1e-5), "bfloat16")
+    assert bare.weights_setup() == 0.0 and hardware.get("h100").generate_layer_overhead_s == 0.0
+    L = CFG.n_layers
+    assert cm.weights_setup() == pytest.approx(0.01 * L + 0.3)
+    assert cm.weights_setup(tp=2) == pytest.approx((0.01 * L + 0.3) / 2)
+    assert cm.weights_setup(pp=2) == pytest.approx(0.01 * cm.stage_layers(2) + 0.3)
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        assert cm.generate(4, 100, 2, 5, tp, pp) - bare.generate(4, 100, 2, 5, tp, pp) == pytest.approx(
+            cm.weights_setup(tp, pp))
+
+
+def test_weight_layout_probe_times_the_decode_kernels_layout():
+    """On CPU with the oneDNN kernel: the real layout of a block's weights (cpu_gemm.pack), more for more weights;
+    0 with the aten kernel (nothing is laid out) and for a GPU."""
+    import torch
+
+    from realhf.impl.model.nn import cpu_gemm
+    from realhf.plan.probes import pack_seconds
+
+    was = cpu_gemm.kernel()
+    try:
+        cpu_gemm.set_kernel("aten")
+        assert pack_seconds(((64, 64),), torch.float32, "cpu") == 0.0
+        if not cpu_gemm.onednn_available():
+            pytest.skip("this PyTorch has no oneDNN")
+        cpu_gemm.set_kernel("onednn")
+        small = pack_seconds(((64, 64),), torch.float32, "cpu")
+        big = pack_seconds(((1024, 4096),) * 4, torch.float32, "cpu")
+        assert 0 < small < big
+        w = torch.randn(96, 64)
+        x = torch.randn(5, 64)
+        torch.testing.assert_close(cpu_gemm._onednn_linear(x, cpu_gemm.pack(w)), x @ w.t())
+    finally:
+        cpu_gemm.set_kernel(was)
+    assert pack_seconds(((64, 64),), torch.float32, "cuda") == 0.0
+
+
 def test_training_call_pays_its_small_data_parallel_reductions():
     train = Workload("train", 64, 512, 1.0)
     hw_slow, hw_fast = _hw(LAT), _hw(0.0)
@@ -201,10 +242,12 @@ def test_call_probe_times_a_real_round_trip_and_the_profile_uses_it():
              matmul_rows=[(1, 1e9)], copy_bw=1e10, attention_flops=1e9, optimizer_s_per_param=1e-9, disk_bw=1e9,
              memory_bytes=1e9, comm=dict(bw=1e9, lat=1e-4), mfc_round_trip=t,
              overheads=dict(layer_s=0.0, elementwise_s=0.0, decode_layer_s=0.0, decode_elementwise_s=0.0, pass_s=0.0,
-                            decode_step_s=0.0, generate_s=0.002, train_call_s=0.003, train_layer_s=0.004))
+                            decode_step_s=0.0, generate_s=0.002, train_call_s=0.003, train_layer_s=0.004,
+                            generate_layer_s=0.005, generate_head_s=0.006))
     hw = hw_of(p)
     assert hw.call_overhead_s == t and hw.step_overhead_s == pytest.approx(STEP_ROUND_TRIPS * t)
     assert (hw.generate_overhead_s, hw.train_call_overhead_s, hw.train_layer_overhead_s) == (0.002, 0.003, 0.004)
+    assert (hw.generate_layer_overhead_s, hw.generate_head_overhead_s) == (0.005, 0.006)
 
 
 def test_train_call_probe_runs_the_real_ppo_training_call():

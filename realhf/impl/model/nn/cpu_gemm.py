@@ -253,12 +253,17 @@ def _weight_key(w: torch.Tensor) -> tuple:
     return (w._version, w.data_ptr(), w.dtype, tuple(w.shape))
 
 
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ([out, in]) laid out in oneDNN's blocked format for :func:`_onednn_linear` (a new tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+
+
 def _packed_weight(w: torch.Tensor) -> torch.Tensor:
     key = _weight_key(w)
     hit = _packed.get(id(w))
     if hit is not None and hit[0]() is w and hit[1] == key:
         return hit[2]
-    p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+    p = pack(w.detach())
     _packed[id(w)] = (weakref.ref(w), key, p)
     return p
 
@@ -273,7 +278,7 @@ def _packed_group(weights, biases):
         return hit[2]
     w = torch.cat([t.detach() for t in weights])
     b = None if biases[0] is None else torch.cat([t.detach() for t in biases])
-    out = (torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), b)
+    out = (pack(w), b)
     _packed[gid] = (tuple(weakref.ref(t) for t in weights), key, out)
     return out
 
