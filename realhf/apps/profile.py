@@ -21,6 +21,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads of this process (a worker's share)")
     ap.add_argument("--no-comm", action="store_true", help="skip the two-process link probe")
     ap.add_argument("--refresh", action="store_true", help="measure again even when cached")
+    ap.add_argument("--servers", action="store_true",
+                    help="also a generation server's own cost (a server process; plans with gen. servers ask for it)")
     a = ap.parse_args(argv)
     from realhf.base.host_memory import retain_freed_memory
     from realhf.system.transport.call_probe import mfc_round_trip
@@ -32,11 +34,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if a.threads < 1:
             ap.error(f"--threads={a.threads}: expected a positive number")
         torch.set_num_threads(a.threads)
-    p = profile(a.model, a.dtype, a.device, comm=not a.no_comm, refresh=a.refresh, round_trip=mfc_round_trip)
+    p = profile(a.model, a.dtype, a.device, comm=not a.no_comm, refresh=a.refresh, round_trip=mfc_round_trip,
+                servers=a.servers)
     from realhf.plan.hardware import describe
 
     print(json.dumps(dict(path=p["path"], **describe(hardware(p), a.dtype), overheads={
-        k: v for k, v in p["overheads"].items() if not k.endswith("points")}), indent=1))  # the CLI's output
+        k: v for k, v in p["overheads"].items() if not k.endswith(("points", "point"))}), indent=1))  # the CLI's output
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ are drawn per batch (seeded) from a capped log-normal of a given mean, so batche
   the decode steps run over the answers still alive (:meth:`CostModel.decode_step` at those rows). With ``eta >= 1``
   the fleet streams: the next batch's answers fill the rows the finished ones leave, so a batch costs its tokens at
   the fleet's full-rows rate. Either way the servers lay out each batch's new weights once
-  (:meth:`CostModel.weights_setup`; on CPU only).
+  (:meth:`CostModel.weights_setup`; on CPU only) and pay a served generation's own cost once per batch
+  (``Hardware.server_generate_overhead_s``).
 * Training batch ``b`` starts when it is generated and the trainer is free; it costs the training MFC
   (:func:`realhf.plan.simulate.compute_time`) and the weights' publication to the servers.
 
@@ -158,6 +159,8 @@ def steady_state(s: AsyncSetting, hw: Hardware, eta: int, batches: int = 48, war
     rng = random.Random(seed)
     fleet = _Fleet(s, hw)
     cm = fleet.cm
+    # a batch's requests: what a server's generation costs beyond its passes, where profiled
+    served = hw.server_generate_overhead_s if hw.server_generate_overhead_s is not None else hw.generate_overhead_s
     gen_end: List[float] = []
     train_end: List[float] = []
     gen_busy = train_busy = 0.0
@@ -169,7 +172,7 @@ def steady_state(s: AsyncSetting, hw: Hardware, eta: int, batches: int = 48, war
         gate = train_end[b - eta - 1] if b - eta - 1 >= 0 else 0.0
         start = max(gen_free, gate)
         g = fleet.tail_bound(lengths) if eta == 0 else fleet.streamed(lengths, (eta + 1) * len(lengths))
-        g += cm.weights_setup(tp=s.gen_tp)  # each batch's weights are new to the servers
+        g += cm.weights_setup(tp=s.gen_tp) + served  # each batch's weights are new to the servers
         gen_free = start + g
         gen_end.append(gen_free)
         t = _train_time(s, hw, lengths, cm)

@@ -66,7 +66,9 @@ class Hardware:
     setup and output (caches, the packed prompts, the answers' lists) beside its prefill and steps;
     ``generate_layer_overhead_s`` / ``generate_head_overhead_s``: what a generation call pays once per block and
     once for the head beyond that, on a rank holding them whole (a CPU rank lays its weights out for the decode
-    kernel at every call, or at every weight update on a server);
+    kernel at every call, or at every weight update on a server); ``server_generate_overhead_s``: a generation
+    served by a generation server's own cost in place of ``generate_overhead_s`` (the requests, the server's
+    scheduling; None: the same);
     ``train_call_overhead_s``: a training call's host-side work beside its passes (advantages, the loss's weights, the
     statistics); ``train_layer_overhead_s``: what a training pass's backward costs per block beyond twice the
     forward's; ``call_overhead_s``: an MFC's fixed cost outside its computation (the master's request and the workers' reply);
@@ -103,6 +105,7 @@ class Hardware:
     generate_overhead_s: float = GENERATE_OVERHEAD_S
     generate_layer_overhead_s: float = 0.0
     generate_head_overhead_s: float = 0.0
+    server_generate_overhead_s: Optional[float] = None
     call_overhead_s: float = CALL_OVERHEAD_S
     train_call_overhead_s: float = TRAIN_CALL_OVERHEAD_S
     train_layer_overhead_s: float = 0.0

@@ -135,6 +135,7 @@ def hardware(p: Dict) -> Hardware:
         pass_overhead_s=o["pass_s"], decode_step_overhead_s=o["decode_step_s"],
         generate_overhead_s=o.get("generate_s", 0.0), generate_layer_overhead_s=o.get("generate_layer_s", 0.0),
         generate_head_overhead_s=o.get("generate_head_s", 0.0), train_call_overhead_s=o.get("train_call_s", 0.0),
+        server_generate_overhead_s=o.get("server_generate_s"),
         train_layer_overhead_s=o.get("train_layer_s", 0.0),
         **({} if trip is None else dict(call_overhead_s=trip, step_overhead_s=STEP_ROUND_TRIPS * trip)),
         optimizer_s_per_param=p["optimizer_s_per_param"], disk_bw=p["disk_bw"],
@@ -294,7 +295,24 @@ def fit_generate_call(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: st
         left.append(max(0.0, extra - L * block - proxy_head))
         points.append(dict(kind="generate_call", layers=L, **info))
     return dict(generate_s=sum(left) / len(left), generate_layer_s=block, generate_head_s=head,
-                generate_points=points)
+                proxy_head_layout_s=proxy_head, generate_points=points)
+
+
+def _server_probe(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
+    """A generation server's own cost per served generation (:func:`realhf.plan.interface_probe.
+    server_generate_overhead` on the deepest fitted proxy of ``cfg``'s shape), kept as
+    ``overheads["server_generate_s"]``."""
+    import torch
+
+    from realhf.plan.interface_probe import server_generate_overhead
+
+    o = data["overheads"]
+    L = max(_fit_layers(cfg, torch.tensor([], dtype=getattr(torch, dtype)).element_size()))
+    hw = hardware({**data, "key": dict(dtype=dtype, machine="", device=device, threads=0)})
+    layout = L * o.get("generate_layer_s", 0.0) + o.get("proxy_head_layout_s", 0.0)
+    left, info = server_generate_overhead(_proxy(cfg, L), hw, dtype, device, layout_s=layout)
+    o["server_generate_s"] = left
+    o["server_generate_point"] = dict(kind="server_generate", layers=L, **info)
 
 
 def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
@@ -384,13 +402,14 @@ def _zero_hw() -> Hardware:
 
 def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] = None, comm: bool = True,
             refresh: bool = False, cache_dir: Optional[str] = None,
-            round_trip: Optional[Callable[[], float]] = None) -> Dict:
+            round_trip: Optional[Callable[[], float]] = None, servers: bool = False) -> Dict:
     """This machine's profile for ``model`` (a shape name, a model folder, a config.json dict or a
     ``ReaLModelConfig``): read from the cache when there, else measured and cached. ``comm=False`` skips the two-
     process link probe (a cached profile without it is completed when asked with ``comm=True``); ``cache_dir``: where
     profiles are kept (default ``$REALHF_CACHE_DIR/plan_profiles``); ``round_trip``: the control plane's probe
     (:func:`realhf.system.transport.call_probe.mfc_round_trip`, passed in by the layers above), run when given and not
-    cached (without it the control plane's fixed costs are the tabled ones)."""
+    cached (without it the control plane's fixed costs are the tabled ones); ``servers``: measure a generation
+    server's own cost too (a server process on this machine, a few seconds) when not cached."""
     import torch
 
     cfg = model_config(model)
@@ -400,19 +419,25 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
     data = None if refresh else _read(path, key)
     need_comm = comm and (data is None or data.get("comm") is None)
     need_trip = round_trip is not None and (data is None or data.get("mfc_round_trip") is None)
-    if data is not None and not need_comm and not need_trip:
+    need_server = servers and (data is None or "server_generate_s" not in data["overheads"])
+    if data is not None and not need_comm and not need_trip and not need_server:
         return data
-    if data is not None:  # cached without the link probe or the control plane's: add them
+    if data is not None:  # cached without the link probe, the control plane's or the server's: add them
         if need_comm:
             logger.info("profile: measuring the links between two local processes")
             data["comm"] = _measure_comm(cfg, dtype, device)
             _decode_latency(data, cfg, dtype, device)
         if need_trip:
             data["mfc_round_trip"] = round_trip()
+        if need_server:
+            logger.info("profile: measuring a generation server's own cost (a server process)")
+            _server_probe(data, cfg, dtype, device)
     else:
         logger.info(f"profiling this machine ({key['machine']}, {device}, {key['threads']} threads, {dtype}) "
                     f"at {json.dumps(key['shape'])}: a few seconds")
         data = dict(measure(cfg, dtype, device, comm, round_trip), key=key)
+        if servers:
+            _server_probe(data, cfg, dtype, device)
     data["path"] = path
     _write(path, data)
     return json.loads(json.dumps(data))  # as a later call reads it back

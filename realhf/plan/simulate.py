@@ -212,10 +212,13 @@ def compute_time(hw: Hardware, m: PlanModel, call: PlanCall, cm: Optional[CostMo
     w = call.work
     if w is None:  # a rule-based reward: its data-parallel ranks grade their share of the answers
         return math.ceil(call.answers / m.mesh.dp) * hw.reward_s_per_answer
+    if w.kind == "generate" and m.servers is not None:
+        if hw.server_generate_overhead_s is not None:  # the server's own cost in place of the interface's
+            hw, cm = dataclasses.replace(hw, generate_overhead_s=hw.server_generate_overhead_s), None
+        cm = cm or CostModel(m.cfg, hw, m.dtype)
+        return generate_time(cm, w, math.ceil(w.seqs / m.servers.n), m.servers.tp, 1, 1, m.servers.max_rows)
     cm = cm or CostModel(m.cfg, hw, m.dtype)
     if w.kind == "generate":
-        if m.servers is not None:
-            return generate_time(cm, w, math.ceil(w.seqs / m.servers.n), m.servers.tp, 1, 1, m.servers.max_rows)
         prompts = math.ceil(w.seqs / m.mesh.dp)
         return generate_time(cm, w, prompts, m.mesh.tp, m.mesh.pp,
                              gen_micro_batches(w, prompts, call.n_mbs, call.max_tokens))

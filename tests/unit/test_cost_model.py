@@ -131,6 +131,16 @@ def test_profile_measures_once_then_reads_its_cache(tmp_path):
     again = profile.profile(cfg, "float32", "cpu", comm=True, cache_dir=str(tmp_path))
     assert (os.stat(path).st_mtime_ns, open(path).read()) == before  # read back, not measured again
     assert again["measured_at"] == p["measured_at"] and again["comm"] == p["comm"]
+    # a generation server's own cost: measured on a real server process when a plan with servers asks, then kept
+    assert hw.server_generate_overhead_s is None and hw.generate_layer_overhead_s > 0
+    served = profile.profile(cfg, "float32", "cpu", comm=True, cache_dir=str(tmp_path), servers=True)
+    point = served["overheads"]["server_generate_point"]
+    assert point["measured_s"] > 0 and point["passes_s"] > 0
+    assert served["overheads"]["server_generate_s"] == pytest.approx(
+        max(0.0, point["measured_s"] - point["passes_s"] - point["layout_s"]))
+    assert profile.hardware(served).server_generate_overhead_s == served["overheads"]["server_generate_s"]
+    assert served["measured_at"] == p["measured_at"]  # added to the cached profile, nothing else measured again
+    assert profile.profile(cfg, "float32", "cpu", cache_dir=str(tmp_path), servers=True) == served
     # another shape is another profile
     other = dataclasses.replace(cfg, hidden_dim=96, n_q_heads=3, n_kv_heads=1, head_dim=32)
     assert profile.cache_path(profile.profile_key(other, "float32", "cpu", 1)) != \

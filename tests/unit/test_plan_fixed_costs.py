@@ -14,7 +14,8 @@ from realhf.plan import comm_cost, cost, hardware
 from realhf.plan.comm_cost import Mesh
 from realhf.plan.fit import Workload
 from realhf.plan.shapes import model_config
-from realhf.plan.simulate import TRAIN_DP_REDUCTIONS, PlanCall, PlanModel, StepPlan, compute_time, simulate_step
+from realhf.plan.simulate import (TRAIN_DP_REDUCTIONS, PlanCall, PlanModel, ServerFleet, StepPlan, compute_time,
+                                  simulate_step)
 
 LAT = 1e-3  # a latency large enough that the collectives' count shows above the rest
 CFG = model_config("qwen2.5-1.5b")
@@ -81,6 +82,20 @@ def test_generation_pays_its_weights_layout_per_block_and_for_the_head():
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
         assert cm.generate(4, 100, 2, 5, tp, pp) - bare.generate(4, 100, 2, 5, tp, pp) == pytest.approx(
             cm.weights_setup(tp, pp))
+
+
+def test_a_served_generation_pays_the_servers_own_cost():
+    """Where a server's own cost was profiled it stands in for the generation interface's in a served call; the
+    colocated generation keeps the interface's."""
+    hw = _hw(1e-5, generate_overhead_s=0.01, server_generate_overhead_s=0.25)
+    gen = Workload("generate", 8, 64, n=4, max_new=16)
+    fleet = ServerFleet(n=1, tp=1, first=1)
+    served = PlanModel("actor@1", CFG, Mesh(1, 1, 1, 0), "bfloat16", realloc_from="actor", servers=fleet)
+    own = PlanModel("actor", CFG, Mesh(1, 1, 1, 0), "bfloat16")
+    call = PlanCall("gen", "actor", (), gen)
+    base = dataclasses.replace(hw, server_generate_overhead_s=None)
+    assert compute_time(hw, served, call) - compute_time(base, served, call) == pytest.approx(0.24)
+    assert compute_time(hw, own, call) == compute_time(base, own, call)
 
 
 def test_weight_layout_probe_times_the_decode_kernels_layout():
