@@ -12,7 +12,9 @@ are drawn per batch (seeded) from a capped log-normal of a given mean, so batche
   (:meth:`CostModel.weights_setup`; on CPU only) and pay a served generation's own cost once per batch
   (``Hardware.server_generate_overhead_s``).
 * Training batch ``b`` starts when it is generated and the trainer is free; it costs the training MFC
-  (:func:`realhf.plan.simulate.compute_time`) and the weights' publication to the servers.
+  (:func:`realhf.plan.simulate.compute_time`), the control plane's requests (each MFC's, the step's own and the
+  rollout manager's counters) and the weights' publication to the servers, of which a single-process trainer
+  writing to disk pays a copy only (the checkpoint is written behind it; the servers pause to load it).
 
 Outputs: trained tokens per second, the trainer's and the fleet's idle shares, and the mean staleness (trained
 versions between an answer's generation start and its training).
@@ -145,10 +147,28 @@ def _train_time(s: AsyncSetting, hw: Hardware, lengths: List[int], cm: Optional[
     if s.recompute_logprobs:
         t += compute_time(hw, m, PlanCall("actor_inf", "actor", (), Workload("inference", seqs, int(seq), 1.0, body),
                                           max_tokens=s.train_max_tokens), cm)
+    # the control plane: each MFC's request, the step's fetch and clear, the rollout manager's counters
+    t += (2 if s.recompute_logprobs else 1) * hw.call_overhead_s + hw.step_overhead_s + hw.call_overhead_s
+    if _publishes_behind(s):  # the trainer copies its weights; the checkpoint is written and loaded behind it
+        return t + params(Shard(s.cfg, 1, 1, 0, dtype_bytes(s.dtype))) * dtype_bytes(s.dtype) / hw.memory_bw
     n = params(Shard(s.cfg, 1, 1, 0, dtype_bytes(s.dtype)))
     method = "disk" if s.weight_sync == "disk" else "broadcast"
     return t + comm_cost.publish_weights(hw, n, dtype_bytes(s.dtype), s.servers, method,
                                          tensors=comm_cost.hf_tensor_count(s.cfg))
+
+
+def _publishes_behind(s: AsyncSetting) -> bool:
+    """A single-process trainer publishing through disk hands the checkpoint to a background thread
+    (:class:`realhf.system.trainer.served.WeightPublisher`): the servers then load it while the trainer goes on."""
+    return s.train_gpus == 1 and s.weight_sync == "disk"
+
+
+def _servers_load(s: AsyncSetting, hw: Hardware) -> float:
+    """What the servers spend loading a version written behind the trainer (they pause for it), else 0."""
+    if not _publishes_behind(s):
+        return 0.0
+    nbytes = params(Shard(s.cfg, 1, 1, 0, dtype_bytes(s.dtype))) * dtype_bytes(s.dtype)
+    return s.servers * nbytes / hw.disk_bw  # the servers' reads share the disk
 
 
 def steady_state(s: AsyncSetting, hw: Hardware, eta: int, batches: int = 48, warmup: int = 8,
@@ -161,6 +181,7 @@ def steady_state(s: AsyncSetting, hw: Hardware, eta: int, batches: int = 48, war
     cm = fleet.cm
     # a batch's requests: what a server's generation costs beyond its passes, where profiled
     served = hw.server_generate_overhead_s if hw.server_generate_overhead_s is not None else hw.generate_overhead_s
+    served += _servers_load(s, hw)
     gen_end: List[float] = []
     train_end: List[float] = []
     gen_busy = train_busy = 0.0

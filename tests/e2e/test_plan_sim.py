@@ -167,3 +167,33 @@ def test_async_model_staleness_bound_and_overlap():
     assert sync.trainer_idle > 0.2 and sync.generation_idle > 0.2
     with pytest.raises(ValueError, match="eta=-1"):
         steady_state(s, HW, -1)
+
+
+def test_async_trainer_of_one_process_publishes_behind_and_the_servers_load(monkeypatch):
+    """A single-process trainer publishing through disk copies its weights and goes on (the checkpoint is written
+    behind it); the servers pause to read it. A trainer of several processes waits for the whole publication. Both
+    pay the control plane's requests."""
+    from realhf.plan import async_sim
+    from realhf.plan.async_sim import AsyncSetting, _train_time
+    from realhf.plan.memory import Shard, dtype_bytes, params
+
+    one = AsyncSetting(CFG, gen_gpus=1, train_gpus=1, prompts=8, n=4, prompt_len=64, max_new=512, mean_new=256.0)
+    two = dataclasses.replace(one, train_gpus=2)
+    lengths = [256] * 32
+    nbytes = params(Shard(CFG, 1, 1, 0, dtype_bytes("bfloat16"))) * dtype_bytes("bfloat16")
+    hw = dataclasses.replace(HW, call_overhead_s=0.0, step_overhead_s=0.0)
+    behind = _train_time(one, hw, lengths)
+    assert nbytes > 0 and async_sim._servers_load(one, hw) == pytest.approx(nbytes / hw.disk_bw)
+    assert async_sim._servers_load(two, hw) == 0.0
+    full = _train_time(two, hw, lengths) - _train_time(two, dataclasses.replace(hw, disk_bw=1e30), lengths)
+    assert full == pytest.approx(2 * nbytes / hw.disk_bw)  # written, then read by the one server
+    planes = _train_time(one, dataclasses.replace(hw, call_overhead_s=0.01, step_overhead_s=0.02), lengths) - behind
+    assert planes == pytest.approx(3 * 0.01 + 0.02)  # actor_inf's and actor_train's requests, the manager's, a step
+    monkeypatch.setattr(async_sim, "_publishes_behind", lambda s: False)
+    waited = _train_time(one, hw, lengths)  # the same trainer waiting for the whole publication
+    assert waited - behind == pytest.approx(2 * nbytes / hw.disk_bw - nbytes / hw.memory_bw)
+    monkeypatch.undo()
+    # the servers' reading shows in the generation side of the steady state
+    slow = async_sim.steady_state(one, dataclasses.replace(hw, disk_bw=hw.disk_bw / 100), 1, batches=8, warmup=2)
+    assert slow.gen_s - async_sim.steady_state(one, hw, 1, batches=8, warmup=2).gen_s == pytest.approx(
+        99 * nbytes / hw.disk_bw, rel=1e-6)
