@@ -30,8 +30,10 @@ def _hardware_and_capacity(cluster, cfg, spec, cfgs):
     torch.set_num_threads(max(1, spec.cpus_per_worker))  # a worker's share of the host, as the run has it
     from realhf.system.transport.call_probe import mfc_round_trip
 
-    servers = any(m.gen_servers is not None for m in spec.models)
-    return (hw_of(profile(shape, dtype, comm=spec.n_workers > 1, round_trip=mfc_round_trip, servers=servers)),
+    from realhf.gen_server.probe import served_generate_overhead
+
+    served = served_generate_overhead if any(m.gen_servers is not None for m in spec.models) else None
+    return (hw_of(profile(shape, dtype, comm=spec.n_workers > 1, round_trip=mfc_round_trip, server_probe=served)),
             run_capacity(cfg, spec))
 
 

@@ -34,8 +34,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if a.threads < 1:
             ap.error(f"--threads={a.threads}: expected a positive number")
         torch.set_num_threads(a.threads)
+    from realhf.gen_server.probe import served_generate_overhead
+
     p = profile(a.model, a.dtype, a.device, comm=not a.no_comm, refresh=a.refresh, round_trip=mfc_round_trip,
-                servers=a.servers)
+                server_probe=served_generate_overhead if a.servers else None)
     from realhf.plan.hardware import describe
 
     print(json.dumps(dict(path=p["path"], **describe(hardware(p), a.dtype), overheads={

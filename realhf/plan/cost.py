@@ -17,8 +17,9 @@ all-gather of the fp32 logits and a broadcast of the sampled (token, log-prob) p
 pass's backward adds an all-reduce of ``tokens x hidden`` per column-parallel product's input (query, key, value, and
 the MLP's one or two input products) per block and one at the head. Each costs its latency per ring step, which on a
 profiled machine is a collective's mean between computation (:mod:`realhf.plan.probes`). Pipeline parallelism (``pp``) splits the blocks (earlier stages
-take the remainder: the first stage is the slowest, the head is on the last) and runs ``m`` micro-batches in
-``m + p - 1`` slots (bubble ``(p - 1) / (m + p - 1)``), with a send of the activations between stages per slot.
+take the remainder; the embedding's collectives are on the first stage, the head on the last) and runs ``m``
+micro-batches as the slowest stage's ``m`` slots plus one slot of each other stage (the fill and drain: ``m + p - 1``
+slots of equal stages, bubble ``(p - 1) / (m + p - 1)``), with a send of the activations between stages per slot.
 Training is the forward pass, a backward pass of twice its work (and, on a profiled machine, a measured cost per
 block beyond that: ``Hardware.train_layer_overhead_s``), and a recomputation of the blocks' forward pass under
 activation checkpointing; generation under ``pp`` runs ``pp`` row groups through the stages in turn (realhf's
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from realhf.api.core.model_api import ReaLModelConfig, kv_head_partition, stage_layer_range
 from realhf.plan import comm_cost
@@ -139,17 +140,33 @@ class CostModel:
         s, e = stage_layer_range(self.cfg.n_layers, pp, 0)
         return e - s
 
+    def _stages(self, tokens: float, sum_sq: float, head_rows: float, tp: int, pp: int, comm: bool = True,
+                sampled: bool = False) -> List[float]:
+        """Each pipeline stage's forward pass over one micro-batch (one entry without ``pp``): its blocks, the
+        embedding's collectives on the first, the head on the last; with ``comm``, its tensor-parallel collectives
+        (the head's as for log-probs, or for sampling when ``sampled``)."""
+        blk = self.block(tokens, sum_sq, tp, comm)
+        out = []
+        for i in range(pp):
+            s, e = stage_layer_range(self.cfg.n_layers, pp, i)
+            t = (e - s) * blk
+            if i == 0 and comm:
+                t += self.embed_comm(tokens, tp)
+            if i == pp - 1:
+                t += self.head(head_rows, tp) + (self.head_comm(head_rows, tp, sampled) if comm else 0.0)
+            out.append(t)
+        return out
+
     def _stage(self, tokens: float, sum_sq: float, head_rows: float, tp: int, pp: int, comm: bool = True,
                sampled: bool = False) -> float:
-        """The slowest stage's forward pass over one micro-batch: the first (most blocks, the embedding) or the last
-        (with the head); with ``comm``, its tensor-parallel collectives (the head's as for log-probs, or for
-        sampling when ``sampled``)."""
-        blk = self.block(tokens, sum_sq, tp, comm)
-        s, e = stage_layer_range(self.cfg.n_layers, pp, pp - 1)
-        first = self.stage_layers(pp) * blk + (self.embed_comm(tokens, tp) if comm else 0.0)
-        head = self.head(head_rows, tp) + (self.head_comm(head_rows, tp, sampled) if comm else 0.0)
-        last = (e - s) * blk + head + (self.embed_comm(tokens, tp) if comm and pp == 1 else 0.0)
-        return max(first, last)
+        """The slowest stage's forward pass over one micro-batch (see :meth:`_stages`)."""
+        return max(self._stages(tokens, sum_sq, head_rows, tp, pp, comm, sampled))
+
+    @staticmethod
+    def _schedule(slots: Sequence[float], mb: int) -> float:
+        """``mb`` micro-batches through stages taking ``slots`` each: the slowest stage runs every micro-batch, the
+        pipeline's fill and drain pass each other stage once ((mb + pp - 1) slots when the stages are equal)."""
+        return (mb - 1) * max(slots) + sum(slots)
 
     def _send(self, tokens: float, pp: int, tp: int) -> float:
         if pp <= 1:
@@ -168,9 +185,8 @@ class CostModel:
         t_mb = tokens / mb
         s = t_mb if seq_len is None else min(seq_len, t_mb)
         rows = (tokens if head_rows is None else head_rows) / mb
-        slot = (self._stage(t_mb, t_mb * s, rows, tp, pp, sampled=sampled) + self._send(t_mb, pp, tp)
-                + self.hw.pass_overhead_s)
-        return (mb + pp - 1) * slot
+        extra = self._send(t_mb, pp, tp) + self.hw.pass_overhead_s
+        return self._schedule([t + extra for t in self._stages(t_mb, t_mb * s, rows, tp, pp, sampled=sampled)], mb)
 
     def prefill(self, tokens: float, prompts: int = 1, tp: int = 1, pp: int = 1) -> float:
         """The forward pass over ``prompts`` prompts of ``tokens`` tokens in all, the head at each prompt's last
@@ -186,12 +202,16 @@ class CostModel:
         t_mb = tokens / mb
         s = t_mb if seq_len is None else min(seq_len, t_mb)
         rows = (tokens if head_rows is None else head_rows) / mb
-        fwd = self._stage(t_mb, t_mb * s, rows, tp, pp)
-        bwd = 2.0 * self._stage(t_mb, t_mb * s, rows, tp, pp, comm=False) + self.backward_comm(t_mb, rows, tp, pp)
-        blocks = self.stage_layers(pp) * self.block(t_mb, t_mb * s, tp)
-        slot = (fwd + bwd + 3.0 * self.hw.pass_overhead_s + (blocks if checkpointing else 0.0)
-                + 2 * self._send(t_mb, pp, tp) + self.stage_layers(pp) * self.hw.train_layer_overhead_s)
-        return (mb + pp - 1) * slot
+        fwd = self._stages(t_mb, t_mb * s, rows, tp, pp)
+        bare = self._stages(t_mb, t_mb * s, rows, tp, pp, comm=False)
+        blk = self.block(t_mb, t_mb * s, tp)
+        common = self.backward_comm(t_mb, rows, tp, pp) + 3.0 * self.hw.pass_overhead_s + 2 * self._send(t_mb, pp, tp)
+        slots = []
+        for i in range(pp):
+            a, e = stage_layer_range(self.cfg.n_layers, pp, i)
+            per_block = (blk if checkpointing else 0.0) + self.hw.train_layer_overhead_s
+            slots.append(fwd[i] + 2.0 * bare[i] + common + (e - a) * per_block)
+        return self._schedule(slots, mb)
 
     def optimizer_step(self, params_per_rank: float) -> float:
         """AdamW over a rank's parameters."""

@@ -278,7 +278,7 @@ def _p2p_message(dist, device: str, n: int = 64, nbytes: int = 256, reps: int = 
 
 
 def _tp_decode_probe(device: str, cfg: Dict, dtype: str, rows: int, prompt: int, steps: Tuple[int, int],
-                     reps: int = 3) -> Dict:
+                     reps: int = 5) -> Dict:
     """A real decode step of model ``cfg`` split over the two ranks (d1m2p1): sampled generations of ``steps[0]`` and
     ``steps[1]`` new tokens over ``rows`` prompts of ``prompt`` tokens, the median of ``reps`` each; their difference
     per step. What a tensor-parallel decode step pays for its collectives, between its own computation."""

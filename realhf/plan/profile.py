@@ -298,19 +298,17 @@ def fit_generate_call(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: st
                 proxy_head_layout_s=proxy_head, generate_points=points)
 
 
-def _server_probe(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
-    """A generation server's own cost per served generation (:func:`realhf.plan.interface_probe.
-    server_generate_overhead` on the deepest fitted proxy of ``cfg``'s shape), kept as
-    ``overheads["server_generate_s"]``."""
+def _server_probe(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str, probe: Callable) -> None:
+    """A generation server's own cost per served generation (``probe``:
+    :func:`realhf.gen_server.probe.served_generate_overhead`, on the deepest fitted proxy of ``cfg``'s shape), kept
+    as ``overheads["server_generate_s"]``."""
     import torch
-
-    from realhf.plan.interface_probe import server_generate_overhead
 
     o = data["overheads"]
     L = max(_fit_layers(cfg, torch.tensor([], dtype=getattr(torch, dtype)).element_size()))
     hw = hardware({**data, "key": dict(dtype=dtype, machine="", device=device, threads=0)})
     layout = L * o.get("generate_layer_s", 0.0) + o.get("proxy_head_layout_s", 0.0)
-    left, info = server_generate_overhead(_proxy(cfg, L), hw, dtype, device, layout_s=layout)
+    left, info = probe(_proxy(cfg, L), hw, dtype, device, layout_s=layout)
     o["server_generate_s"] = left
     o["server_generate_point"] = dict(kind="server_generate", layers=L, **info)
 
@@ -402,14 +400,15 @@ def _zero_hw() -> Hardware:
 
 def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] = None, comm: bool = True,
             refresh: bool = False, cache_dir: Optional[str] = None,
-            round_trip: Optional[Callable[[], float]] = None, servers: bool = False) -> Dict:
+            round_trip: Optional[Callable[[], float]] = None, server_probe: Optional[Callable] = None) -> Dict:
     """This machine's profile for ``model`` (a shape name, a model folder, a config.json dict or a
     ``ReaLModelConfig``): read from the cache when there, else measured and cached. ``comm=False`` skips the two-
     process link probe (a cached profile without it is completed when asked with ``comm=True``); ``cache_dir``: where
     profiles are kept (default ``$REALHF_CACHE_DIR/plan_profiles``); ``round_trip``: the control plane's probe
     (:func:`realhf.system.transport.call_probe.mfc_round_trip`, passed in by the layers above), run when given and not
-    cached (without it the control plane's fixed costs are the tabled ones); ``servers``: measure a generation
-    server's own cost too (a server process on this machine, a few seconds) when not cached."""
+    cached (without it the control plane's fixed costs are the tabled ones); ``server_probe``: a generation server's
+    (:func:`realhf.gen_server.probe.served_generate_overhead`: a server process on this machine, a few seconds), run
+    likewise."""
     import torch
 
     cfg = model_config(model)
@@ -419,7 +418,7 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
     data = None if refresh else _read(path, key)
     need_comm = comm and (data is None or data.get("comm") is None)
     need_trip = round_trip is not None and (data is None or data.get("mfc_round_trip") is None)
-    need_server = servers and (data is None or "server_generate_s" not in data["overheads"])
+    need_server = server_probe is not None and (data is None or "server_generate_s" not in data["overheads"])
     if data is not None and not need_comm and not need_trip and not need_server:
         return data
     if data is not None:  # cached without the link probe, the control plane's or the server's: add them
@@ -431,13 +430,13 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
             data["mfc_round_trip"] = round_trip()
         if need_server:
             logger.info("profile: measuring a generation server's own cost (a server process)")
-            _server_probe(data, cfg, dtype, device)
+            _server_probe(data, cfg, dtype, device, server_probe)
     else:
         logger.info(f"profiling this machine ({key['machine']}, {device}, {key['threads']} threads, {dtype}) "
                     f"at {json.dumps(key['shape'])}: a few seconds")
         data = dict(measure(cfg, dtype, device, comm, round_trip), key=key)
-        if servers:
-            _server_probe(data, cfg, dtype, device)
+        if server_probe is not None:
+            _server_probe(data, cfg, dtype, device, server_probe)
     data["path"] = path
     _write(path, data)
     return json.loads(json.dumps(data))  # as a later call reads it back

@@ -133,14 +133,18 @@ def test_profile_measures_once_then_reads_its_cache(tmp_path):
     assert again["measured_at"] == p["measured_at"] and again["comm"] == p["comm"]
     # a generation server's own cost: measured on a real server process when a plan with servers asks, then kept
     assert hw.server_generate_overhead_s is None and hw.generate_layer_overhead_s > 0
-    served = profile.profile(cfg, "float32", "cpu", comm=True, cache_dir=str(tmp_path), servers=True)
+    from realhf.gen_server.probe import served_generate_overhead
+
+    served = profile.profile(cfg, "float32", "cpu", comm=True, cache_dir=str(tmp_path),
+                             server_probe=served_generate_overhead)
     point = served["overheads"]["server_generate_point"]
     assert point["measured_s"] > 0 and point["passes_s"] > 0
     assert served["overheads"]["server_generate_s"] == pytest.approx(
         max(0.0, point["measured_s"] - point["passes_s"] - point["layout_s"]))
     assert profile.hardware(served).server_generate_overhead_s == served["overheads"]["server_generate_s"]
     assert served["measured_at"] == p["measured_at"]  # added to the cached profile, nothing else measured again
-    assert profile.profile(cfg, "float32", "cpu", cache_dir=str(tmp_path), servers=True) == served
+    assert profile.profile(cfg, "float32", "cpu", cache_dir=str(tmp_path),
+                           server_probe=served_generate_overhead) == served
     # another shape is another profile
     other = dataclasses.replace(cfg, hidden_dim=96, n_q_heads=3, n_kv_heads=1, head_dim=32)
     assert profile.cache_path(profile.profile_key(other, "float32", "cpu", 1)) != \
@@ -148,3 +152,21 @@ def test_profile_measures_once_then_reads_its_cache(tmp_path):
     # a time predicted from the profile is positive and grows with the work
     cm = cost.CostModel(cfg, hw, "float32")
     assert 0 < cm.forward(256) < cm.forward(1024) < cm.train(1024)
+
+
+def test_pipeline_schedule_counts_each_stage_of_the_fill_and_drain_once():
+    """1F1B over stages of unequal cost (SmolLM2's last stage carries a head of 49152 rows, a third of its weights):
+    the slowest stage runs every micro-batch, the others' slots are paid once each while the pipeline fills and
+    drains; equal stages give (mb + pp - 1) slots."""
+    assert cost.CostModel._schedule([1.0, 2.0], 3) == pytest.approx(2 * 2.0 + 3.0)
+    assert cost.CostModel._schedule([2.0] * 4, 5) == pytest.approx((5 + 4 - 1) * 2.0)
+    cfg, hw = model_config("smollm2-135m"), hardware.get("h100")
+    cm = cost.CostModel(cfg, hw, "bfloat16")
+    first, last = cm._stages(1024, 1024 * 512, 1024, 1, 2)
+    assert last > 1.1 * first  # the head's stage is the slowest
+    for mb in (1, 2, 8):
+        t = cm.forward(1024 * mb, mb, 512, pp=2)
+        slot = hw.pass_overhead_s + cm._send(1024, 2, 1)
+        assert t == pytest.approx((mb - 1) * (last + slot) + (first + slot) + (last + slot))
+        assert t < (mb + 1) * (last + slot)  # less than every slot at the slowest stage's cost
+    assert cm.train(8192, 4, 512, pp=2) < cm.train(8192, 4, 512, pp=1)
