@@ -369,6 +369,50 @@ def test_a_worker_stays_while_tickets_run_elsewhere(loop):
         m.stop()
 
 
+def test_a_workers_tasks_hold_one_allocation_at_a_time(loop):
+    """Six episode tasks of one rollout worker refused for staleness: one request waits in the manager, the others
+    wait in the worker (held requests would otherwise take the connections the episodes' reports need); when the
+    version moves the batch's two slots go to two of them, and when every slot is accepted all six return."""
+    import time
+
+    from realhf.system.transport.manager_client import ManagerClient
+    from realhf.system.rollout.worker import RolloutWorker
+
+    secret = new_run_secret()
+    m = Running(loop, book_of(B=2, total=2, n=4, ofp=0), DUMMY, secret)
+    w = RolloutWorker.__new__(RolloutWorker)  # its allocation alone runs here
+    w.name, w.manager_timeout, w.rs = "w0", 30.0, None
+    w.manager = ManagerClient(m.addr, secret)
+    try:
+        ghost = [m.post("/allocate", worker="ghost")["ticket"] for _ in range(2)]
+        asks = [loop.submit(w._allocate()) for _ in range(6)]
+        time.sleep(0.5)
+        assert m.status()["allocations_held"] == 1 and not any(f.done() for f in asks)
+        for t in ghost:
+            m.post("/finish", ticket=t["id"], status="accepted")  # batch 1 is still one version too far
+
+        async def new_version():
+            m.mgr.book.set_version(1)
+            m.mgr._changed()
+
+        time.sleep(0.3)
+        assert m.status()["allocations_held"] == 1 and not any(f.done() for f in asks)
+        loop.run(new_version())
+        time.sleep(0.5)
+        first = [f for f in asks if f.done()]
+        got = [f.result() for f in first]
+        assert sorted((g["ticket"]["batch"], g["ticket"]["slot"]) for g in got) == [(1, 0), (1, 1)]
+        assert m.status()["allocations_held"] == 1  # the rest: every slot is running ("done"), one asks
+        for g in got:
+            m.post("/finish", ticket=g["ticket"]["id"], status="accepted")
+        rest = [f.result(10) for f in asks if f not in first]
+        assert len(rest) == 4 and all(r["ticket"] is None and r["complete"] for r in rest)
+        assert m.status()["allocations_held"] == 0
+    finally:
+        loop.run(w.manager.close())
+        m.stop()
+
+
 def test_a_held_allocation_gets_its_ticket_when_the_version_moves(loop, fleet, perturbed):
     """``wait_s``: a worker's request refused for staleness is held, not answered, and gets its ticket as soon as new
     weights load (a worker polling with back-off got it up to half a second late: a tiny asynchronous run's

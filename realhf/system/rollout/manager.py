@@ -86,6 +86,7 @@ class RolloutManager:
     ``POST /update_weights``    ``{"path", "version"}`` -> ``{"seconds", "servers": [updated indices], "version"}``
     ``GET /status``             ``TicketBook.stats()`` + ``complete``, ``servers`` [{index, address, live,
                                 running_episodes, version}], ``weight_updates``, ``weight_update_seconds``,
+                                ``allocations_held`` (requests held by ``wait_s`` now),
                                 ``idle_fraction``, ``idle_window_s`` (no episode running, since the last
                                 call), the means of the numeric stats accepted episodes reported since then
                                 (``episode_<name>``: reward, turns ...), and the servers' load:
@@ -127,6 +128,7 @@ class RolloutManager:
         self._update_lock = asyncio.Lock()
         self._change = asyncio.Event()  # replaced by a fresh one at every _changed()
         self._closing = False
+        self.held = 0  # allocations held now (wait_s)
         # after a restore, the servers hold the initial weights until the trainer publishes the resumed ones: no
         # ticket is issued before (its tokens would carry a version far behind the bound)
         self.awaiting_version: Optional[int] = book.version if book.version > 0 else None
@@ -233,10 +235,13 @@ class RolloutManager:
             if (got["ticket"] is not None or got["reason"] not in HELD_REASONS or got["complete"] or left <= 0
                     or self._closing):
                 return got
+            self.held += 1
             try:
                 await asyncio.wait_for(change.wait(), left)
             except asyncio.TimeoutError:
                 return got
+            finally:
+                self.held -= 1
 
     def _allocate_now(self, worker: str) -> dict:
         live = self._live()
@@ -402,7 +407,7 @@ class RolloutManager:
         self._episode_stats = {}
         return {**self.book.stats(), **episodes, "complete": self.book.complete, "servers": servers,
                 "weight_updates": self.weight_updates, "weight_update_seconds": self.weight_update_seconds,
-                "idle_fraction": idle, "idle_window_s": window}
+                "idle_fraction": idle, "idle_window_s": window, "allocations_held": self.held}
 
     async def server_load(self) -> Dict[str, float]:
         """Over the live servers, from their ``/metrics``: generated tokens per second since the previous call

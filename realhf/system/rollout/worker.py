@@ -161,12 +161,37 @@ class RolloutWorker:
         return 0
 
     async def _allocate(self) -> dict:
+        """A ticket, or the manager's refusal. After a refusal that a later event may lift, one task of this worker
+        asks again held in the manager (``wait_s``) until such an event; the worker's other tasks wait for that
+        request to come back and then all ask at once. Held requests so never take up the connections that carry
+        the episodes' ``finish`` reports, and a new version's tickets go out in one round."""
+        while True:
+            got = await self._ask(0.0)
+            if got.get("ticket") is not None or got.get("reason") not in HELD_REASONS or got.get("complete"):
+                return got
+            waiter = getattr(self, "_waiter", None)
+            if waiter is not None:  # another task's request is held: wait for it, then ask again
+                await asyncio.shield(waiter)
+                continue
+            self._waiter = asyncio.get_running_loop().create_future()
+            t0 = time.monotonic()
+            try:
+                got = await self._ask(ALLOCATE_WAIT_S)
+            finally:
+                self._waiter.set_result(None)
+                self._waiter = None
+            if got.get("ticket") is not None or got.get("reason") not in HELD_REASONS or got.get("complete"):
+                return got
+            if time.monotonic() - t0 < 0.01:  # answered without being held (the manager is closing): not a busy loop
+                await asyncio.sleep(0.1)
+
+    async def _ask(self, wait_s: float) -> dict:
         from realhf.system.transport.manager_client import ManagerError
 
         t0 = time.monotonic()
         while True:
             try:
-                return await self.manager.allocate(self.name, wait_s=ALLOCATE_WAIT_S)
+                return await self.manager.allocate(self.name, wait_s=wait_s)
             except ManagerError as e:
                 if e.status is not None and e.status != 503:
                     raise
