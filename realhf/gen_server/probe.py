@@ -20,7 +20,6 @@ def served_generate_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, dev
     per prompt, its answers together, each of exactly ``PROBE_ANSWER_LEN`` tokens); the median of the requests'
     time less the cost model's passes on ``hw`` and ``layout_s`` (the weights' layout for the decode kernel, counted
     apart), at least 0."""
-    import dataclasses
     import os
     import tempfile
 
@@ -31,8 +30,8 @@ def served_generate_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, dev
     from realhf.gen_server.fleet import LocalFleet
     from realhf.impl.model.conversion.hf_io import save_hf
     from realhf.impl.model.nn.real_model import ReaLModel
-    from realhf.plan.cost import CostModel
-    from realhf.plan.interface_probe import PROBE_ANSWER_LEN, PROBE_GROUP, PROBE_PROMPT_LEN, PROBE_PROMPTS
+    from realhf.plan.interface_probe import (PROBE_ANSWER_LEN, PROBE_GROUP, PROBE_PROMPT_LEN, PROBE_PROMPTS,
+                                             generation_passes)
 
     m = ReaLModel(cfg, grid=single_process_grid(), dtype=getattr(torch, dtype), device="cpu")
     m.init_random(seed=1)
@@ -63,6 +62,5 @@ def served_generate_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, dev
             for _ in range(2):  # warm-up: the server's first requests build its kernels and caches
                 call()
             measured = statistics.median(call() for _ in range(reps))
-    bare = dataclasses.replace(hw, generate_overhead_s=0.0, generate_layer_overhead_s=0.0, generate_head_overhead_s=0.0)
-    passes = CostModel(cfg, bare, dtype).generate(PROBE_PROMPTS, PROBE_PROMPT_LEN, PROBE_GROUP, A)
+    passes = generation_passes(cfg, hw, dtype)
     return max(0.0, measured - passes - layout_s), dict(measured_s=measured, passes_s=passes, layout_s=layout_s)

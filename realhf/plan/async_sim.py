@@ -68,6 +68,11 @@ class AsyncSetting:
         return self.gen_gpus // self.gen_tp
 
     @property
+    def weight_params(self) -> float:
+        """Parameters of the whole model (what a publication moves)."""
+        return params(Shard(self.cfg, 1, 1, 0, dtype_bytes(self.dtype)))
+
+    @property
     def train_mesh(self) -> Mesh:
         return Mesh(self.train_gpus // (self.train_tp * self.train_pp), self.train_tp, self.train_pp, 0)
 
@@ -150,10 +155,9 @@ def _train_time(s: AsyncSetting, hw: Hardware, lengths: List[int], cm: Optional[
     # the control plane: each MFC's request, the step's fetch and clear, the rollout manager's counters
     t += (2 if s.recompute_logprobs else 1) * hw.call_overhead_s + hw.step_overhead_s + hw.call_overhead_s
     if _publishes_behind(s):  # the trainer copies its weights; the checkpoint is written and loaded behind it
-        return t + params(Shard(s.cfg, 1, 1, 0, dtype_bytes(s.dtype))) * dtype_bytes(s.dtype) / hw.memory_bw
-    n = params(Shard(s.cfg, 1, 1, 0, dtype_bytes(s.dtype)))
+        return t + s.weight_params * dtype_bytes(s.dtype) / hw.memory_bw
     method = "disk" if s.weight_sync == "disk" else "broadcast"
-    return t + comm_cost.publish_weights(hw, n, dtype_bytes(s.dtype), s.servers, method,
+    return t + comm_cost.publish_weights(hw, s.weight_params, dtype_bytes(s.dtype), s.servers, method,
                                          tensors=comm_cost.hf_tensor_count(s.cfg))
 
 
@@ -167,8 +171,7 @@ def _servers_load(s: AsyncSetting, hw: Hardware) -> float:
     """What the servers spend loading a version written behind the trainer (they pause for it), else 0."""
     if not _publishes_behind(s):
         return 0.0
-    nbytes = params(Shard(s.cfg, 1, 1, 0, dtype_bytes(s.dtype))) * dtype_bytes(s.dtype)
-    return s.servers * nbytes / hw.disk_bw  # the servers' reads share the disk
+    return s.servers * s.weight_params * dtype_bytes(s.dtype) / hw.disk_bw  # the servers' reads share the disk
 
 
 def steady_state(s: AsyncSetting, hw: Hardware, eta: int, batches: int = 48, warmup: int = 8,

@@ -89,7 +89,6 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
     ``PROBE_ANSWER_LEN`` tokens, sampled with the default sampling options) less the cost model's generation on
     ``hw`` without its own setup costs (at least 0), the figures behind it). ``cfg``: a small model (the profiler's
     proxy)."""
-    import dataclasses
     import types
 
     import torch
@@ -102,7 +101,6 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
     from realhf.impl.model.backend.engine import InferenceEngine
     from realhf.impl.model.interface.ppo_interface import PPOActorInterface
     from realhf.impl.model.nn.real_model import ReaLModel
-    from realhf.plan.cost import CostModel
     from realhf.plan.probes import timed
 
     grid = single_process_grid()
@@ -123,10 +121,20 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
                           trailing_shapes={"packed_prompts": ()}, dtypes={"packed_prompts": torch.long},
                           data={"packed_prompts": prompts})
     measured = timed(lambda: iface.generate(model, data, MicroBatchSpec()), device, reps=reps, budget_s=math.inf)
-    bare = dataclasses.replace(hw, generate_overhead_s=0.0, generate_layer_overhead_s=0.0, generate_head_overhead_s=0.0)
-    passes = CostModel(cfg, bare, dtype).generate(
-        PROBE_PROMPTS, P, PROBE_GROUP, PROBE_ANSWER_LEN)
+    passes = generation_passes(cfg, hw, dtype)
     return max(0.0, measured - passes), dict(measured_s=measured, passes_s=passes)
+
+
+def generation_passes(cfg: ReaLModelConfig, hw: Hardware, dtype: str) -> float:
+    """The cost model's prefill and decode steps of the probe's generation (``PROBE_PROMPTS`` prompts of
+    ``PROBE_PROMPT_LEN`` tokens, ``PROBE_GROUP`` answers of ``PROBE_ANSWER_LEN`` tokens each) on ``hw``, without a
+    call's own costs."""
+    import dataclasses
+
+    from realhf.plan.cost import CostModel
+
+    bare = dataclasses.replace(hw, generate_overhead_s=0.0, generate_layer_overhead_s=0.0, generate_head_overhead_s=0.0)
+    return CostModel(cfg, bare, dtype).generate(PROBE_PROMPTS, PROBE_PROMPT_LEN, PROBE_GROUP, PROBE_ANSWER_LEN)
 
 
 def reward_per_answer(n: int = 64, reps: int = 5) -> Tuple[float, dict]:

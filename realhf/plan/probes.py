@@ -375,7 +375,7 @@ def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeo
     out = dict(backend=backend, allreduce=res["allreduce"], sendrecv=res["sendrecv"])
     # bandwidths from the two largest sizes (a message past the caches moves slower than one inside them): a send's,
     # and a two-rank all-reduce's (gloo reduces on the CPU: it ran at a third of a send's rate on a 2-core host)
-    (n0, s0), (n1, s1), (n2, s2) = res["sendrecv"][0], res["sendrecv"][-2], res["sendrecv"][-1]
+    (_, s0), (n1, s1), (n2, s2) = res["sendrecv"][0], res["sendrecv"][-2], res["sendrecv"][-1]
     out["bw"] = (n2 - n1) / max(s2 - s1, 1e-9)
     (_, a1), (_, a2) = res["allreduce"][-2], res["allreduce"][-1]
     out["allreduce_bw"] = (n2 - n1) / max(a2 - a1, 1e-9)

@@ -152,13 +152,22 @@ def hardware(p: Dict) -> Hardware:
     )
 
 
-def _fit_layers(cfg: ReaLModelConfig, bytes_per: int) -> Tuple[int, int]:
+def _fit_layers(cfg: ReaLModelConfig, dtype: str) -> Tuple[int, int]:
+    """The depths of ``cfg``'s proxies the fits time: 1 block and the model's own depth for a shallow model, else 1
+    and 3 blocks (2 where 3 would not fit in 1.5 GB of ``dtype`` weights)."""
     from realhf.plan.comm_cost import _units
+    from realhf.plan.memory import dtype_bytes
 
     per_layer = _units(cfg, 1, 0)[0][3]
+    bytes_per = dtype_bytes(dtype)
     if 2 <= cfg.n_layers <= FIT_WHOLE_DEPTH and cfg.n_layers * per_layer * bytes_per <= 1.5 * GB:
         return (1, cfg.n_layers)  # a shallow model is timed at its own depth: nothing to extrapolate
     return (1, 3) if 3 * per_layer * bytes_per <= 1.5 * GB else (1, 2)
+
+
+def _measured_hardware(data: Dict, dtype: str, device: str) -> Hardware:
+    """:func:`hardware` of a profile's figures while it is being measured (no cache key yet)."""
+    return hardware({**data, "key": dict(dtype=dtype, machine="", device=device, threads=0)})
 
 
 def _proxy(cfg: ReaLModelConfig, layers: int) -> ReaLModelConfig:
@@ -231,7 +240,7 @@ def fit_overheads(cfg: ReaLModelConfig, base: Hardware, dtype: str, device: str)
     dt = getattr(torch, dtype)
     H = cfg.hidden_dim
     fwd_rows, fwd_y, dec_rows, dec_y, points = [], [], [], [], []
-    for L in _fit_layers(cfg, torch.tensor([], dtype=dt).element_size()):
+    for L in _fit_layers(cfg, dtype):
         pc = _proxy(cfg, L)
         cm = CostModel(pc, base, dtype)
         model = _model(pc, dt, device)
@@ -258,12 +267,10 @@ def fit_train_overheads(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: 
     """Time the PPO actor's real training call on 1 and 3 (or 2) blocks of ``cfg``'s shape
     (:mod:`realhf.plan.interface_probe`) and fit what the cost model's passes on ``hw`` leave: per call (host-side
     work) and per block (a backward's cost beyond twice the forward's)."""
-    import torch
-
     from realhf.plan.interface_probe import train_call_overhead
 
     rows, ys, points = [], [], []
-    for L in _fit_layers(cfg, torch.tensor([], dtype=getattr(torch, dtype)).element_size()):
+    for L in _fit_layers(cfg, dtype):
         left, info = train_call_overhead(_proxy(cfg, L), hw, dtype, device)
         rows.append((1.0, float(L)))
         ys.append(left)
@@ -290,7 +297,7 @@ def fit_generate_call(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: st
     head = pack_seconds(((cfg.hidden_dim, cfg.vocab_size),), dt, device)
     proxy_head = pack_seconds(((cfg.hidden_dim, FIT_VOCAB),), dt, device)
     left, points = [], []
-    for L in _fit_layers(cfg, torch.tensor([], dtype=dt).element_size()):
+    for L in _fit_layers(cfg, dtype):
         extra, info = generate_call_overhead(_proxy(cfg, L), hw, dtype, device)
         left.append(max(0.0, extra - L * block - proxy_head))
         points.append(dict(kind="generate_call", layers=L, **info))
@@ -302,11 +309,9 @@ def _server_probe(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str, pro
     """A generation server's own cost per served generation (``probe``:
     :func:`realhf.gen_server.probe.served_generate_overhead`, on the deepest fitted proxy of ``cfg``'s shape), kept
     as ``overheads["server_generate_s"]``."""
-    import torch
-
     o = data["overheads"]
-    L = max(_fit_layers(cfg, torch.tensor([], dtype=getattr(torch, dtype)).element_size()))
-    hw = hardware({**data, "key": dict(dtype=dtype, machine="", device=device, threads=0)})
+    L = max(_fit_layers(cfg, dtype))
+    hw = _measured_hardware(data, dtype, device)
     layout = L * o.get("generate_layer_s", 0.0) + o.get("proxy_head_layout_s", 0.0)
     left, info = probe(_proxy(cfg, L), hw, dtype, device, layout_s=layout)
     o["server_generate_s"] = left
@@ -334,12 +339,11 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
     if round_trip is not None:
         out["mfc_round_trip"] = round_trip()
     out["measured_at"] = datetime.datetime.now().isoformat(timespec="seconds")
-    base_key = dict(dtype=dtype, machine="", device=device, threads=0)
-    base = hardware({**out, "key": base_key,
-                     "overheads": dict(layer_s=0.0, elementwise_s=0.0, decode_layer_s=0.0, decode_elementwise_s=0.0,
-                                       pass_s=0.0, decode_step_s=0.0)})
+    zero = dict(layer_s=0.0, elementwise_s=0.0, decode_layer_s=0.0, decode_elementwise_s=0.0, pass_s=0.0,
+                decode_step_s=0.0)
+    base = _measured_hardware({**out, "overheads": zero}, dtype, device)
     out["overheads"] = fit_overheads(cfg, base, dtype, device)
-    fitted = hardware({**out, "key": base_key})
+    fitted = _measured_hardware(out, dtype, device)
     out["overheads"].update(fit_train_overheads(cfg, fitted, dtype, device))
     out["overheads"].update(fit_generate_call(cfg, fitted, dtype, device))
     out["overheads"]["reward_s"] = reward_per_answer()[0]
@@ -379,7 +383,7 @@ def _decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -
     if not tp:
         return
     proxy = _tp_proxy(cfg)
-    hw = hardware({**data, "key": dict(dtype=dtype, machine="", device=device, threads=0)})
+    hw = _measured_hardware(data, dtype, device)
 
     def step(lat: float) -> float:
         h = dataclasses.replace(hw, intra_lat=lat, inter_lat=lat, broadcast_lat=0.0)

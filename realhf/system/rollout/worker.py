@@ -39,6 +39,11 @@ logger = logging.getLogger("realhf.rollout_worker")
 ALLOCATE_WAIT_S = 5.0
 
 
+def _settled(got: dict) -> bool:
+    """Whether an allocation's answer stands: a ticket, the run complete, or a refusal no later event lifts."""
+    return got.get("ticket") is not None or got.get("reason") not in HELD_REASONS or bool(got.get("complete"))
+
+
 def episode_seed(seed: int, version: int, query_id: str) -> int:
     """Seed of an episode's samples: from the sampling seed, the weight version at its start and the prompt's id,
     exactly as a synchronous run seeds a prompt's samples (``gen_interface``): with ``max_head_offpolicyness=0``
@@ -167,7 +172,7 @@ class RolloutWorker:
         the episodes' ``finish`` reports, and a new version's tickets go out in one round."""
         while True:
             got = await self._ask(0.0)
-            if got.get("ticket") is not None or got.get("reason") not in HELD_REASONS or got.get("complete"):
+            if _settled(got):
                 return got
             waiter = getattr(self, "_waiter", None)
             if waiter is not None:  # another task's request is held: wait for it, then ask again
@@ -180,7 +185,7 @@ class RolloutWorker:
             finally:
                 self._waiter.set_result(None)
                 self._waiter = None
-            if got.get("ticket") is not None or got.get("reason") not in HELD_REASONS or got.get("complete"):
+            if _settled(got):
                 return got
             if time.monotonic() - t0 < 0.01:  # answered without being held (the manager is closing): not a busy loop
                 await asyncio.sleep(0.1)
