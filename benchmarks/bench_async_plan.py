@@ -1,11 +1,12 @@
 """Asynchronous against colocated RL on this machine: measured, and as the planner predicts it.
 
-``python benchmarks/bench_async_plan.py [--steps 8] [--eta 1]`` runs, one after the other on this host, a tiny
+``python benchmarks/bench_async_plan.py [--steps 8] [--eta 1] [--repeat 3]`` runs, alternately on this host, a tiny
 ``ppo-math`` (GRPO) colocated on 2 model workers (``d2m1p1``) and a tiny ``async-ppo-math`` with one generation
 server beside one trainer worker (``gen.d1m1p1+d1m1p1``, ``async_rl.max_head_offpolicyness=eta``), every answer
 exactly ``--answer`` tokens. Each run's throughput is its generated tokens per second of step over the steps after
-the first ``--warmup``. Beside them: the step simulator's colocated step (:func:`realhf.apps.planning.estimate`) and
-the asynchronous steady state (:func:`realhf.plan.async_sim.steady_state`) on this machine's profile. The figure
+the first ``--warmup``; the comparison takes the medians over ``--repeat`` pairs of runs. Beside them: the step
+simulator's colocated step (:func:`realhf.apps.planning.estimate`) and the asynchronous steady state
+(:func:`realhf.plan.async_sim.steady_state`, the answers' tokens per second) on this machine's profile. The figure
 that matters is the ratio of ratios: the predicted async/colocated speed-up over the measured one.
 
 One JSON line per run and one for the comparison; a table on stderr.
@@ -39,7 +40,7 @@ def _measured(root: str, args: list, warmup: int) -> dict:
 
 
 def compare(model: str, data: str, root: str, steps: int, eta: int, prompts: int, group: int, answer: int,
-            warmup: int) -> dict:
+            warmup: int, repeat: int = 1) -> dict:
     from bench_plan import run_args
 
     from realhf.api.quickstart.entry import parse_cli
@@ -50,12 +51,18 @@ def compare(model: str, data: str, root: str, steps: int, eta: int, prompts: int
 
     registered()
     tokens = prompts * group * answer  # generated per step
-    sync_args = run_args(model, data, root, "d2m1p1", 2, steps, prompts=prompts, group=group, answer=answer)
-    async_args = ["async-ppo-math"] + run_args(
-        model, data, root, "gen.d1m1p1+d1m1p1", 2, steps, prompts=prompts, group=group, answer=answer,
-        extra=("param_realloc=disk", f"async_rl.max_head_offpolicyness={eta}"))[1:]
-    sync_m = _measured(root, sync_args, warmup)
-    async_m = _measured(root, async_args, warmup)
+    runs = {"sync": [], "async": []}
+    for r in range(repeat):  # alternated, so that a slow spell of the host falls on both
+        for kind, mode, exp, extra in (("sync", "d2m1p1", "ppo-math", ()),
+                                       ("async", "gen.d1m1p1+d1m1p1", "async-ppo-math",
+                                        ("param_realloc=disk", f"async_rl.max_head_offpolicyness={eta}"))):
+            where = os.path.join(root, f"r{r}")
+            args = [exp] + run_args(model, data, where, mode, 2, steps, prompts=prompts, group=group, answer=answer,
+                                    extra=extra)[1:]
+            runs[kind].append((args, _measured(where, args, warmup)))
+    sync_args, async_args = runs["sync"][0][0], runs["async"][0][0]
+    sync_m = {k: statistics.median(m[k] for _, m in runs["sync"]) for k in ("step_s", "prompt_len")}
+    async_m = {k: statistics.median(m[k] for _, m in runs["async"]) for k in ("step_s", "prompt_len")}
 
     _, sync_cfg = parse_cli(sync_args)
     sync_est, _ = estimate("ppo-math", sync_cfg, prompt_len=sync_m["prompt_len"])
@@ -67,12 +74,13 @@ def compare(model: str, data: str, root: str, steps: int, eta: int, prompts: int
     state = steady_state(s, ctx.hw, eta)
 
     meas = dict(sync=tokens / sync_m["step_s"], async_=tokens / async_m["step_s"])
-    sim = dict(sync=tokens / sync_est.step_s, async_=state.tokens_per_s)
+    sim = dict(sync=tokens / sync_est.step_s, async_=state.generated_per_s)
     m_ratio, s_ratio = meas["async_"] / meas["sync"], sim["async_"] / sim["sync"]
-    return dict(eta=eta, tokens_per_step=tokens,
+    each = [round(sm["step_s"] / am["step_s"], 3) for (_, sm), (_, am) in zip(runs["sync"], runs["async"])]
+    return dict(eta=eta, tokens_per_step=tokens, repeat=repeat,
                 measured=dict(sync_tok_s=round(meas["sync"], 1), async_tok_s=round(meas["async_"], 1),
                               async_over_sync=round(m_ratio, 3), sync_step_s=round(sync_m["step_s"], 3),
-                              async_step_s=round(async_m["step_s"], 3)),
+                              async_step_s=round(async_m["step_s"], 3), async_over_sync_each=each),
                 simulated=dict(sync_tok_s=round(sim["sync"], 1), async_tok_s=round(sim["async_"], 1),
                                async_over_sync=round(s_ratio, 3), trainer_idle=round(state.trainer_idle, 3),
                                generation_idle=round(state.generation_idle, 3)),
@@ -88,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--answer", type=int, default=16, help="tokens of every answer")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="pairs of runs, alternated (the medians of their step times are compared)")
     ap.add_argument("--root", default=None, help="where the runs write (default: a temporary folder)")
     a = ap.parse_args(argv)
     from realhf.impl.dataset import make_arithmetic_problems, write_math_jsonl
@@ -95,9 +105,11 @@ def main(argv=None) -> int:
 
     root = a.root or tempfile.mkdtemp(prefix="bench_async_plan_")
     data = os.path.join(root, "math.jsonl")
-    write_math_jsonl(make_arithmetic_problems(64, seed=3, kind="easy"), data)
+    write_math_jsonl(make_arithmetic_problems(max(64, a.prompts * a.steps), seed=3, kind="easy"), data)
     model = a.model or ensure_tiny_model("qwen2", tie_word_embeddings=True)
-    r = compare(model, data, root, a.steps, a.eta, a.prompts, a.group, a.answer, a.warmup)
+    if a.repeat < 1:
+        ap.error(f"--repeat={a.repeat}: expected a positive number")
+    r = compare(model, data, root, a.steps, a.eta, a.prompts, a.group, a.answer, a.warmup, a.repeat)
     print(json.dumps(r), flush=True)
     m, s = r["measured"], r["simulated"]
     sys.stderr.write(f"{'':<10} {'colocated tok/s':>15} {'async tok/s':>11} {'async/colocated':>15}\n"

@@ -23,6 +23,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--refresh", action="store_true", help="measure again even when cached")
     ap.add_argument("--servers", action="store_true",
                     help="also a generation server's own cost (a server process; plans with gen. servers ask for it)")
+    ap.add_argument("--rollout", action="store_true",
+                    help="also the rollout side's cost per episode (a server process and a rollout manager; "
+                         "asynchronous plans ask for it)")
     a = ap.parse_args(argv)
     from realhf.base.host_memory import retain_freed_memory
     from realhf.system.transport.call_probe import mfc_round_trip
@@ -35,9 +38,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             ap.error(f"--threads={a.threads}: expected a positive number")
         torch.set_num_threads(a.threads)
     from realhf.gen_server.probe import served_generate_overhead
+    from realhf.system.rollout.probe import rollout_episode_overhead
 
     p = profile(a.model, a.dtype, a.device, comm=not a.no_comm, refresh=a.refresh, round_trip=mfc_round_trip,
-                server_probe=served_generate_overhead if a.servers else None)
+                server_probe=served_generate_overhead if a.servers else None,
+                rollout_probe=rollout_episode_overhead if a.rollout else None)
     from realhf.plan.hardware import describe
 
     print(json.dumps(dict(path=p["path"], **describe(hardware(p), a.dtype), overheads={

@@ -208,12 +208,14 @@ def given_split(base: AsyncSetting, hw: Hardware, eta: int, gen_gpus: int, gen_t
 def setting_of(cfg, shape, mean_new: Optional[float] = None, dtype: str = "bfloat16") -> AsyncSetting:
     """The :class:`AsyncSetting` of an ``async-ppo-math`` config (its split left to the search): the actor's shape,
     ``dataset.train_bs_n_seqs`` prompts x ``group_size`` answers of up to ``dataset.max_prompt_len`` +
-    ``ppo.gen.max_new_tokens`` tokens, ``mean_new`` new tokens on average (default: half the limit)."""
+    ``ppo.gen.max_new_tokens`` tokens, ``mean_new`` new tokens on average (default: half the limit), the config's
+    rollout workers."""
     A = cfg.ppo.gen.max_new_tokens
     return AsyncSetting(shape, 1, 1, prompts=cfg.dataset.train_bs_n_seqs, n=cfg.group_size,
                         prompt_len=cfg.dataset.max_prompt_len, max_new=A,
                         mean_new=float(mean_new) if mean_new else max(1.0, A / 2),
                         minibatches=cfg.ppo.ppo_n_minibatches,
                         recompute_logprobs=cfg.async_rl.prox_logp == "recompute", dtype=dtype,
-                        weight_sync="disk" if getattr(cfg, "param_realloc", "disk") == "disk" else "memory")
+                        weight_sync="disk" if getattr(cfg, "param_realloc", "disk") == "disk" else "memory",
+                        rollout_workers=cfg.async_rl.n_rollout_workers)
 

@@ -10,14 +10,20 @@ are drawn per batch (seeded) from a capped log-normal of a given mean, so batche
   the fleet streams: the next batch's answers fill the rows the finished ones leave, so a batch costs its tokens at
   the fleet's full-rows rate. Either way the servers lay out each batch's new weights once
   (:meth:`CostModel.weights_setup`; on CPU only) and pay a served generation's own cost once per batch
-  (``Hardware.server_generate_overhead_s``).
+  (``Hardware.server_generate_overhead_s``) and a weight update's own (``Hardware.server_update_s``).
+* The rollout side's host work (each episode's allocation, request, grading and report:
+  ``Hardware.rollout_episode_s`` and ``reward_s_per_answer``; one event loop per rollout worker) runs beside the
+  servers' decoding on a GPU machine (a batch takes the longer of the two), and in turn with it on a CPU machine,
+  where the episodes in flight share the servers' decoding steps and then wait for the worker together.
+* On a CPU machine (``Hardware.host_cores``) every process shares the host's cores: where generation and training
+  overlap (``eta >= 1``) a batch takes at least the CPU time of both sides and of the rollout side over the cores.
 * Training batch ``b`` starts when it is generated and the trainer is free; it costs the training MFC
   (:func:`realhf.plan.simulate.compute_time`), the control plane's requests (each MFC's, the step's own and the
   rollout manager's counters) and the weights' publication to the servers, of which a single-process trainer
   writing to disk pays a copy only (the checkpoint is written behind it; the servers pause to load it).
 
-Outputs: trained tokens per second, the trainer's and the fleet's idle shares, and the mean staleness (trained
-versions between an answer's generation start and its training).
+Outputs: trained tokens per second (prompts included; the answers' alone as ``generated_per_s``), the trainer's and the
+fleet's idle shares, and the mean staleness (trained versions between an answer's generation start and its training).
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ class AsyncSetting:
     ``train_gpus`` trainer GPUs in the layout data x ``train_tp`` x ``train_pp``, ``prompts`` x ``n`` answers per batch
     of ``prompt_len`` + up to ``max_new`` tokens (``mean_new`` on average), ``minibatches`` optimizer steps per batch
     (in micro-batches of at most ``train_max_tokens`` tokens), the trainer's extra forward pass (the proximal policy's
-    log-probs of decoupled PPO) when ``recompute_logprobs``."""
+    log-probs of decoupled PPO) when ``recompute_logprobs``, ``rollout_workers`` rollout worker processes."""
 
     cfg: ReaLModelConfig
     gen_gpus: int
@@ -62,6 +68,7 @@ class AsyncSetting:
     train_tp: int = 1
     train_pp: int = 1
     train_max_tokens: int = 2**31 - 1
+    rollout_workers: int = 1
 
     @property
     def servers(self) -> int:
@@ -83,6 +90,8 @@ class AsyncSetting:
         if self.gen_gpus % self.gen_tp or self.train_gpus % (self.train_tp * self.train_pp):
             raise ValueError(f"AsyncSetting: gen_tp={self.gen_tp} must divide gen_gpus={self.gen_gpus} and "
                              f"train_tp x train_pp={self.train_tp}x{self.train_pp} train_gpus={self.train_gpus}")
+        if self.rollout_workers < 1:
+            raise ValueError(f"AsyncSetting: rollout_workers must be >= 1, got {self.rollout_workers}")
         if not 0 < self.mean_new <= self.max_new:
             raise ValueError(f"AsyncSetting.mean_new={self.mean_new}: expected in (0, max_new={self.max_new}]")
 
@@ -96,9 +105,12 @@ class SteadyState:
     mean_staleness: float
     train_s: float  # a batch's training, publication included (mean)
     gen_s: float  # a batch's generation (mean)
+    generated_per_s: float = 0.0  # the answers' tokens alone, per second
 
 
 def _lengths(s: AsyncSetting, rng: random.Random) -> List[int]:
+    if s.mean_new >= s.max_new:  # capped at its mean: every answer runs to the limit
+        return [s.max_new] * (s.prompts * s.n)
     sigma = 0.8
     mu = math.log(s.mean_new) - sigma * sigma / 2
     return [max(1, min(s.max_new, int(rng.lognormvariate(mu, sigma)))) for _ in range(s.prompts * s.n)]
@@ -174,6 +186,29 @@ def _servers_load(s: AsyncSetting, hw: Hardware) -> float:
     return s.servers * s.weight_params * dtype_bytes(s.dtype) / hw.disk_bw  # the servers' reads share the disk
 
 
+def _rollout_time(s: AsyncSetting, hw: Hardware) -> float:
+    """Host CPU seconds of the rollout side per batch (every episode's requests and report, its answers' grading)."""
+    return s.prompts * (hw.rollout_episode_s + s.n * hw.reward_s_per_answer)
+
+
+def _generation(s: AsyncSetting, hw: Hardware, g: float) -> float:
+    """A batch's generation with the rollout side's work: beside the servers' ``g`` on a GPU machine (each rollout
+    worker's loop runs its share), after it on a CPU machine (at least the CPU time of both over the host's cores)."""
+    r = _rollout_time(s, hw)
+    if hw.host_cores is None:
+        return max(g, r / s.rollout_workers)
+    return max(g + r / s.rollout_workers, (g * s.gen_gpus * hw.device_threads + r) / hw.host_cores)
+
+
+def _host_stretch(s: AsyncSetting, hw: Hardware, server_g: float, g: float, t: float) -> float:
+    """On a CPU machine, the factor by which overlapping generation (``g``: the servers' ``server_g`` and the
+    rollout side's work) and training (``t``) slow down sharing the host's cores: at least 1."""
+    if hw.host_cores is None:
+        return 1.0
+    busy = (server_g * s.gen_gpus + t * s.train_gpus) * hw.device_threads + _rollout_time(s, hw)
+    return max(1.0, busy / hw.host_cores / max(g, t))
+
+
 def steady_state(s: AsyncSetting, hw: Hardware, eta: int, batches: int = 48, warmup: int = 8,
                  seed: int = 1) -> SteadyState:
     """``batches`` batches under staleness bound ``eta``; the figures over those after ``warmup``."""
@@ -184,33 +219,38 @@ def steady_state(s: AsyncSetting, hw: Hardware, eta: int, batches: int = 48, war
     cm = fleet.cm
     # a batch's requests: what a server's generation costs beyond its passes, where profiled
     served = hw.server_generate_overhead_s if hw.server_generate_overhead_s is not None else hw.generate_overhead_s
-    served += _servers_load(s, hw)
+    served += _servers_load(s, hw) + hw.server_update_s  # the servers pause for every version
     gen_end: List[float] = []
     train_end: List[float] = []
     gen_busy = train_busy = 0.0
     stale = []
     gen_free = 0.0
-    tokens = []
+    tokens, generated = [], 0
     for b in range(batches):
         lengths = _lengths(s, rng)
         gate = train_end[b - eta - 1] if b - eta - 1 >= 0 else 0.0
         start = max(gen_free, gate)
         g = fleet.tail_bound(lengths) if eta == 0 else fleet.streamed(lengths, (eta + 1) * len(lengths))
         g += cm.weights_setup(tp=s.gen_tp) + served  # each batch's weights are new to the servers
+        t = _train_time(s, hw, lengths, cm)
+        server_g, g = g, _generation(s, hw, g)
+        if eta >= 1:  # generation and training overlap
+            f = _host_stretch(s, hw, server_g, g, t)
+            g, t = g * f, t * f
         gen_free = start + g
         gen_end.append(gen_free)
-        t = _train_time(s, hw, lengths, cm)
         t0 = max(gen_free, train_end[-1] if train_end else 0.0)
         train_end.append(t0 + t)
         if b >= warmup:
             gen_busy += g
             train_busy += t
             tokens.append(sum(lengths) + s.prompt_len * len(lengths))
+            generated += sum(lengths)
             stale.append(b - sum(1 for e in train_end[:b] if e <= start))
     span = train_end[-1] - train_end[warmup - 1]
     n_meas = batches - warmup
     return SteadyState(eta, sum(tokens) / span, max(0.0, 1 - train_busy / span), max(0.0, 1 - gen_busy / span),
-                       sum(stale) / len(stale), train_busy / n_meas, gen_busy / n_meas)
+                       sum(stale) / len(stale), train_busy / n_meas, gen_busy / n_meas, generated / span)
 
 
 def best_split(s: AsyncSetting, hw: Hardware, gpus: int, eta: int) -> AsyncSetting:

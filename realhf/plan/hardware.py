@@ -68,7 +68,8 @@ class Hardware:
     once for the head beyond that, on a rank holding them whole (a CPU rank lays its weights out for the decode
     kernel at every call, or at every weight update on a server); ``server_generate_overhead_s``: a generation
     served by a generation server's own cost in place of ``generate_overhead_s`` (the requests, the server's
-    scheduling; None: the same);
+    scheduling; None: the same); ``server_update_s``: a generation server's weight update from disk beside reading
+    the checkpoint (pausing, aborting and resuming its requests, loading the tensors), where measured;
     ``train_call_overhead_s``: a training call's host-side work beside its passes (advantages, the loss's weights, the
     statistics); ``train_layer_overhead_s``: what a training pass's backward costs per block beyond twice the
     forward's; ``call_overhead_s``: an MFC's fixed cost outside its computation (the master's request and the workers' reply);
@@ -82,7 +83,11 @@ class Hardware:
     adds to the time; ``realloc_bw`` 0: the link's rate and a latency per message); ``broadcast_lat``: seconds of
     a small broadcast between two processes where measured (0: the link's latency); ``reward_s_per_answer``: the
     rule-based reward's grading of one answer on the host where measured (0: not counted); ``p2p_msg_s``: seconds per
-    small message of a batch of point-to-point messages where measured (0: the link's latency); ``sources``: where
+    small message of a batch of point-to-point messages where measured (0: the link's latency);
+    ``rollout_episode_s``: host CPU seconds an asynchronous run's rollout worker and manager spend on one episode
+    beside its generation and grading, where measured (0: not counted); ``host_cores``: on a CPU machine, the cores
+    that every process of a run shares (its devices, servers and rollout processes alike), with ``device_threads``
+    threads per device (None: the devices are accelerators, the host's CPUs are not theirs); ``sources``: where
     each figure came from."""
 
     name: str
@@ -106,6 +111,7 @@ class Hardware:
     generate_layer_overhead_s: float = 0.0
     generate_head_overhead_s: float = 0.0
     server_generate_overhead_s: Optional[float] = None
+    server_update_s: float = 0.0
     call_overhead_s: float = CALL_OVERHEAD_S
     train_call_overhead_s: float = TRAIN_CALL_OVERHEAD_S
     train_layer_overhead_s: float = 0.0
@@ -119,6 +125,9 @@ class Hardware:
     broadcast_lat: float = 0.0
     reward_s_per_answer: float = 0.0
     p2p_msg_s: float = 0.0
+    rollout_episode_s: float = 0.0
+    host_cores: Optional[int] = None
+    device_threads: int = 1
     device: str = "cuda"
     sources: Dict[str, str] = dataclasses.field(default_factory=dict)
 

@@ -35,12 +35,13 @@ from realhf.plan.shapes import model_config
 
 logger = logging.getLogger("realhf.plan.profile")
 
-PROFILE_VERSION = 6  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
+PROFILE_VERSION = 7  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
 # 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
 # 4: links' bandwidths past the caches, a two-rank all-reduce's own rate, the real reallocation's cost, a generation
 # call's own cost on the real interface, every timing a median (was the least); 5: the collectives' latency from a
 # real tensor-parallel decode step, shallow models fitted at their own depth, the rule-based reward's grading,
-# a batched point-to-point message's cost; 6: a generation call's cost per block and for the head
+# a batched point-to-point message's cost; 6: a generation call's cost per block and for the head; 7: the host's
+# cores (a CPU machine's processes share them)
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
@@ -135,14 +136,16 @@ def hardware(p: Dict) -> Hardware:
         pass_overhead_s=o["pass_s"], decode_step_overhead_s=o["decode_step_s"],
         generate_overhead_s=o.get("generate_s", 0.0), generate_layer_overhead_s=o.get("generate_layer_s", 0.0),
         generate_head_overhead_s=o.get("generate_head_s", 0.0), train_call_overhead_s=o.get("train_call_s", 0.0),
-        server_generate_overhead_s=o.get("server_generate_s"),
+        server_generate_overhead_s=o.get("server_generate_s"), server_update_s=o.get("server_update_s", 0.0),
         train_layer_overhead_s=o.get("train_layer_s", 0.0),
         **({} if trip is None else dict(call_overhead_s=trip, step_overhead_s=STEP_ROUND_TRIPS * trip)),
         optimizer_s_per_param=p["optimizer_s_per_param"], disk_bw=p["disk_bw"],
         allreduce_bw=link.get("allreduce_bw", 0.0), realloc_fixed_s=realloc.get("fixed_s", 0.0),
         realloc_bw=realloc.get("bw", 0.0), realloc_both_ways=realloc.get("both_ways", 0.0),
         broadcast_lat=(link.get("in_step") or {}).get("broadcast", 0.0),
-        reward_s_per_answer=o.get("reward_s", 0.0),
+        reward_s_per_answer=o.get("reward_s", 0.0), rollout_episode_s=o.get("rollout_episode_s", 0.0),
+        host_cores=p.get("host_cores") if p["key"]["device"] == "cpu" else None,
+        device_threads=max(1, int(p["key"]["threads"])),
         p2p_msg_s=link.get("p2p_message", 0.0),
         matmul_rows=tuple((int(r), float(v)) for r, v in p["matmul_rows"]), device=p["key"]["device"],
         sources={"all": src, "links": "measured between two local processes" if link else
@@ -318,6 +321,20 @@ def _server_probe(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str, pro
     o["server_generate_point"] = dict(kind="server_generate", layers=L, **info)
 
 
+def _rollout_probe(data: Dict, probe: Callable) -> None:
+    """The rollout side's host CPU per episode of the probe's answers (``probe``:
+    :func:`realhf.system.rollout.probe.rollout_episode_overhead`), kept as ``overheads["rollout_episode_s"]``, and
+    a generation server's weight update beside reading the checkpoint as ``overheads["server_update_s"]``."""
+    from realhf.plan.interface_probe import PROBE_ANSWER_LEN, PROBE_GROUP
+
+    logger.info("profile: measuring the rollout side's cost per episode (a server process, a rollout manager)")
+    per, info = probe(PROBE_GROUP, PROBE_ANSWER_LEN)
+    data["overheads"]["rollout_episode_s"] = per
+    # a server's weight update through the manager beside reading the checkpoint (pause, abort, load, resume)
+    data["overheads"]["server_update_s"] = max(0.0, info["update_s"] - info["weights_bytes"] / data["disk_bw"])
+    data["overheads"]["rollout_episode_point"] = dict(kind="rollout_episode", **info)
+
+
 def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
             round_trip: Optional[Callable[[], float]] = None) -> Dict:
     """Every figure of a profile (seconds: a few on CPU for a small model; longer for a 7B block); ``round_trip``:
@@ -339,6 +356,7 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
     if round_trip is not None:
         out["mfc_round_trip"] = round_trip()
     out["measured_at"] = datetime.datetime.now().isoformat(timespec="seconds")
+    out["host_cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     zero = dict(layer_s=0.0, elementwise_s=0.0, decode_layer_s=0.0, decode_elementwise_s=0.0, pass_s=0.0,
                 decode_step_s=0.0)
     base = _measured_hardware({**out, "overheads": zero}, dtype, device)
@@ -404,7 +422,8 @@ def _zero_hw() -> Hardware:
 
 def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] = None, comm: bool = True,
             refresh: bool = False, cache_dir: Optional[str] = None,
-            round_trip: Optional[Callable[[], float]] = None, server_probe: Optional[Callable] = None) -> Dict:
+            round_trip: Optional[Callable[[], float]] = None, server_probe: Optional[Callable] = None,
+            rollout_probe: Optional[Callable] = None) -> Dict:
     """This machine's profile for ``model`` (a shape name, a model folder, a config.json dict or a
     ``ReaLModelConfig``): read from the cache when there, else measured and cached. ``comm=False`` skips the two-
     process link probe (a cached profile without it is completed when asked with ``comm=True``); ``cache_dir``: where
@@ -412,7 +431,8 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
     (:func:`realhf.system.transport.call_probe.mfc_round_trip`, passed in by the layers above), run when given and not
     cached (without it the control plane's fixed costs are the tabled ones); ``server_probe``: a generation server's
     (:func:`realhf.gen_server.probe.served_generate_overhead`: a server process on this machine, a few seconds), run
-    likewise."""
+    likewise; ``rollout_probe``: the rollout side's cost per episode
+    (:func:`realhf.system.rollout.probe.rollout_episode_overhead`, about 10 s), likewise."""
     import torch
 
     cfg = model_config(model)
@@ -423,7 +443,8 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
     need_comm = comm and (data is None or data.get("comm") is None)
     need_trip = round_trip is not None and (data is None or data.get("mfc_round_trip") is None)
     need_server = server_probe is not None and (data is None or "server_generate_s" not in data["overheads"])
-    if data is not None and not need_comm and not need_trip and not need_server:
+    need_rollout = rollout_probe is not None and (data is None or "rollout_episode_s" not in data["overheads"])
+    if data is not None and not (need_comm or need_trip or need_server or need_rollout):
         return data
     if data is not None:  # cached without the link probe, the control plane's or the server's: add them
         if need_comm:
@@ -435,12 +456,16 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
         if need_server:
             logger.info("profile: measuring a generation server's own cost (a server process)")
             _server_probe(data, cfg, dtype, device, server_probe)
+        if need_rollout:
+            _rollout_probe(data, rollout_probe)
     else:
         logger.info(f"profiling this machine ({key['machine']}, {device}, {key['threads']} threads, {dtype}) "
                     f"at {json.dumps(key['shape'])}: a few seconds")
         data = dict(measure(cfg, dtype, device, comm, round_trip), key=key)
         if server_probe is not None:
             _server_probe(data, cfg, dtype, device, server_probe)
+        if rollout_probe is not None:
+            _rollout_probe(data, rollout_probe)
     data["path"] = path
     _write(path, data)
     return json.loads(json.dumps(data))  # as a later call reads it back

@@ -197,3 +197,44 @@ def test_async_trainer_of_one_process_publishes_behind_and_the_servers_load(monk
     slow = async_sim.steady_state(one, dataclasses.replace(hw, disk_bw=hw.disk_bw / 100), 1, batches=8, warmup=2)
     assert slow.gen_s - async_sim.steady_state(one, hw, 1, batches=8, warmup=2).gen_s == pytest.approx(
         99 * nbytes / hw.disk_bw, rel=1e-6)
+
+
+def test_async_model_rollout_side_and_a_cpu_hosts_shared_cores():
+    """The rollout side's host work per episode runs beside the servers' decoding on GPUs (a batch takes the longer)
+    and after it on a CPU machine; there every process shares the host's cores, so overlapping generation and
+    training take at least their CPU time over the cores. A weight update's own cost is paid by the servers once per
+    batch. Answers capped at their mean all run to the cap; the answers' tokens per second leave the prompts out."""
+    from realhf.plan import async_sim
+    from realhf.plan.async_sim import AsyncSetting, steady_state
+
+    s = AsyncSetting(CFG, gen_gpus=1, train_gpus=1, prompts=8, n=4, prompt_len=64, max_new=512, mean_new=512.0)
+    import random
+
+    assert async_sim._lengths(s, random.Random(0)) == [512] * 32
+    base = steady_state(s, HW, 1, batches=10, warmup=2)
+    assert base.generated_per_s == pytest.approx(base.tokens_per_s * 512 / (512 + 64))
+    # the rollout side: R = prompts x (per episode + n x per answer's grading)
+    hw = dataclasses.replace(HW, rollout_episode_s=0.01, reward_s_per_answer=0.001)
+    R = 8 * (0.01 + 4 * 0.001)
+    assert async_sim._rollout_time(s, hw) == pytest.approx(R)
+    assert async_sim._generation(s, hw, 1.0) == 1.0 and async_sim._generation(s, hw, 0.01) == pytest.approx(R)
+    two = dataclasses.replace(s, rollout_workers=2)
+    assert async_sim._generation(two, hw, 0.01) == pytest.approx(R / 2)  # each worker's loop runs its share
+    cpu = dataclasses.replace(hw, host_cores=2, device_threads=1)
+    assert async_sim._generation(s, cpu, 1.0) == pytest.approx(1.0 + R)
+    assert async_sim._generation(s, dataclasses.replace(cpu, host_cores=1, device_threads=4), 1.0) == \
+        pytest.approx(4.0 + R)  # four threads of decoding on one core
+    # shared cores: generation and training at about the same time on one core take their sum
+    g, t = 1.0 + R, 1.0
+    assert async_sim._host_stretch(s, cpu, 1.0, g, t) == 1.0  # two cores: room for both
+    one = dataclasses.replace(cpu, host_cores=1)
+    assert async_sim._host_stretch(s, one, 1.0, g, t) == pytest.approx((1.0 + t + R) / g)
+    assert async_sim._host_stretch(s, hw, 1.0, g, t) == 1.0  # accelerators: their host's CPUs are not theirs
+    loose = steady_state(s, dataclasses.replace(cpu, host_cores=64), 1, batches=10, warmup=2)
+    tight = steady_state(s, dataclasses.replace(cpu, host_cores=1), 1, batches=10, warmup=2)
+    assert tight.tokens_per_s < 0.9 * loose.tokens_per_s and tight.gen_s > 1.1 * loose.gen_s
+    # the servers pause for every version's update
+    upd = steady_state(s, dataclasses.replace(HW, server_update_s=0.5), 1, batches=10, warmup=2)
+    assert upd.gen_s - base.gen_s == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="rollout_workers"):
+        dataclasses.replace(s, rollout_workers=0)

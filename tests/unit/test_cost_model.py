@@ -145,6 +145,17 @@ def test_profile_measures_once_then_reads_its_cache(tmp_path):
     assert served["measured_at"] == p["measured_at"]  # added to the cached profile, nothing else measured again
     assert profile.profile(cfg, "float32", "cpu", cache_dir=str(tmp_path),
                            server_probe=served_generate_overhead) == served
+    # the rollout side's cost per episode and a weight update's, through a real rollout manager and server
+    from realhf.system.rollout.probe import rollout_episode_overhead
+
+    rolled = profile.profile(cfg, "float32", "cpu", cache_dir=str(tmp_path), rollout_probe=rollout_episode_overhead)
+    o, point = rolled["overheads"], rolled["overheads"]["rollout_episode_point"]
+    assert point["trajectories"] == point["episodes_per_round"] * (len(point["rounds_s"]) + 1)
+    assert o["rollout_episode_s"] > 0 and point["update_s"] > 0 and o["server_update_s"] >= 0
+    rhw = profile.hardware(rolled)
+    assert rhw.rollout_episode_s == o["rollout_episode_s"] and rhw.server_update_s == o["server_update_s"]
+    assert rhw.host_cores == len(os.sched_getaffinity(0)) and rhw.device_threads == rolled["key"]["threads"]
+    assert rolled["measured_at"] == p["measured_at"] and "server_generate_s" in o
     # another shape is another profile
     other = dataclasses.replace(cfg, hidden_dim=96, n_q_heads=3, n_kv_heads=1, head_dim=32)
     assert profile.cache_path(profile.profile_key(other, "float32", "cpu", 1)) != \
