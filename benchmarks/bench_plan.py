@@ -6,6 +6,10 @@ the steps after the first) beside the simulator's (:mod:`realhf.plan.simulate`, 
 their ratio. ``--model`` picks another model folder (e.g. SmolLM2-135M); ``--answer``/``--prompts``/``--group``
 size the work.
 
+``python benchmarks/bench_plan.py scale --bench-log LOG``: the synchronous launches of a ``benchmarks/bench_scale.py``
+run (its JSON lines in ``LOG``: the step at users' scale, e.g. a Qwen2.5-1.5B shape on a GPU) beside the simulator's
+step on this machine's profile, measured first where not cached (the GPU check script runs it with ``PLAN=1``).
+
 ``python benchmarks/bench_plan.py areal``: the asynchronous model (:mod:`realhf.plan.async_sim`) in AReaL's small
 setting beside the throughput the AReaL paper reports.
 
@@ -39,11 +43,7 @@ def run_args(model: str, data: str, root: str, layout: str, n_dev: int, steps: i
 
 
 def measure_and_simulate(model: str, data: str, root: str, layout: str, n_dev: int, steps: int = 6, **kw) -> dict:
-    """Launch the plan for ``steps`` steps and simulate its step: the measured step time is the median of the steps
-    after the first (which loads and warms up); the simulation takes the prompts' mean length from the run."""
-    from realhf.api.quickstart.entry import parse_cli
-    from realhf.apps.planning import estimate
-    from realhf.experiments import registered
+    """Launch the plan for ``steps`` steps and simulate its step (:func:`simulate_run`)."""
     from realhf.testing import read_stats, run_quickstart
 
     args = run_args(model, data, root, layout, n_dev, steps, **kw)
@@ -51,12 +51,23 @@ def measure_and_simulate(model: str, data: str, root: str, layout: str, n_dev: i
     if p.returncode != 0:
         raise RuntimeError(f"{layout}: the run failed (exit {p.returncode}): {p.stderr[-3000:]}")
     name = next(a.split("=", 1)[1] for a in args if a.startswith("experiment_name="))
-    rows = read_stats(root, name)
+    return dict(simulate_run(args, read_stats(root, name)), extra=list(kw.get("extra", ())))
+
+
+def simulate_run(args: list, rows: list) -> dict:
+    """A finished launch (its quickstart options ``args``, experiment first, and its stats' rows) beside the
+    simulator's step: the measured step time is the median of the steps after the first (which loads and warms up);
+    the simulation takes the prompts' mean length from the run."""
+    from realhf.api.quickstart.entry import parse_cli
+    from realhf.apps.planning import estimate
+    from realhf.experiments import registered
+
     later = rows[1:] or rows
     registered()
     _, cfg = parse_cli(args)
-    est, _ = estimate("ppo-math", cfg, prompt_len=statistics.mean(r["avg_prompt_len"] for r in later))
+    est, _ = estimate(args[0], cfg, prompt_len=statistics.mean(r["avg_prompt_len"] for r in later))
     measured = statistics.median(r["step_time"] for r in later)
+
     def med(key: str) -> float:
         return round(statistics.median(r.get(key, 0.0) for r in later), 4)
 
@@ -65,8 +76,35 @@ def measure_and_simulate(model: str, data: str, root: str, layout: str, n_dev: i
     mfcs = {c.name: dict(measured_s=med(f"{c.name}/time"), measured_compute_s=med(f"{c.name}/compute_time"),
                          simulated_s=round(c.time_s, 4), simulated_compute_s=round(c.compute_s, 4))
             for c in est.calls}
-    return dict(plan=layout, extra=list(kw.get("extra", ())), steps=len(later), measured_s=round(measured, 4),
-                simulated_s=round(est.step_s, 4), ratio=round(est.step_s / measured, 3), mfcs=mfcs)
+    layout = next(a.split("=", 1)[1] for a in args if a.startswith("allocation_mode="))
+    return dict(plan=layout, steps=len(later), measured_s=round(measured, 4), simulated_s=round(est.step_s, 4),
+                ratio=round(est.step_s / measured, 3), mfcs=mfcs)
+
+
+def scale(a) -> int:
+    """The synchronous launches of a ``bench_scale.py`` run (its JSON lines in ``--bench-log``), each beside the
+    simulator's step on this machine's profile (measured here first if not cached)."""
+    out = []
+    with open(a.bench_log) as f:
+        modes = [r for r in (json.loads(line) for line in f if line.startswith("{")) if r.get("part") == "mode"]
+    for m in modes:
+        if m.get("experiment") != "ppo-math" or m.get("rc") != 0 or not m.get("args") or m.get("steps_done", 0) < 2:
+            continue  # the asynchronous run has its own model (bench_async_plan.py); a failed or short run has no step
+        name = next(o.split("=", 1)[1] for o in m["args"] if o.startswith("experiment_name="))
+        stats = os.path.join(os.path.dirname(m["log"]), name, "trial0", "logs", "stats.jsonl")
+        with open(stats) as f:
+            rows = [r for r in (json.loads(line) for line in f if line.strip()) if "step_time" in r]
+        r = dict(simulate_run(["ppo-math"] + m["args"], rows), mode=m["mode"], answer_tokens=m.get("answer_tokens"))
+        print(json.dumps(r), flush=True)
+        out.append(r)
+    if not out:
+        print(f"no finished synchronous launch of two steps or more in {a.bench_log}", file=sys.stderr)
+        return 1
+    sys.stderr.write(f"{'mode':<10} {'plan':<20} {'measured s':>10} {'simulated s':>11} {'sim/meas':>8}\n")
+    for r in out:
+        sys.stderr.write(f"{r['mode']:<10} {r['plan']:<20} {r['measured_s']:>10.4f} {r['simulated_s']:>11.4f} "
+                         f"{r['ratio']:>8.3f}\n")
+    return 0
 
 
 def measured(a) -> int:
@@ -118,8 +156,10 @@ def main(argv=None) -> int:
     m.add_argument("--plans", nargs="*", default=None, help=f"a subset of {[p for p, _ in PLANS]}")
     m.add_argument("--root", default=None, help="where the runs write (default: a temporary folder)")
     sub.add_parser("areal", help="the asynchronous model in AReaL's small setting beside the paper's figures")
+    sc = sub.add_parser("scale", help="bench_scale.py's synchronous launches beside the simulator's step")
+    sc.add_argument("--bench-log", required=True, help="the JSON lines bench_scale.py printed")
     a = ap.parse_args(argv)
-    return measured(a) if a.what == "measured" else areal(a)
+    return {"measured": measured, "areal": areal, "scale": scale}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -383,7 +383,8 @@ def run_modes(a, device: str, n_gpus: int, card: str, ceil, model: str, deadline
                 m["peak_mem_gib"] = None
         row.update(part="mode", mode=mode, answer_tokens=ans, experiment=MODES[mode], steps_asked=a.steps, rc=rc,
                    wall_s=round(wall, 1), timed_out=stopped, timeout_s=None if timeout is None else round(timeout), log=log,
-                   allocation_mode=next(o.split("=", 1)[1] for o in args if o.startswith("allocation_mode=")))
+                   allocation_mode=next(o.split("=", 1)[1] for o in args if o.startswith("allocation_mode=")),
+                   args=[o for o in args if o != "-q"])
         for m in mfcs:
             emit(part="mfc", mode=mode, answer_tokens=ans, **m)
         emit(**row)

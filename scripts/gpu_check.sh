@@ -13,6 +13,10 @@
 #   3. the tiny-model GRPO and PPO learning tests (tests/e2e/test_grpo_learns.py), which on a CUDA machine run their
 #      workers on cuda:0 in bf16 with NCCL, as a user's run would; and those with a generation server (synchronous
 #      and asynchronous GRPO), which on a one-GPU machine share the GPU with the trainer (gpus_per_node=1)
+#   PLAN=1 (after 1, before 2 and 3; PLAN_LIMIT seconds, default 150): benchmarks/bench_plan.py scale: the planner's
+#      profiler on this card (kernels, the control plane, a generation server) and each synchronous launch of (1)
+#      beside the step simulator's estimate of it; off by default, as it takes the script past 8 minutes unless
+#      TEST_LIMIT is lowered
 # (2) and (3) run side by side after (1) (SKIP_BENCH=1 skips it; LEARN_K / LEARN_SERVED_K pick the learning tests). Logs go to $OUT (default outputs/gpu_check); the last lines of each
 # are printed. Python packages missing on the machine may be given as wheels in .whl/ (installed to
 # /tmp/site); for a machine with PyTorch but none of realhf's other requirements (Python 3.12):
@@ -56,6 +60,10 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     $BENCH_WORK --budget-s $((BENCH_LIMIT - 20)) --root "$OUT/bench_scale" ${BENCH_ARGS:-} || status=1
   grep -h -E '"part": "(env|ceilings)"' "$OUT/bench.log"
   show bench 16
+fi
+if [ "${PLAN:-0}" = 1 ] && [ -f "$OUT/bench.log" ]; then
+  part plan "${PLAN_LIMIT:-150}" python3 benchmarks/bench_plan.py scale --bench-log "$OUT/bench.log" || status=1
+  show plan 8
 fi
 PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -rs --timeout 240"
 part pytest_gpu "${TEST_LIMIT:-240}" $PYTEST -m gpu tests/gpu/test_gpu_path.py tests/gpu/test_gen_server_gpu.py -v &

@@ -58,6 +58,18 @@ def test_tiny_colocated_run_prints_every_mfc_beside_its_floor(tmp_path):
     with open(os.path.join(tmp_path, "scale-tiny-colocated-a16", "trial0", "logs", "stats.jsonl")) as f:
         stats = [json.loads(line) for line in f]
     assert [(s["n_seqs"], s["n_valid_tokens"]) for s in stats] == [(8, 128), (8, 128)]
+    # the planner's step simulator beside the launch (bench_plan.py scale: what PLAN=1 of the GPU check runs)
+    log = tmp_path / "bench.log"
+    log.write_text(out)
+    q = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "bench_plan.py"), "scale", "--bench-log", str(log)],
+                       cwd=source_root(), capture_output=True, text=True, timeout=600, env=env_with_source_path())
+    assert q.returncode == 0, q.stderr[-3000:]
+    (sim,) = [json.loads(line) for line in q.stdout.splitlines() if line.startswith("{")]
+    assert (sim["mode"], sim["plan"], sim["steps"]) == ("colocated", "d1m1p1", 1), sim
+    assert sim["measured_s"] == pytest.approx(mode["step_time_s"], abs=1e-3) and sim["simulated_s"] > 0
+    assert sim["ratio"] == pytest.approx(sim["simulated_s"] / sim["measured_s"], rel=2e-3)
+    assert set(sim["mfcs"]) == {"actor_gen", "rew_inf", "ref_inf", "actor_train"}, sim
+    assert all(m["simulated_s"] > 0 and m["measured_s"] > 0 for m in sim["mfcs"].values()), sim
 
 
 # the published config.json of Qwen2.5-1.5B-Instruct and Qwen2.5-7B-Instruct (the keys the floors read)
