@@ -4,7 +4,8 @@
 under d2m1p1, d1m2p1, d1m1p2, a per-MFC plan and a ``gen.`` plan; per plan the measured step time (the median of
 the steps after the first) beside the simulator's (:mod:`realhf.plan.simulate`, on this machine's profile) and
 their ratio. ``--model`` picks another model folder (e.g. SmolLM2-135M); ``--answer``/``--prompts``/``--group``
-size the work.
+size the work; ``--repeat R`` measures the plans in turn R times and tabulates the medians (a tiny model's step moves
+by up to 1.8x between runs minutes apart on a 2-core host).
 
 ``python benchmarks/bench_plan.py scale --bench-log LOG``: the synchronous launches of a ``benchmarks/bench_scale.py``
 run (its JSON lines in ``LOG``: the step at users' scale, e.g. a Qwen2.5-1.5B shape on a GPU) beside the simulator's
@@ -115,17 +116,21 @@ def measured(a) -> int:
     data = os.path.join(root, "math.jsonl")
     write_math_jsonl(make_arithmetic_problems(64, seed=3, kind="easy"), data)
     model = a.model or ensure_tiny_model("qwen2", tie_word_embeddings=True)
-    out = []
-    for layout, n in PLANS:
-        if a.plans and layout not in a.plans:
-            continue
-        r = measure_and_simulate(model, data, root, layout, n, a.steps, prompts=a.prompts, group=a.group,
-                                 answer=a.answer)
-        print(json.dumps(r), flush=True)
-        out.append(r)
-    sys.stderr.write(f"{'plan':<28} {'measured s':>10} {'simulated s':>11} {'sim/meas':>8}\n")
-    for r in out:
-        sys.stderr.write(f"{r['plan']:<28} {r['measured_s']:>10.4f} {r['simulated_s']:>11.4f} {r['ratio']:>8.3f}\n")
+    plans = [(layout, n) for layout, n in PLANS if not a.plans or layout in a.plans]
+    runs = {layout: [] for layout, _ in plans}
+    for r in range(a.repeat):  # the plans in turn, round after round: a slow spell of the host falls on all
+        for layout, n in plans:
+            res = measure_and_simulate(model, data, os.path.join(root, f"r{r}"), layout, n, a.steps, prompts=a.prompts,
+                                       group=a.group, answer=a.answer)
+            print(json.dumps(dict(res, round=r)), flush=True)
+            runs[layout].append(res)
+    sys.stderr.write(f"{'plan':<28} {'measured s':>10} {'simulated s':>11} {'sim/meas':>8}"
+                     + (f"  (medians of {a.repeat} rounds; each round's sim/meas)" if a.repeat > 1 else "") + "\n")
+    for layout, rs in runs.items():
+        m = statistics.median(x["measured_s"] for x in rs)
+        sim = statistics.median(x["simulated_s"] for x in rs)
+        each = " ".join(f"{x['ratio']:.3f}" for x in rs) if a.repeat > 1 else ""
+        sys.stderr.write(f"{layout:<28} {m:>10.4f} {sim:>11.4f} {sim / m:>8.3f}  {each}\n")
     return 0
 
 
@@ -154,11 +159,14 @@ def main(argv=None) -> int:
     m.add_argument("--group", type=int, default=4)
     m.add_argument("--answer", type=int, default=16, help="tokens of every answer")
     m.add_argument("--plans", nargs="*", default=None, help=f"a subset of {[p for p, _ in PLANS]}")
+    m.add_argument("--repeat", type=int, default=1, help="rounds over the plans (the table gives the medians)")
     m.add_argument("--root", default=None, help="where the runs write (default: a temporary folder)")
     sub.add_parser("areal", help="the asynchronous model in AReaL's small setting beside the paper's figures")
     sc = sub.add_parser("scale", help="bench_scale.py's synchronous launches beside the simulator's step")
     sc.add_argument("--bench-log", required=True, help="the JSON lines bench_scale.py printed")
     a = ap.parse_args(argv)
+    if a.what == "measured" and a.repeat < 1:
+        ap.error(f"--repeat={a.repeat}: expected a positive number")
     return {"measured": measured, "areal": areal, "scale": scale}[a.what](a)
 
 

@@ -232,6 +232,8 @@ class CostModel:
             blk += 2 * self.tp_allreduce(r, tp)
         head = (self.head(r, tp) + SAMPLE_FP32_PASSES * 4.0 * r * (self.cfg.vocab_size // tp) / self.bw
                 + self.head_comm(r, tp, sampled=True))
+        if tp > 1:
+            head += self.hw.tp_decode_step_overhead_s
         if pp == 1:
             return self.cfg.n_layers * blk + self.embed_comm(r, tp) + head + self.hw.decode_step_overhead_s
         s, e = stage_layer_range(self.cfg.n_layers, pp, pp - 1)

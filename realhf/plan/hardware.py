@@ -81,7 +81,8 @@ class Hardware:
     (0: the link's); ``realloc_fixed_s``, ``realloc_bw``, ``realloc_both_ways``: a parameter reallocation as measured
     (its fixed cost, bytes/s of the busiest rank's larger direction, the share of the lesser direction's bytes that
     adds to the time; ``realloc_bw`` 0: the link's rate and a latency per message); ``broadcast_lat``: seconds of
-    a small broadcast between two processes where measured (0: the link's latency); ``reward_s_per_answer``: the
+    a small broadcast between two processes where measured (0: the link's latency); ``tp_decode_step_overhead_s``: what
+    a tensor-parallel decode step pays once beside its blocks' and head's collectives, where measured; ``reward_s_per_answer``: the
     rule-based reward's grading of one answer on the host where measured (0: not counted); ``p2p_msg_s``: seconds per
     small message of a batch of point-to-point messages where measured (0: the link's latency);
     ``rollout_episode_s``: host CPU seconds an asynchronous run's rollout worker and manager spend on one episode
@@ -123,6 +124,7 @@ class Hardware:
     realloc_bw: float = 0.0
     realloc_both_ways: float = 0.0
     broadcast_lat: float = 0.0
+    tp_decode_step_overhead_s: float = 0.0
     reward_s_per_answer: float = 0.0
     p2p_msg_s: float = 0.0
     rollout_episode_s: float = 0.0

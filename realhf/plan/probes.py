@@ -164,8 +164,9 @@ def _comm_worker(rank: int, world: int, store_path: str, backend: str, sizes: Se
         res["in_step"] = _collectives_in_step(dist, device)
         res["realloc"] = _realloc_probe(dist, device)
         res["p2p_message"] = _p2p_message(dist, device)
-        if tp_model is not None:
-            res["tp_decode"] = _tp_decode_probe(device, **tp_model)
+        if tp_model is not None:  # one point per depth of the model (``cfgs``)
+            kw = dict(tp_model)
+            res["tp_decode"] = [dict(_tp_decode_probe(device, c, **kw), layers=c["n_layers"]) for c in kw.pop("cfgs")]
         dist.destroy_process_group()
         q.put((rank, res, None))
     except Exception as e:  # reported to the parent, which decides
@@ -341,7 +342,9 @@ def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeo
     bytes, small collectives as they run between computation (``in_step``, :func:`_collectives_in_step`), and the
     fitted link: bandwidth from the two largest sends' difference in size (``bw``; ``allreduce_bw`` likewise from the
     all-reduces), latency per collective step from the mean small all-reduce between computation (at least the least
-    one-way send), and the real parameter reallocation's cost (``realloc``: :func:`realloc_rates`). None where two
+    one-way send), and the real parameter reallocation's cost (``realloc``: :func:`realloc_rates`); with
+    ``tp_model`` (``cfgs``: a model's configs at a few depths, and :func:`_tp_decode_probe`'s other arguments) a real
+    tensor-parallel decode step at each depth (``tp_decode``: a list, each with its ``layers``). None where two
     devices are not here (one GPU)."""
     import multiprocessing as mp
 
@@ -381,8 +384,9 @@ def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeo
     out["allreduce_bw"] = (n2 - n1) / max(a2 - a1, 1e-9)
     out["realloc"] = dict(points=res["realloc"], **realloc_rates(res["realloc"]))
     out["p2p_message"] = max(r["p2p_message"] for r in got.values())
-    if "tp_decode" in res:
-        out["tp_decode"] = max((r["tp_decode"] for r in got.values()), key=lambda d: d["step_s"])
+    if "tp_decode" in res:  # per depth, the slower rank's
+        out["tp_decode"] = [max((r["tp_decode"][i] for r in got.values()), key=lambda d: d["step_s"])
+                            for i in range(len(res["tp_decode"]))]
     # the latency per step of a collective (a ring all-reduce of n ranks takes 2 (n - 1) steps) as a model's step pays
     # it: from the mean small all-reduce between computation, over both ranks (each waits for the later one)
     in_step = {k: max(r["in_step"][k] for r in got.values()) for k in got[0]["in_step"]}

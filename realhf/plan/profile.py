@@ -35,13 +35,14 @@ from realhf.plan.shapes import model_config
 
 logger = logging.getLogger("realhf.plan.profile")
 
-PROFILE_VERSION = 7  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
+PROFILE_VERSION = 8  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
 # 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
 # 4: links' bandwidths past the caches, a two-rank all-reduce's own rate, the real reallocation's cost, a generation
 # call's own cost on the real interface, every timing a median (was the least); 5: the collectives' latency from a
 # real tensor-parallel decode step, shallow models fitted at their own depth, the rule-based reward's grading,
 # a batched point-to-point message's cost; 6: a generation call's cost per block and for the head; 7: the host's
-# cores (a CPU machine's processes share them)
+# cores (a CPU machine's processes share them); 8: the tensor-parallel decode step at two depths (a block's latency
+# apart from the step's own)
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
@@ -143,6 +144,7 @@ def hardware(p: Dict) -> Hardware:
         allreduce_bw=link.get("allreduce_bw", 0.0), realloc_fixed_s=realloc.get("fixed_s", 0.0),
         realloc_bw=realloc.get("bw", 0.0), realloc_both_ways=realloc.get("both_ways", 0.0),
         broadcast_lat=(link.get("in_step") or {}).get("broadcast", 0.0),
+        tp_decode_step_overhead_s=link.get("tp_decode_step_s", 0.0),
         reward_s_per_answer=o.get("reward_s", 0.0), rollout_episode_s=o.get("rollout_episode_s", 0.0),
         host_cores=p.get("host_cores") if p["key"]["device"] == "cpu" else None,
         device_threads=max(1, int(p["key"]["threads"])),
@@ -369,49 +371,52 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
     return out
 
 
-TP_PROBE_LAYERS, TP_PROBE_ROWS = 2, 16  # the tensor-parallel decode probe's proxy depth and rows
+TP_PROBE_ROWS = 16  # the tensor-parallel decode probe's rows
 
 
 def _measure_comm(cfg: ReaLModelConfig, dtype: str, device: str) -> Optional[Dict]:
-    """The link probe between two processes, with a real tensor-parallel decode step of ``cfg``'s proxy when its
-    heads split in two (else without it)."""
+    """The link probe between two processes, with a real tensor-parallel decode step of ``cfg``'s proxy at the fits'
+    two depths when its heads split in two (else without it)."""
     from realhf.plan import probes
 
-    proxy = _tp_proxy(cfg)
+    proxies = [_proxy(cfg, L) for L in _fit_layers(cfg, dtype)]
     try:
-        proxy.check_layout(2, 1)
+        proxies[0].check_layout(2, 1)
     except ValueError:
         return probes.comm(device)
-    tp_model = dict(cfg=dataclasses.asdict(proxy), dtype=dtype, rows=TP_PROBE_ROWS, prompt=FIT_PROMPT, steps=FIT_STEPS)
+    tp_model = dict(cfgs=[dataclasses.asdict(p) for p in proxies], dtype=dtype, rows=TP_PROBE_ROWS,
+                    prompt=FIT_PROMPT, steps=FIT_STEPS)
     return probes.comm(device, tp_model=tp_model)
 
 
-def _tp_proxy(cfg: ReaLModelConfig) -> ReaLModelConfig:
-    return _proxy(cfg, min(TP_PROBE_LAYERS, cfg.n_layers))
-
-
 def _decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
-    """The link's latency per collective step as a tensor-parallel decode step pays it: what the real two-process
-    decode step (``comm["tp_decode"]``) takes beyond the fitted computation, over the latencies the cost model counts
-    in it. Kept as ``comm["lat"]`` (the small all-reduce between computation's figure stays as ``lat_in_step``)."""
+    """The link's latency per collective step as a tensor-parallel decode step pays it, from the real two-process
+    decode steps at two depths (``comm["tp_decode"]``): what a block adds beyond its fitted computation, over the
+    latencies the cost model counts in a block, is ``comm["lat"]`` (the small all-reduce between computation's figure
+    stays as ``lat_in_step``); what the shallower step takes beyond the cost model's at that latency (the head's and
+    the embedding's collectives, the ranks' per-step handshakes) is ``comm["tp_decode_step_s"]``, paid once a step.
+    Where a block adds no more than its computation (noise), the latency stays as measured between computation."""
     from realhf.plan.cost import CostModel
 
     link = data.get("comm") or {}
-    tp = link.get("tp_decode")
-    if not tp:
+    points = sorted(link.get("tp_decode") or [], key=lambda p: p["layers"])
+    if len(points) < 2 or points[0]["layers"] == points[-1]["layers"]:
         return
-    proxy = _tp_proxy(cfg)
-    hw = _measured_hardware(data, dtype, device)
+    (p1, p2), hw = (points[0], points[-1]), _measured_hardware(data, dtype, device)
 
-    def step(lat: float) -> float:
-        h = dataclasses.replace(hw, intra_lat=lat, inter_lat=lat, broadcast_lat=0.0)
-        return CostModel(proxy, h, dtype).decode_step(tp["rows"], tp["cached"], tp=2)
+    def step(layers: int, lat: float) -> float:
+        h = dataclasses.replace(hw, intra_lat=lat, inter_lat=lat, broadcast_lat=0.0, tp_decode_step_overhead_s=0.0)
+        return CostModel(_proxy(cfg, layers), h, dtype).decode_step(p1["rows"], p1["cached"], tp=2)
 
-    units = step(1.0) - step(0.0)
-    lat = (tp["step_s"] - step(0.0)) / units if units > 0 else 0.0
-    if lat > 0:
-        link["lat_in_step"] = link.get("lat_in_step", link["lat"])
-        link["lat"] = lat
+    span = p2["layers"] - p1["layers"]
+    block = (p2["step_s"] - p1["step_s"]) / span
+    blk0, blk1 = ((step(p2["layers"], x) - step(p1["layers"], x)) / span for x in (0.0, 1.0))
+    lat = (block - blk0) / (blk1 - blk0) if blk1 > blk0 else 0.0
+    link["lat_in_step"] = link.get("lat_in_step", link["lat"])
+    if lat <= 0:
+        lat = link["lat_in_step"]
+    link["lat"] = lat
+    link["tp_decode_step_s"] = max(0.0, p1["step_s"] - step(p1["layers"], lat))
 
 
 def _zero_hw() -> Hardware:

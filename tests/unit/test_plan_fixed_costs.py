@@ -158,10 +158,11 @@ def test_link_latency_is_a_collectives_mean_between_computation():
     from realhf.plan.probes import comm
     from realhf.plan.profile import FIT_PROMPT, FIT_STEPS, _proxy
 
-    proxy = _proxy(model_config("smollm2-135m"), 1)
-    c = comm("cpu", tp_model=dict(cfg=dataclasses.asdict(proxy), dtype="float32", rows=4, prompt=FIT_PROMPT,
-                                  steps=FIT_STEPS))
-    assert c["tp_decode"]["rows"] == 4 and c["tp_decode"]["step_s"] > 0  # a real decode step over the two ranks
+    cfgs = [dataclasses.asdict(_proxy(model_config("smollm2-135m"), L)) for L in (1, 2)]
+    c = comm("cpu", tp_model=dict(cfgs=cfgs, dtype="float32", rows=4, prompt=FIT_PROMPT, steps=FIT_STEPS))
+    # a real decode step over the two ranks at each depth
+    assert [(d["layers"], d["rows"]) for d in c["tp_decode"]] == [(1, 4), (2, 4)]
+    assert all(d["step_s"] > 0 for d in c["tp_decode"])
     assert 0 < c["p2p_message"] < c["sendrecv"][-1][1]  # a batched small message, well under a 64 MB send
     assert set(c["in_step"]) == {"allreduce", "allgather", "broadcast"}
     assert all(v > 0 for v in c["in_step"].values())
@@ -177,25 +178,44 @@ def test_link_latency_is_a_collectives_mean_between_computation():
 
 
 def test_decode_latency_inverts_the_cost_models_tensor_parallel_decode_step():
-    """The link's latency as a tensor-parallel decode step pays it: a probed step that took exactly what the cost
-    model gives at latency X yields X; without the probe the latency is left as measured between computation."""
+    """The link's latency as a tensor-parallel decode step pays it, from probed steps at two depths: steps that took
+    what the cost model gives at latency X plus a fixed F a step yield X (from what a block adds) and F (the rest,
+    paid once a step); a block adding nothing beyond its computation leaves the latency as measured between
+    computation; without the probe nothing changes."""
     from realhf.plan.cost import CostModel
-    from realhf.plan.profile import TP_PROBE_LAYERS, _decode_latency, _proxy, hardware as hw_of
+    from realhf.plan.profile import _decode_latency, _proxy, hardware as hw_of
 
     cfg = model_config("smollm2-135m")
-    p = dict(key=dict(dtype="float32", machine="m", device="cpu", threads=1), measured_at="now",
-             matmul_rows=[(1, 1e9), (64, 5e10)], copy_bw=1e10, attention_flops=1e10, optimizer_s_per_param=1e-9,
-             disk_bw=1e9, memory_bytes=1e10, comm=dict(bw=1e9, lat=1e-4),
-             overheads=dict(layer_s=1e-5, elementwise_s=0.0, decode_layer_s=2e-5, decode_elementwise_s=0.0, pass_s=0.0,
-                            decode_step_s=1e-4))
+
+    def prof():
+        return dict(key=dict(dtype="float32", machine="m", device="cpu", threads=1), measured_at="now",
+                    matmul_rows=[(1, 1e9), (64, 5e10)], copy_bw=1e10, attention_flops=1e10,
+                    optimizer_s_per_param=1e-9, disk_bw=1e9, memory_bytes=1e10, comm=dict(bw=1e9, lat=1e-4),
+                    overheads=dict(layer_s=1e-5, elementwise_s=0.0, decode_layer_s=2e-5, decode_elementwise_s=0.0,
+                                   pass_s=0.0, decode_step_s=1e-4))
+
+    p = prof()
     _decode_latency(p, cfg, "float32", "cpu")
-    assert p["comm"]["lat"] == 1e-4 and "lat_in_step" not in p["comm"]
-    x = 7e-4
+    assert p["comm"] == dict(bw=1e9, lat=1e-4)
+    x, F = 7e-4, 3e-3
     h = dataclasses.replace(hw_of(p), intra_lat=x, inter_lat=x)
-    step = CostModel(_proxy(cfg, TP_PROBE_LAYERS), h, "float32").decode_step(16, 42.0, tp=2)
-    p["comm"]["tp_decode"] = dict(rows=16, cached=42.0, step_s=step)
+    p["comm"]["tp_decode"] = [dict(layers=L, rows=16, cached=42.0, step_s=F + CostModel(
+        _proxy(cfg, L), h, "float32").decode_step(16, 42.0, tp=2)) for L in (1, 3)]
     _decode_latency(p, cfg, "float32", "cpu")
     assert p["comm"]["lat"] == pytest.approx(x) and p["comm"]["lat_in_step"] == 1e-4
+    assert p["comm"]["tp_decode_step_s"] == pytest.approx(F)
+    fitted = hw_of(p)
+    assert fitted.tp_decode_step_overhead_s == pytest.approx(F)
+    for L in (1, 3, 30):  # the fitted figures give back the probed steps, and extrapolate by blocks
+        cm = CostModel(_proxy(cfg, L), fitted, "float32")
+        assert cm.decode_step(16, 42.0, tp=2) == pytest.approx(
+            F + CostModel(_proxy(cfg, L), h, "float32").decode_step(16, 42.0, tp=2))
+        assert cm.decode_step(16, 42.0, tp=1) == pytest.approx(
+            CostModel(_proxy(cfg, L), h, "float32").decode_step(16, 42.0, tp=1))  # no tensor parallelism: no F
+    flat = prof()  # the deeper step no slower: no latency to find in a block
+    flat["comm"]["tp_decode"] = [dict(layers=L, rows=16, cached=42.0, step_s=0.01) for L in (1, 3)]
+    _decode_latency(flat, cfg, "float32", "cpu")
+    assert flat["comm"]["lat"] == 1e-4 and flat["comm"]["tp_decode_step_s"] > 0
 
 
 def test_realloc_rates_from_one_way_and_two_way_reallocations():
