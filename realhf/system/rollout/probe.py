@@ -9,7 +9,8 @@ Everything is the run's real code on this machine: a :class:`RolloutManager` ove
 with the rule-based math reward through a :class:`RolloutEngine`, and a :class:`TrajectoryPusher` sending each
 trajectory over ZMQ to a local receiver. The figure is the CPU time of this process (the manager's and the worker's
 side together; the server and the reward's grader run in their own processes) per episode, so that it does not
-depend on how busy the host is while it is measured."""
+depend on how busy the host is while it is measured. The server decodes on the CPU on any machine: the figure is
+the host's work, which a GPU machine's host does as well."""
 from __future__ import annotations
 
 import asyncio
