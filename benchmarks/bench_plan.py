@@ -85,6 +85,8 @@ def simulate_run(args: list, rows: list) -> dict:
 def scale(a) -> int:
     """The synchronous launches of a ``bench_scale.py`` run (its JSON lines in ``--bench-log``), each beside the
     simulator's step on this machine's profile (measured here first if not cached)."""
+    from realhf.testing import read_stats
+
     out = []
     with open(a.bench_log) as f:
         modes = [r for r in (json.loads(line) for line in f if line.startswith("{")) if r.get("part") == "mode"]
@@ -92,9 +94,7 @@ def scale(a) -> int:
         if m.get("experiment") != "ppo-math" or m.get("rc") != 0 or not m.get("args") or m.get("steps_done", 0) < 2:
             continue  # the asynchronous run has its own model (bench_async_plan.py); a failed or short run has no step
         name = next(o.split("=", 1)[1] for o in m["args"] if o.startswith("experiment_name="))
-        stats = os.path.join(os.path.dirname(m["log"]), name, "trial0", "logs", "stats.jsonl")
-        with open(stats) as f:
-            rows = [r for r in (json.loads(line) for line in f if line.strip()) if "step_time" in r]
+        rows = [r for r in read_stats(os.path.dirname(m["log"]), name) if "step_time" in r]
         r = dict(simulate_run(["ppo-math"] + m["args"], rows), mode=m["mode"], answer_tokens=m.get("answer_tokens"))
         print(json.dumps(r), flush=True)
         out.append(r)

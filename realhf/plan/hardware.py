@@ -82,8 +82,9 @@ class Hardware:
     (its fixed cost, bytes/s of the busiest rank's larger direction, the share of the lesser direction's bytes that
     adds to the time; ``realloc_bw`` 0: the link's rate and a latency per message); ``broadcast_lat``: seconds of
     a small broadcast between two processes where measured (0: the link's latency); ``tp_decode_step_overhead_s``: what
-    a tensor-parallel decode step pays once beside its blocks' and head's collectives, where measured; ``reward_s_per_answer``: the
-    rule-based reward's grading of one answer on the host where measured (0: not counted); ``p2p_msg_s``: seconds per
+    a tensor-parallel decode step pays once beside its blocks' and head's collectives, where measured;
+    ``reward_s_per_answer``: the rule-based reward's grading of one answer on the host where measured (0: not
+    counted); ``p2p_msg_s``: seconds per
     small message of a batch of point-to-point messages where measured (0: the link's latency);
     ``rollout_episode_s``: host CPU seconds an asynchronous run's rollout worker and manager spend on one episode
     beside its generation and grading, where measured (0: not counted); ``host_cores``: on a CPU machine, the cores

@@ -451,26 +451,22 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
     need_rollout = rollout_probe is not None and (data is None or "rollout_episode_s" not in data["overheads"])
     if data is not None and not (need_comm or need_trip or need_server or need_rollout):
         return data
-    if data is not None:  # cached without the link probe, the control plane's or the server's: add them
+    if data is None:
+        logger.info(f"profiling this machine ({key['machine']}, {device}, {key['threads']} threads, {dtype}) "
+                    f"at {json.dumps(key['shape'])}: a few seconds")
+        data = dict(measure(cfg, dtype, device, comm, round_trip), key=key)
+    else:  # cached without the link probe or the control plane's: add them
         if need_comm:
             logger.info("profile: measuring the links between two local processes")
             data["comm"] = _measure_comm(cfg, dtype, device)
             _decode_latency(data, cfg, dtype, device)
         if need_trip:
             data["mfc_round_trip"] = round_trip()
-        if need_server:
-            logger.info("profile: measuring a generation server's own cost (a server process)")
-            _server_probe(data, cfg, dtype, device, server_probe)
-        if need_rollout:
-            _rollout_probe(data, rollout_probe)
-    else:
-        logger.info(f"profiling this machine ({key['machine']}, {device}, {key['threads']} threads, {dtype}) "
-                    f"at {json.dumps(key['shape'])}: a few seconds")
-        data = dict(measure(cfg, dtype, device, comm, round_trip), key=key)
-        if server_probe is not None:
-            _server_probe(data, cfg, dtype, device, server_probe)
-        if rollout_probe is not None:
-            _rollout_probe(data, rollout_probe)
+    if need_server:  # a fresh profile, or a cached one without them: the server's and the rollout side's probes
+        logger.info("profile: measuring a generation server's own cost (a server process)")
+        _server_probe(data, cfg, dtype, device, server_probe)
+    if need_rollout:
+        _rollout_probe(data, rollout_probe)
     data["path"] = path
     _write(path, data)
     return json.loads(json.dumps(data))  # as a later call reads it back

@@ -46,6 +46,11 @@ MAX_ALLOCATE_WAIT_S = 30.0  # the longest an allocation may be held (below the w
 HELD_REASONS = ("done", "staleness", "concurrency", "weights")  # refusals a later event may lift
 
 
+def settled(got: dict) -> bool:
+    """Whether an allocation's answer stands: a ticket, the run complete, or a refusal no later event lifts."""
+    return got.get("ticket") is not None or got.get("reason") not in HELD_REASONS or bool(got.get("complete"))
+
+
 # ====================================================================== the server
 class _HTTPError(Exception):
     def __init__(self, status: int, msg: str):
@@ -232,8 +237,7 @@ class RolloutManager:
             change = self._change
             got = self._allocate_now(worker)
             left = deadline - time.monotonic()
-            if (got["ticket"] is not None or got["reason"] not in HELD_REASONS or got["complete"] or left <= 0
-                    or self._closing):
+            if settled(got) or left <= 0 or self._closing:
                 return got
             self.held += 1
             try:

@@ -104,7 +104,7 @@ async def _rounds(fleet, path: str, tokenizer, prompts, group: int, answer: int,
             t = time.perf_counter()
             await mgr.update_weights(path, r + 1)  # the next batch's version, as the trainer publishes it
             updates.append(time.perf_counter() - t)
-        accepted = mgr.status()["accepted"]
+        accepted = book.stats()["accepted"]
     finally:
         pusher.close()
         stop.set()

@@ -32,16 +32,11 @@ import traceback
 from typing import Optional
 
 from realhf.base import failpoint, logging
-from realhf.system.rollout.manager import HELD_REASONS
+from realhf.system.rollout.manager import HELD_REASONS, settled
 
 logger = logging.getLogger("realhf.rollout_worker")
 # how long the manager may hold an allocation it cannot serve yet (a fresh request follows at once)
 ALLOCATE_WAIT_S = 5.0
-
-
-def _settled(got: dict) -> bool:
-    """Whether an allocation's answer stands: a ticket, the run complete, or a refusal no later event lifts."""
-    return got.get("ticket") is not None or got.get("reason") not in HELD_REASONS or bool(got.get("complete"))
 
 
 def episode_seed(seed: int, version: int, query_id: str) -> int:
@@ -172,7 +167,7 @@ class RolloutWorker:
         the episodes' ``finish`` reports, and a new version's tickets go out in one round."""
         while True:
             got = await self._ask(0.0)
-            if _settled(got):
+            if settled(got):
                 return got
             waiter = getattr(self, "_waiter", None)
             if waiter is not None:  # another task's request is held: wait for it, then ask again
@@ -185,7 +180,7 @@ class RolloutWorker:
             finally:
                 self._waiter.set_result(None)
                 self._waiter = None
-            if _settled(got):
+            if settled(got):
                 return got
             if time.monotonic() - t0 < 0.01:  # answered without being held (the manager is closing): not a busy loop
                 await asyncio.sleep(0.1)
