@@ -72,8 +72,8 @@ class Hardware:
     the checkpoint (pausing, aborting and resuming its requests, loading the tensors), where measured;
     ``train_call_overhead_s``: a training call's host-side work beside its passes (advantages, the loss's weights, the
     statistics); ``train_layer_overhead_s``: what a training pass's backward costs per block beyond twice the
-    forward's; ``call_overhead_s``: an MFC's fixed cost outside its computation (the master's request and the workers' reply);
-    ``step_overhead_s``: a step's own (fetching and clearing the batch); ``optimizer_s_per_param``: AdamW's step per
+    forward's; ``call_overhead_s``: an MFC's fixed cost outside its computation (the master's request and the workers'
+    reply); ``step_overhead_s``: a step's own (fetching and clearing the batch); ``optimizer_s_per_param``: AdamW's step per
     parameter;
     ``intra_*``/``inter_*``: links inside a node and between nodes (bytes/s each way, seconds per message);
     ``devices_per_node``; ``disk_bw``: bytes/s of writing, and reading back, a checkpoint; ``memory_bytes``: capacity
@@ -83,6 +83,8 @@ class Hardware:
     adds to the time; ``realloc_bw`` 0: the link's rate and a latency per message); ``broadcast_lat``: seconds of
     a small broadcast between two processes where measured (0: the link's latency); ``tp_decode_step_overhead_s``: what
     a tensor-parallel decode step pays once beside its blocks' and head's collectives, where measured;
+    ``dp_train_call_overhead_s``: what a data-parallel training call takes beyond its passes, collectives and
+    host-side work as counted (the ranks waiting for each other at every collective), where measured (0: not counted);
     ``reward_s_per_answer``: the rule-based reward's grading of one answer on the host where measured (0: not
     counted); ``p2p_msg_s``: seconds per
     small message of a batch of point-to-point messages where measured (0: the link's latency);
@@ -126,6 +128,7 @@ class Hardware:
     realloc_both_ways: float = 0.0
     broadcast_lat: float = 0.0
     tp_decode_step_overhead_s: float = 0.0
+    dp_train_call_overhead_s: float = 0.0
     reward_s_per_answer: float = 0.0
     p2p_msg_s: float = 0.0
     rollout_episode_s: float = 0.0
@@ -143,7 +146,8 @@ class Hardware:
             raise ValueError(f"Hardware {self.name!r}: matmul_flops needs a positive rate per dtype, "
                              f"got {self.matmul_flops!r}")
         for k in ("generate_overhead_s", "call_overhead_s", "step_overhead_s", "train_call_overhead_s",
-                  "train_layer_overhead_s", "generate_layer_overhead_s", "generate_head_overhead_s"):
+                  "train_layer_overhead_s", "generate_layer_overhead_s", "generate_head_overhead_s",
+                  "dp_train_call_overhead_s"):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"Hardware {self.name!r}: {k} must be >= 0 seconds, got {getattr(self, k)!r}")
         if self.devices_per_node < 1:

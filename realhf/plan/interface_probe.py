@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Tuple
+from typing import Dict, Tuple
 
 from realhf.api.core.model_api import ReaLModelConfig
 from realhf.plan.hardware import Hardware
@@ -21,14 +21,14 @@ PROBE_PROMPTS, PROBE_GROUP = 8, 4  # a small batch of answers: prompts x answers
 PROBE_PROMPT_LEN, PROBE_ANSWER_LEN = 4, 16
 
 
-def _batch(vocab: int):
-    """A GRPO batch: PROBE_PROMPTS prompts with PROBE_GROUP answers each, rewards 0 or 1, behaviour log-probs."""
+def _batch(vocab: int, prompts: int = PROBE_PROMPTS):
+    """A GRPO batch: ``prompts`` prompts with PROBE_GROUP answers each, rewards 0 or 1, behaviour log-probs."""
     import torch
 
     from realhf.api.core.data_api import SequenceSample
 
     g = torch.Generator().manual_seed(0)
-    P, A, n = PROBE_PROMPT_LEN, PROBE_ANSWER_LEN, PROBE_PROMPTS * PROBE_GROUP
+    P, A, n = PROBE_PROMPT_LEN, PROBE_ANSWER_LEN, prompts * PROBE_GROUP
     ids = torch.randint(3, vocab, (n, P + A), generator=g)
     lp = torch.zeros(n, P + A)
     lp[:, P - 1:P + A - 1] = -2.0 - torch.rand(n, A, generator=g)
@@ -37,44 +37,63 @@ def _batch(vocab: int):
     data = {"packed_input_ids": ids.flatten(), "packed_logprobs": lp.flatten(), "prompt_mask": pm.flatten(),
             "seq_no_eos_mask": torch.zeros(n, dtype=torch.bool),
             "rewards": (torch.arange(n) % 2).float()}
-    seqlens = [[P + A] * PROBE_GROUP for _ in range(PROBE_PROMPTS)]
+    seqlens = [[P + A] * PROBE_GROUP for _ in range(prompts)]
     per_token = ("packed_input_ids", "packed_logprobs", "prompt_mask")
-    return SequenceSample(keys=set(data), ids=list(range(PROBE_PROMPTS)),
+    return SequenceSample(keys=set(data), ids=list(range(prompts)),
                           seqlens={**{k: seqlens for k in per_token},
-                                   "seq_no_eos_mask": [[1] * PROBE_GROUP] * PROBE_PROMPTS,
-                                   "rewards": [[1] * PROBE_GROUP] * PROBE_PROMPTS},
+                                   "seq_no_eos_mask": [[1] * PROBE_GROUP] * prompts,
+                                   "rewards": [[1] * PROBE_GROUP] * prompts},
                           trailing_shapes={k: () for k in data}, dtypes={k: v.dtype for k, v in data.items()},
                           data=data)
 
 
-def train_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: str, reps: int = 5) -> Tuple[float, dict]:
-    """(seconds a training call spends beside its passes: the median of the real ``train_step`` on the probe batch
-    less the cost model's training pass and optimizer step on ``hw`` (at least 0), the figures behind it). ``cfg``: a
-    small model (the profiler's proxy)."""
+def time_train_call(cfg: ReaLModelConfig, grid, prompts: int, dtype: str, device: str, reps: int = 5) -> float:
+    """Median seconds of the PPO actor's real ``train_step`` on a model of ``cfg`` laid out on ``grid`` (this
+    process's rank of it; every rank of the grid calls this at once) over ``prompts`` prompts of the probe's batch;
+    the two warm-up calls build the optimizer's state and warm the kernels."""
     import torch
 
     from realhf.api.core.config import OptimizerConfig
     from realhf.api.core.dfg import MicroBatchSpec
     from realhf.api.core.model_api import Model
     from realhf.api.quickstart.ppo_config import PPOHyperparameters
-    from realhf.base.topology import single_process_grid
     from realhf.impl.model.backend.engine import TrainEngine
     from realhf.impl.model.interface.ppo_interface import PPOActorInterface
     from realhf.impl.model.nn.real_model import ReaLModel
-    from realhf.plan.cost import CostModel
-    from realhf.plan.memory import Shard, dtype_bytes, params
     from realhf.plan.probes import timed
 
-    grid = single_process_grid()
     m = ReaLModel(cfg, grid=grid, dtype=getattr(torch, dtype), device=device)
     m.init_random(seed=1)
-    engine = TrainEngine(m, OptimizerConfig(lr=1e-6), 1000)
-    model = Model(name="actor", engine=engine, tokenizer=None, grid=grid, path="")
+    model = Model(name="actor", engine=TrainEngine(m, OptimizerConfig(lr=1e-6), 1000), tokenizer=None, grid=grid,
+                  path="")
     iface = PPOActorInterface(PPOHyperparameters(ppo_n_minibatches=1, kl_ctl=0.0), group_size=PROBE_GROUP,
                               use_critic=False, seed=1)
-    batch, mb = _batch(cfg.vocab_size), MicroBatchSpec()
-    # the two warm-up calls build the optimizer's state and warm the kernels
-    measured = timed(lambda: iface.train_step(model, batch, mb), device, reps=reps, budget_s=math.inf)
+    batch, mb = _batch(cfg.vocab_size, prompts), MicroBatchSpec()
+    return timed(lambda: iface.train_step(model, batch, mb), device, reps=reps, budget_s=math.inf)
+
+
+def dp_train_call(device: str, cfg: Dict, dtype: str, prompts: int) -> Dict:
+    """On each of two ranks of a process group (the link probe's, :func:`realhf.plan.probes.comm`): the PPO actor's
+    real training call with model ``cfg`` (a config dict) replicated over the two (d2m1p1), ``prompts`` of the probe's
+    prompts on each; what a data-parallel training call takes with its collectives (the gradients' all-reduce, the
+    interface's and the engine's small ones, each also waiting for the later rank)."""
+    from realhf.base.topology import ParallelDims, ParallelGrid
+
+    grid = ParallelGrid(ParallelDims.parse("d2m1p1"), ranks=[0, 1])
+    return dict(layers=cfg["n_layers"], prompts=prompts,
+                measured_s=time_train_call(ReaLModelConfig(**cfg), grid, prompts, dtype, device))
+
+
+def train_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: str,
+                        reps: int = 5) -> Tuple[float, dict]:
+    """(seconds a training call spends beside its passes: the median of the real ``train_step`` on the probe batch
+    less the cost model's training pass and optimizer step on ``hw`` (at least 0), the figures behind it). ``cfg``: a
+    small model (the profiler's proxy)."""
+    from realhf.base.topology import single_process_grid
+    from realhf.plan.cost import CostModel
+    from realhf.plan.memory import Shard, dtype_bytes, params
+
+    measured = time_train_call(cfg, single_process_grid(), PROBE_PROMPTS, dtype, device, reps)
     tokens = PROBE_PROMPTS * PROBE_GROUP * (PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
     cm = CostModel(cfg, hw, dtype)
     passes = (cm.train(tokens, 1, PROBE_PROMPT_LEN + PROBE_ANSWER_LEN, tokens)

@@ -35,14 +35,14 @@ from realhf.plan.shapes import model_config
 
 logger = logging.getLogger("realhf.plan.profile")
 
-PROFILE_VERSION = 8  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
+PROFILE_VERSION = 9  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
 # 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
 # 4: links' bandwidths past the caches, a two-rank all-reduce's own rate, the real reallocation's cost, a generation
 # call's own cost on the real interface, every timing a median (was the least); 5: the collectives' latency from a
 # real tensor-parallel decode step, shallow models fitted at their own depth, the rule-based reward's grading,
 # a batched point-to-point message's cost; 6: a generation call's cost per block and for the head; 7: the host's
 # cores (a CPU machine's processes share them); 8: the tensor-parallel decode step at two depths (a block's latency
-# apart from the step's own)
+# apart from the step's own); 9: a real data-parallel training call
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
@@ -145,6 +145,7 @@ def hardware(p: Dict) -> Hardware:
         realloc_bw=realloc.get("bw", 0.0), realloc_both_ways=realloc.get("both_ways", 0.0),
         broadcast_lat=(link.get("in_step") or {}).get("broadcast", 0.0),
         tp_decode_step_overhead_s=link.get("tp_decode_step_s", 0.0),
+        dp_train_call_overhead_s=link.get("dp_train_call_s", 0.0),
         reward_s_per_answer=o.get("reward_s", 0.0), rollout_episode_s=o.get("rollout_episode_s", 0.0),
         host_cores=p.get("host_cores") if p["key"]["device"] == "cpu" else None,
         device_threads=max(1, int(p["key"]["threads"])),
@@ -368,6 +369,7 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
     out["overheads"].update(fit_generate_call(cfg, fitted, dtype, device))
     out["overheads"]["reward_s"] = reward_per_answer()[0]
     _decode_latency(out, cfg, dtype, device)
+    _dp_train(out, cfg, dtype, device)
     return out
 
 
@@ -375,18 +377,21 @@ TP_PROBE_ROWS = 16  # the tensor-parallel decode probe's rows
 
 
 def _measure_comm(cfg: ReaLModelConfig, dtype: str, device: str) -> Optional[Dict]:
-    """The link probe between two processes, with a real tensor-parallel decode step of ``cfg``'s proxy at the fits'
-    two depths when its heads split in two (else without it)."""
+    """The link probe between two processes, with a real data-parallel training call of ``cfg``'s deepest fitted
+    proxy (each rank half the probe's prompts) and a real tensor-parallel decode step at the fits' two depths when its
+    heads split in two (else without it)."""
     from realhf.plan import probes
+    from realhf.plan.interface_probe import PROBE_PROMPTS, dp_train_call
 
     proxies = [_proxy(cfg, L) for L in _fit_layers(cfg, dtype)]
+    dp_probe = (dp_train_call, dict(cfg=dataclasses.asdict(proxies[-1]), dtype=dtype, prompts=PROBE_PROMPTS // 2))
     try:
         proxies[0].check_layout(2, 1)
     except ValueError:
-        return probes.comm(device)
+        return probes.comm(device, dp_probe=dp_probe)
     tp_model = dict(cfgs=[dataclasses.asdict(p) for p in proxies], dtype=dtype, rows=TP_PROBE_ROWS,
                     prompt=FIT_PROMPT, steps=FIT_STEPS)
-    return probes.comm(device, tp_model=tp_model)
+    return probes.comm(device, tp_model=tp_model, dp_probe=dp_probe)
 
 
 def _decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
@@ -417,6 +422,27 @@ def _decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -
         lat = link["lat_in_step"]
     link["lat"] = lat
     link["tp_decode_step_s"] = max(0.0, p1["step_s"] - step(p1["layers"], lat))
+
+
+def _dp_train(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
+    """What a data-parallel training call takes beyond what the simulator counts for it (its passes, the gradients'
+    all-reduce, the small ones at the fitted latency, the call's host-side work), from the real two-rank call
+    (``comm["dp_train"]``): the ranks wait for each other at every collective, and each pays gloo's own work. Kept as
+    ``comm["dp_train_call_s"]`` (at least 0), paid once per training call under data parallelism."""
+    from realhf.plan.comm_cost import Mesh
+    from realhf.plan.fit import Workload
+    from realhf.plan.interface_probe import PROBE_ANSWER_LEN, PROBE_GROUP, PROBE_PROMPT_LEN
+    from realhf.plan.simulate import PlanCall, PlanModel, compute_time
+
+    link = data.get("comm") or {}
+    point = link.get("dp_train")
+    if point is None:
+        return
+    hw = dataclasses.replace(_measured_hardware(data, dtype, device), dp_train_call_overhead_s=0.0)
+    work = Workload("train", seqs=2 * point["prompts"] * PROBE_GROUP, seq_len=PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
+    model = PlanModel("actor", _proxy(cfg, point["layers"]), Mesh(dp=2), dtype, trains=True)
+    point["simulated_s"] = compute_time(hw, model, PlanCall("train", "actor", work=work))
+    link["dp_train_call_s"] = max(0.0, point["measured_s"] - point["simulated_s"])
 
 
 def _zero_hw() -> Hardware:
@@ -460,6 +486,7 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
             logger.info("profile: measuring the links between two local processes")
             data["comm"] = _measure_comm(cfg, dtype, device)
             _decode_latency(data, cfg, dtype, device)
+            _dp_train(data, cfg, dtype, device)
         if need_trip:
             data["mfc_round_trip"] = round_trip()
     if need_server:  # a fresh profile, or a cached one without them: the server's and the rollout side's probes

@@ -128,6 +128,11 @@ def test_profile_measures_once_then_reads_its_cache(tmp_path):
     hw = profile.hardware(p)
     assert hw.matmul_rate("float32") > 0 and hw.memory_bw > 0 and hw.intra_bw > 0 and hw.intra_lat > 0
     assert [r for r, _ in hw.matmul_rows] == list(profile.CPU_ROWS)
+    # a real two-rank training call of the deepest fitted proxy, half the probe's prompts on each rank
+    point = p["comm"]["dp_train"]
+    assert point["layers"] == max(profile._fit_layers(cfg, "float32")) and point["measured_s"] > 0
+    assert hw.dp_train_call_overhead_s == p["comm"]["dp_train_call_s"] == pytest.approx(
+        max(0.0, point["measured_s"] - point["simulated_s"]))
     again = profile.profile(cfg, "float32", "cpu", comm=True, cache_dir=str(tmp_path))
     assert (os.stat(path).st_mtime_ns, open(path).read()) == before  # read back, not measured again
     assert again["measured_at"] == p["measured_at"] and again["comm"] == p["comm"]

@@ -155,14 +155,17 @@ def test_the_step_pays_the_hardwares_control_plane_costs():
 def test_link_latency_is_a_collectives_mean_between_computation():
     """Two real gloo processes: the small collectives timed as a step runs them (after computation), and the link's
     latency per ring step at least half such an all-reduce (it was the least back-to-back send before)."""
+    from realhf.plan.interface_probe import dp_train_call
     from realhf.plan.probes import comm
     from realhf.plan.profile import FIT_PROMPT, FIT_STEPS, _proxy
 
     cfgs = [dataclasses.asdict(_proxy(model_config("smollm2-135m"), L)) for L in (1, 2)]
-    c = comm("cpu", tp_model=dict(cfgs=cfgs, dtype="float32", rows=4, prompt=FIT_PROMPT, steps=FIT_STEPS))
-    # a real decode step over the two ranks at each depth
+    c = comm("cpu", tp_model=dict(cfgs=cfgs, dtype="float32", rows=4, prompt=FIT_PROMPT, steps=FIT_STEPS),
+             dp_probe=(dp_train_call, dict(cfg=cfgs[0], dtype="float32", prompts=2)))
+    # a real decode step over the two ranks at each depth; a real data-parallel training call
     assert [(d["layers"], d["rows"]) for d in c["tp_decode"]] == [(1, 4), (2, 4)]
     assert all(d["step_s"] > 0 for d in c["tp_decode"])
+    assert c["dp_train"]["layers"] == 1 and c["dp_train"]["prompts"] == 2 and c["dp_train"]["measured_s"] > 0
     assert 0 < c["p2p_message"] < c["sendrecv"][-1][1]  # a batched small message, well under a 64 MB send
     assert set(c["in_step"]) == {"allreduce", "allgather", "broadcast"}
     assert all(v > 0 for v in c["in_step"].values())
@@ -216,6 +219,45 @@ def test_decode_latency_inverts_the_cost_models_tensor_parallel_decode_step():
     flat["comm"]["tp_decode"] = [dict(layers=L, rows=16, cached=42.0, step_s=0.01) for L in (1, 3)]
     _decode_latency(flat, cfg, "float32", "cpu")
     assert flat["comm"]["lat"] == 1e-4 and flat["comm"]["tp_decode_step_s"] > 0
+
+
+def test_dp_train_call_is_what_the_real_call_takes_beyond_the_simulated_one():
+    """The real two-rank training call against the simulator's for the same work: what it takes beyond (the ranks
+    waiting for each other at each collective) is paid once by every data-parallel training call, by no other call,
+    so that the simulator gives back the probed call; a call the simulator already over-counts adds nothing."""
+    from realhf.plan.interface_probe import PROBE_ANSWER_LEN, PROBE_GROUP, PROBE_PROMPT_LEN
+    from realhf.plan.profile import _dp_train, _proxy, hardware as hw_of
+
+    cfg = model_config("smollm2-135m")
+    p = dict(key=dict(dtype="float32", machine="m", device="cpu", threads=1), measured_at="now",
+             matmul_rows=[(1, 1e9), (64, 5e10)], copy_bw=1e10, attention_flops=1e10, optimizer_s_per_param=1e-9,
+             disk_bw=1e9, memory_bytes=1e10, comm=dict(bw=1e9, lat=1e-4, allreduce_bw=3e8),
+             overheads=dict(layer_s=1e-5, elementwise_s=0.0, decode_layer_s=2e-5, decode_elementwise_s=0.0,
+                            pass_s=0.0, decode_step_s=1e-4, train_call_s=2e-3, train_layer_s=1e-4))
+    _dp_train(p, cfg, "float32", "cpu")
+    assert "dp_train_call_s" not in p["comm"] and hw_of(p).dp_train_call_overhead_s == 0.0  # not probed
+    work = Workload("train", seqs=2 * 4 * PROBE_GROUP, seq_len=PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
+    proxy = _proxy(cfg, 3)
+    dp2, dp1 = (PlanModel("a", proxy, Mesh(dp, 1, 1, 0), "float32", trains=True) for dp in (2, 1))
+    call = PlanCall("t", "a", (), work)
+    counted = compute_time(hw_of(p), dp2, call)
+    assert counted > hw_of(p).train_call_overhead_s  # the passes, the gradients' all-reduce, the small ones
+    extra = 7e-3
+    p["comm"]["dp_train"] = dict(layers=3, prompts=4, measured_s=counted + extra)
+    _dp_train(p, cfg, "float32", "cpu")
+    assert p["comm"]["dp_train_call_s"] == pytest.approx(extra)
+    assert p["comm"]["dp_train"]["simulated_s"] == pytest.approx(counted)
+    fitted = hw_of(p)
+    assert fitted.dp_train_call_overhead_s == pytest.approx(extra)
+    assert compute_time(fitted, dp2, call) == pytest.approx(counted + extra)  # gives back the probed call
+    assert compute_time(fitted, dp1, call) == compute_time(dataclasses.replace(fitted, dp_train_call_overhead_s=0.0),
+                                                           dp1, call)  # one rank: nothing to wait for
+    inf = PlanCall("i", "a", (), dataclasses.replace(work, kind="inference"))
+    assert compute_time(fitted, dp2, inf) == compute_time(dataclasses.replace(fitted, dp_train_call_overhead_s=0.0),
+                                                          dp2, inf)
+    p["comm"]["dp_train"]["measured_s"] = counted / 2  # faster than counted: nothing added, nothing taken
+    _dp_train(p, cfg, "float32", "cpu")
+    assert p["comm"]["dp_train_call_s"] == 0.0
 
 
 def test_realloc_rates_from_one_way_and_two_way_reallocations():
