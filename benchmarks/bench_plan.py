@@ -5,7 +5,8 @@ under d2m1p1, d1m2p1, d1m1p2, a per-MFC plan and a ``gen.`` plan; per plan the m
 the steps after the first) beside the simulator's (:mod:`realhf.plan.simulate`, on this machine's profile) and
 their ratio. ``--model`` picks another model folder (e.g. SmolLM2-135M); ``--answer``/``--prompts``/``--group``
 size the work; ``--repeat R`` measures the plans in turn R times and tabulates the medians (a tiny model's step moves
-by up to 1.8x between runs minutes apart on a 2-core host).
+by up to 1.8x between runs minutes apart on a 2-core host); ``--fresh-profile`` profiles the machine again in every
+round, so that each round's simulation sees the host as its launches did.
 
 ``python benchmarks/bench_plan.py scale --bench-log LOG``: the synchronous launches of a ``benchmarks/bench_scale.py``
 run (its JSON lines in ``LOG``: the step at users' scale, e.g. a Qwen2.5-1.5B shape on a GPU) beside the simulator's
@@ -43,8 +44,10 @@ def run_args(model: str, data: str, root: str, layout: str, n_dev: int, steps: i
             f"exp_ctrl.benchmark_steps={steps}", "seed=1", *extra]
 
 
-def measure_and_simulate(model: str, data: str, root: str, layout: str, n_dev: int, steps: int = 6, **kw) -> dict:
-    """Launch the plan for ``steps`` steps and simulate its step (:func:`simulate_run`)."""
+def measure_and_simulate(model: str, data: str, root: str, layout: str, n_dev: int, steps: int = 6,
+                         refresh_profile: bool = False, **kw) -> dict:
+    """Launch the plan for ``steps`` steps and simulate its step (:func:`simulate_run`; ``refresh_profile``: on this
+    machine's profile measured again right after the launch)."""
     from realhf.testing import read_stats, run_quickstart
 
     args = run_args(model, data, root, layout, n_dev, steps, **kw)
@@ -52,13 +55,14 @@ def measure_and_simulate(model: str, data: str, root: str, layout: str, n_dev: i
     if p.returncode != 0:
         raise RuntimeError(f"{layout}: the run failed (exit {p.returncode}): {p.stderr[-3000:]}")
     name = next(a.split("=", 1)[1] for a in args if a.startswith("experiment_name="))
-    return dict(simulate_run(args, read_stats(root, name)), extra=list(kw.get("extra", ())))
+    return dict(simulate_run(args, read_stats(root, name), refresh_profile), extra=list(kw.get("extra", ())))
 
 
-def simulate_run(args: list, rows: list) -> dict:
+def simulate_run(args: list, rows: list, refresh_profile: bool = False) -> dict:
     """A finished launch (its quickstart options ``args``, experiment first, and its stats' rows) beside the
     simulator's step: the measured step time is the median of the steps after the first (which loads and warms up);
-    the simulation takes the prompts' mean length from the run."""
+    the simulation takes the prompts' mean length from the run (and, with ``refresh_profile``, this machine's
+    profile measured again first)."""
     from realhf.api.quickstart.entry import parse_cli
     from realhf.apps.planning import estimate
     from realhf.experiments import registered
@@ -66,7 +70,8 @@ def simulate_run(args: list, rows: list) -> dict:
     later = rows[1:] or rows
     registered()
     _, cfg = parse_cli(args)
-    est, _ = estimate(args[0], cfg, prompt_len=statistics.mean(r["avg_prompt_len"] for r in later))
+    est, _ = estimate(args[0], cfg, prompt_len=statistics.mean(r["avg_prompt_len"] for r in later),
+                      refresh_profile=refresh_profile)
     measured = statistics.median(r["step_time"] for r in later)
 
     def med(key: str) -> float:
@@ -119,9 +124,10 @@ def measured(a) -> int:
     plans = [(layout, n) for layout, n in PLANS if not a.plans or layout in a.plans]
     runs = {layout: [] for layout, _ in plans}
     for r in range(a.repeat):  # the plans in turn, round after round: a slow spell of the host falls on all
-        for layout, n in plans:
-            res = measure_and_simulate(model, data, os.path.join(root, f"r{r}"), layout, n, a.steps, prompts=a.prompts,
-                                       group=a.group, answer=a.answer)
+        for i, (layout, n) in enumerate(plans):
+            res = measure_and_simulate(model, data, os.path.join(root, f"r{r}"), layout, n, a.steps,
+                                       refresh_profile=a.fresh_profile and i == 0, prompts=a.prompts, group=a.group,
+                                       answer=a.answer)
             print(json.dumps(dict(res, round=r)), flush=True)
             runs[layout].append(res)
     sys.stderr.write(f"{'plan':<28} {'measured s':>10} {'simulated s':>11} {'sim/meas':>8}"
@@ -161,6 +167,9 @@ def main(argv=None) -> int:
     m.add_argument("--plans", nargs="*", default=None, help=f"a subset of {[p for p, _ in PLANS]}")
     m.add_argument("--repeat", type=int, default=1, help="rounds over the plans (the table gives the medians)")
     m.add_argument("--root", default=None, help="where the runs write (default: a temporary folder)")
+    m.add_argument("--fresh-profile", action="store_true",
+                   help="profile this machine again in every round, after its first launch (the cached profile is "
+                        "replaced): each round's plans are simulated on the host as it was during their launches")
     sub.add_parser("areal", help="the asynchronous model in AReaL's small setting beside the paper's figures")
     sc = sub.add_parser("scale", help="bench_scale.py's synchronous launches beside the simulator's step")
     sc.add_argument("--bench-log", required=True, help="the JSON lines bench_scale.py printed")

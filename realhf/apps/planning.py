@@ -9,8 +9,9 @@ import math
 from typing import Optional, Tuple
 
 
-def _hardware_and_capacity(cluster, cfg, spec, cfgs):
-    """(Hardware, memory-plan Capacity) of a tabled cluster, or of this machine profiled at the actor's shape."""
+def _hardware_and_capacity(cluster, cfg, spec, cfgs, refresh: bool = False):
+    """(Hardware, memory-plan Capacity) of a tabled cluster, or of this machine profiled at the actor's shape
+    (``refresh``: measured again, not read from the cache)."""
     from realhf.plan import hardware
     from realhf.plan.cost import capacity
     from realhf.plan.fit import Capacity
@@ -34,8 +35,8 @@ def _hardware_and_capacity(cluster, cfg, spec, cfgs):
 
     served = served_generate_overhead if any(m.gen_servers is not None for m in spec.models) else None
     rollout = rollout_episode_overhead if spec.rollout is not None else None
-    return (hw_of(profile(shape, dtype, comm=spec.n_workers > 1, round_trip=mfc_round_trip, server_probe=served,
-                          rollout_probe=rollout)),
+    return (hw_of(profile(shape, dtype, comm=spec.n_workers > 1, refresh=refresh, round_trip=mfc_round_trip,
+                          server_probe=served, rollout_probe=rollout)),
             run_capacity(cfg, spec))
 
 
@@ -74,11 +75,12 @@ class Context:
     mem: object
 
 
-def context(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, check_fit: bool = True) -> Context:
-    """The :class:`Context` of experiment ``name`` under ``cfg``: on a tabled ``cluster`` or on this machine. With
-    ``check_fit``, the launcher's memory plan (:func:`realhf.experiments.memory_plan.plan_run`: ``auto`` budgets
-    resolved into the config and spec; ValueError, its refusal, when the plan does not fit), against the tabled GPU's
-    memory for a cluster."""
+def context(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, check_fit: bool = True,
+            refresh_profile: bool = False) -> Context:
+    """The :class:`Context` of experiment ``name`` under ``cfg``: on a tabled ``cluster`` or on this machine (its
+    profile measured again with ``refresh_profile``). With ``check_fit``, the launcher's memory plan
+    (:func:`realhf.experiments.memory_plan.plan_run`: ``auto`` budgets resolved into the config and spec; ValueError,
+    its refusal, when the plan does not fit), against the tabled GPU's memory for a cluster."""
     from realhf.experiments import build_spec
     from realhf.experiments.memory_plan import model_configs, plan_run, workloads
 
@@ -90,18 +92,20 @@ def context(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, chec
     else:
         spec, mem = build_spec(name, cfg), None
     cfgs = model_configs(spec)
-    hw, cap = _hardware_and_capacity(cluster, cfg, spec, cfgs)
+    hw, cap = _hardware_and_capacity(cluster, cfg, spec, cfgs, refresh_profile)
     work = {k: v for k, v in workloads(cfg).items() if k in {f.name for f in spec.mfcs}}
     return Context(cfg, spec, cfgs, hw, cap, work, mem)
 
 
-def estimate(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, prompt_len: Optional[float] = None):
+def estimate(name: str, cfg, cluster: Optional[Tuple[str, int, int]] = None, prompt_len: Optional[float] = None,
+             refresh_profile: bool = False):
     """(StepEstimate, memory plan) of experiment ``name`` under ``cfg``; raises ValueError (the memory plan's
     refusal) when the plan does not fit. ``prompt_len``: the prompts' mean length in tokens (default: the bound the
-    config sets, ``dataset.max_prompt_len``, as the memory plan takes it)."""
+    config sets, ``dataset.max_prompt_len``, as the memory plan takes it); ``refresh_profile``: this machine's
+    profile measured again first."""
     from realhf.plan.simulate import plan_of, simulate_step
 
-    ctx = context(name, cfg, cluster)
+    ctx = context(name, cfg, cluster, refresh_profile=refresh_profile)
     work = ctx.work
     if prompt_len is not None and hasattr(ctx.cfg.dataset, "max_prompt_len"):
         work = with_prompt_len(work, ctx.cfg.dataset.max_prompt_len, prompt_len)
