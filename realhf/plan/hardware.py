@@ -73,8 +73,8 @@ class Hardware:
     ``train_call_overhead_s``: a training call's host-side work beside its passes (advantages, the loss's weights, the
     statistics); ``train_layer_overhead_s``: what a training pass's backward costs per block beyond twice the
     forward's; ``call_overhead_s``: an MFC's fixed cost outside its computation (the master's request and the workers'
-    reply); ``step_overhead_s``: a step's own (fetching and clearing the batch); ``optimizer_s_per_param``: AdamW's step per
-    parameter;
+    reply); ``step_overhead_s``: a step's own (fetching and clearing the batch); ``optimizer_s_per_param``: AdamW's
+    step per parameter;
     ``intra_*``/``inter_*``: links inside a node and between nodes (bytes/s each way, seconds per message);
     ``devices_per_node``; ``disk_bw``: bytes/s of writing, and reading back, a checkpoint; ``memory_bytes``: capacity
     of one device; ``allreduce_bw``: bytes/s a ring all-reduce's data moves at inside a node where it was measured
