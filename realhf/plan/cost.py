@@ -16,10 +16,11 @@ vocabulary-parallel log-probs (max and sums, per row), or, when sampling (a deco
 all-gather of the fp32 logits and a broadcast of the sampled (token, log-prob) pairs from tensor rank 0; a training
 pass's backward adds an all-reduce of ``tokens x hidden`` per column-parallel product's input (query, key, value, and
 the MLP's one or two input products) per block and one at the head. Each costs its latency per ring step, which on a
-profiled machine is a collective's mean between computation (:mod:`realhf.plan.probes`). Pipeline parallelism (``pp``) splits the blocks (earlier stages
-take the remainder; the embedding's collectives are on the first stage, the head on the last) and runs ``m``
-micro-batches as the slowest stage's ``m`` slots plus one slot of each other stage (the fill and drain: ``m + p - 1``
-slots of equal stages, bubble ``(p - 1) / (m + p - 1)``), with a send of the activations between stages per slot.
+profiled machine is a collective's mean between computation (:mod:`realhf.plan.probes`). Pipeline parallelism
+(``pp``) splits the blocks (earlier stages take the remainder; the embedding's collectives are on the first stage,
+the head on the last) and runs ``m`` micro-batches as the slowest stage's ``m`` slots plus one slot of each other
+stage (the fill and drain: ``m + p - 1`` slots of equal stages, bubble ``(p - 1) / (m + p - 1)``), with a send of the
+activations between stages per slot.
 Training is the forward pass, a backward pass of twice its work (and, on a profiled machine, a measured cost per
 block beyond that: ``Hardware.train_layer_overhead_s``), and a recomputation of the blocks' forward pass under
 activation checkpointing; generation under ``pp`` runs ``pp`` row groups through the stages in turn (realhf's

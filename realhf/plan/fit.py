@@ -207,7 +207,8 @@ def plan(spec, cfgs: Dict[str, ReaLModelConfig], workloads: Dict[str, Workload],
         for r in m.ranks:
             dt = model_dtype(m, cap.device)
             s = shard_of(m, cfgs[m.name], r, dt)
-            src_shard = shard_of(src, cfgs[src.name], r, model_dtype(src, cap.device)) if src and r in src.ranks else None
+            src_shard = (shard_of(src, cfgs[src.name], r, model_dtype(src, cap.device)) if src and r in src.ranks
+                         else None)
             calls.append(RankCall(mfc.name, r, m.name, str(m.layout), dt, hold[r],
                                   call_estimate(m, s, w, n_mbs, max_tokens, src_shard), cap.per_rank))
     return MemoryPlan(cap, calls)

@@ -79,7 +79,8 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class Role:
-    """A model of the experiment (``actor``, ``ref``, ``critic``, ``reward``): its shape and how its replicas hold it."""
+    """A model of the experiment (``actor``, ``ref``, ``critic``, ``reward``): its shape and how its replicas hold
+    it."""
 
     name: str
     cfg: ReaLModelConfig
@@ -152,8 +153,8 @@ class Problem:
             r = roles.get(role)
             cfg = cfgs.get(m.name) or (r.cfg if r else None) or next(iter(cfgs.values()))
             trains = m.optimizer is not None or (r is not None and r.trains)
-            roles[role] = Role(role, cfg, model_dtype(m, device), trains, bool(m.offload) or (r is not None and r.offload),
-                               bool(m.path))
+            offload = bool(m.offload) or (r is not None and r.offload)
+            roles[role] = Role(role, cfg, model_dtype(m, device), trains, offload, bool(m.path))
         replica_of = {f.name: str(f.model_name) for f in spec.mfcs}
         mfc = {f.name: f for f in spec.mfcs}
         trains = {c.name: (str(mfc[c.name].interface_type).split(".")[-1].lower() == "train_step"
@@ -310,8 +311,8 @@ class Evaluator:
         calls = []
         for c in self.p.calls:
             n_mbs, mt = budgets[c.name]
-            calls.append(PlanCall(c.name, of_mfc[c.name], c.parents, c.work if self.p.roles[c.role].has_weights else None,
-                                  n_mbs, mt, c.answers, c.messages))
+            work = c.work if self.p.roles[c.role].has_weights else None
+            calls.append(PlanCall(c.name, of_mfc[c.name], c.parents, work, n_mbs, mt, c.answers, c.messages))
         return StepPlan(tuple(models), tuple(calls))
 
     # ------------------------------------------------------------------------------------------------ memory
