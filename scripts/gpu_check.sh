@@ -16,7 +16,7 @@
 #   PLAN=1 (after 1, before 2 and 3; PLAN_LIMIT seconds, default 150): benchmarks/bench_plan.py scale: the planner's
 #      profiler on this card (kernels, the control plane, a generation server) and each synchronous launch of (1)
 #      beside the step simulator's estimate of it; off by default, as it takes the script past 8 minutes unless
-#      TEST_LIMIT is lowered
+#      TEST_LIMIT is lowered or TESTS=0 leaves out (2) and (3) (the benchmark and the planner: about 6.5 minutes)
 # (2) and (3) run side by side after (1) (SKIP_BENCH=1 skips it; LEARN_K / LEARN_SERVED_K pick the learning tests). Logs go to $OUT (default outputs/gpu_check); the last lines of each
 # are printed. Python packages missing on the machine may be given as wheels in .whl/ (installed to
 # /tmp/site); for a machine with PyTorch but none of realhf's other requirements (Python 3.12):
@@ -64,6 +64,9 @@ fi
 if [ "${PLAN:-0}" = 1 ] && [ -f "$OUT/bench.log" ]; then
   part plan "${PLAN_LIMIT:-150}" python3 benchmarks/bench_plan.py scale --bench-log "$OUT/bench.log" || status=1
   show plan 8
+fi
+if [ "${TESTS:-1}" = 0 ]; then
+  exit $status
 fi
 PYTEST="python3 -m pytest -o addopts= -p no:cacheprovider -rs --timeout 240"
 part pytest_gpu "${TEST_LIMIT:-240}" $PYTEST -m gpu tests/gpu/test_gpu_path.py tests/gpu/test_gen_server_gpu.py -v &
