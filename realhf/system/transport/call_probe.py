@@ -25,9 +25,10 @@ PROBE_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask")
 
 
 def _request(n_seqs: int) -> Dict:
-    """An ``mfc`` request's data for ``n_seqs`` samples, shaped as the master worker's (``_run_mfc``)."""
+    """An ``mfc`` request's data for ``n_seqs`` samples of one data-parallel rank, shaped as the master worker's
+    (:func:`realhf.system.trainer.master_worker.mfc_requests`: the metas of the tensors it receives)."""
     ids = [uuid.uuid4().hex for _ in range(n_seqs)]
-    metas = {i: {k: {"dtype": "int64", "seqlens": [[20]], "shape": []} for k in PROBE_KEYS} for i in ids}
+    metas = {i: {k: {"dtype": "int64", "seqlens": [[20]], "shape": []} for k in PROBE_KEYS[:1]} for i in ids}
     return {"mfc": "probe", "plan": [[0, 1, i, k] for i in ids for k in PROBE_KEYS[:1]], "metas": metas,
             "ids_by_dp": {"0": ids}, "metadata": {i: {"prompt_id": i, "answer": "1"} for i in ids}}
 
