@@ -147,7 +147,7 @@ class Hardware:
                              f"got {self.matmul_flops!r}")
         for k in ("generate_overhead_s", "call_overhead_s", "step_overhead_s", "train_call_overhead_s",
                   "train_layer_overhead_s", "generate_layer_overhead_s", "generate_head_overhead_s",
-                  "dp_train_call_overhead_s"):
+                  "tp_decode_step_overhead_s", "dp_train_call_overhead_s"):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"Hardware {self.name!r}: {k} must be >= 0 seconds, got {getattr(self, k)!r}")
         if self.devices_per_node < 1:

@@ -368,8 +368,7 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
     out["overheads"].update(fit_train_overheads(cfg, fitted, dtype, device))
     out["overheads"].update(fit_generate_call(cfg, fitted, dtype, device))
     out["overheads"]["reward_s"] = reward_per_answer()[0]
-    _decode_latency(out, cfg, dtype, device)
-    _dp_train(out, cfg, dtype, device)
+    _fit_link(out, cfg, dtype, device)
     return out
 
 
@@ -422,6 +421,14 @@ def _decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -
         lat = link["lat_in_step"]
     link["lat"] = lat
     link["tp_decode_step_s"] = max(0.0, p1["step_s"] - step(p1["layers"], lat))
+
+
+def _fit_link(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
+    """What the link probe's real calls (``data["comm"]``) give beyond the fitted computation, once the profile's
+    overheads are fitted: the collectives' latency in a tensor-parallel decode step, then a data-parallel training
+    call's excess (at that latency)."""
+    _decode_latency(data, cfg, dtype, device)
+    _dp_train(data, cfg, dtype, device)
 
 
 def _dp_train(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
@@ -485,8 +492,7 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
         if need_comm:
             logger.info("profile: measuring the links between two local processes")
             data["comm"] = _measure_comm(cfg, dtype, device)
-            _decode_latency(data, cfg, dtype, device)
-            _dp_train(data, cfg, dtype, device)
+            _fit_link(data, cfg, dtype, device)
         if need_trip:
             data["mfc_round_trip"] = round_trip()
     if need_server:  # a fresh profile, or a cached one without them: the server's and the rollout side's probes
