@@ -31,11 +31,12 @@ def _hardware_and_capacity(cluster, cfg, spec, cfgs, refresh: bool = False):
     torch.set_num_threads(max(1, spec.cpus_per_worker))  # a worker's share of the host, as the run has it
     from realhf.gen_server.probe import served_generate_overhead
     from realhf.system.rollout.probe import rollout_episode_overhead
-    from realhf.system.transport.call_probe import mfc_round_trip
+    from realhf.apps.control_probe import control_plane_costs
 
     served = served_generate_overhead if any(m.gen_servers is not None for m in spec.models) else None
     rollout = rollout_episode_overhead if spec.rollout is not None else None
-    return (hw_of(profile(shape, dtype, comm=spec.n_workers > 1, refresh=refresh, round_trip=mfc_round_trip,
+    return (hw_of(profile(shape, dtype, comm=spec.n_workers > 1, refresh=refresh,
+                          control_probe=control_plane_costs,
                           server_probe=served, rollout_probe=rollout)),
             run_capacity(cfg, spec))
 

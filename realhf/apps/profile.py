@@ -1,8 +1,8 @@
 """Profile this machine for the step simulator and the planner: ``python -m realhf.apps.profile --model smollm2-135m``.
 
 Runs :func:`realhf.plan.profile.profile` (the kernels' rates, the links, the fitted fixed costs) with the control
-plane's probe (:func:`realhf.system.transport.call_probe.mfc_round_trip`), caches it and prints the hardware it
-describes and the fitted overheads as JSON.
+plane's probe (:func:`realhf.apps.control_probe.control_plane_costs`: a few steps of a tiny run), caches it and
+prints the hardware it describes and the fitted overheads as JSON.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                          "asynchronous plans ask for it)")
     a = ap.parse_args(argv)
     from realhf.base.host_memory import retain_freed_memory
-    from realhf.system.transport.call_probe import mfc_round_trip
+    from realhf.apps.control_probe import control_plane_costs
 
     retain_freed_memory()  # measure as a model worker runs (it keeps freed host memory for reuse)
     if a.threads is not None:
@@ -40,7 +40,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from realhf.gen_server.probe import served_generate_overhead
     from realhf.system.rollout.probe import rollout_episode_overhead
 
-    p = profile(a.model, a.dtype, a.device, comm=not a.no_comm, refresh=a.refresh, round_trip=mfc_round_trip,
+    p = profile(a.model, a.dtype, a.device, comm=not a.no_comm, refresh=a.refresh,
+                control_probe=control_plane_costs,
                 server_probe=served_generate_overhead if a.servers else None,
                 rollout_probe=rollout_episode_overhead if a.rollout else None)
     from realhf.plan.hardware import describe

@@ -19,14 +19,15 @@ Table sources:
   messages; a kernel launch 5 us. Assumptions, not datasheet figures.
 * Fixed costs of the control plane (the same for every tabled GPU: they run on the host CPUs): an MFC's request and
   reply between the master and its workers 5 ms, a step's own bookkeeping (fetching and clearing the batch, the
-  stats) 30 ms. From CPU hosts: an MFC's round trip over the request/reply stream
-  measured 3.5-4.3 ms between two local processes (:mod:`realhf.system.transport.call_probe`, a 2-core AMD EPYC host,
-  2026-11-28), rounded up for a cluster's TCP between nodes; the step's figure is the one measured on that host
-  before the call probe existed (a step's time less its MFCs'), kept as an upper bound; a training call's host-side
-  work beside its passes 5 ms (the PPO actor's, :mod:`realhf.plan.interface_probe`, fitted 5-9 ms on that host; the
-  same Python drives a GPU's kernels: its low end) and no
-  backward cost per block beyond twice the forward's, and no generation setup beside the prefill and steps (on a
-  GPU the kernels' launches are in the per-block costs; these two are measured where profiled).
+  stats) 30 ms. From CPU hosts: on a 2-core AMD EPYC host a real run's MFC takes 1.5-2 ms beside its worker's
+  computation and its step 3-5 ms beside its MFCs (one and two workers, :mod:`realhf.apps.control_probe`,
+  2026-11-29), where a bare round trip over the request/reply stream with the whole batch's metadata in every request
+  took 3.5-4.3 ms (2026-11-28); rounded up for a cluster's TCP between nodes and its many workers; the step's figure,
+  measured on that host before the master's requests were trimmed, is kept as an upper bound; a training call's
+  host-side work beside its passes 5 ms (the PPO actor's, :mod:`realhf.plan.interface_probe`, fitted 5-9 ms on that
+  host; the same Python drives a GPU's kernels: its low end) and no backward cost per block beyond twice the
+  forward's, and no generation setup beside the prefill and steps (on a GPU the kernels' launches are in the per-block
+  costs; these two are measured where profiled).
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ do not explain fitted as a cost per block, per token x hidden element of a block
 (:func:`fit_overheads`), a generation call's and a training call's own work on the real PPO interface
 (:mod:`realhf.plan.interface_probe`), and the latency a collective pays inside a real tensor-parallel decode step over
 the two processes (:func:`_decode_latency`); and, where the caller passes the control plane's probe
-(:mod:`realhf.system.transport.call_probe`, a layer above this one), an MFC's round trip over the real request/reply
-stream: the fixed cost of each call and, twice (fetching and clearing the batch), of each step. On CPU, where a
+(:mod:`realhf.apps.control_probe`, a layer above this one: a few steps of a real run on a tiny model), the fixed cost
+of each model function call beside its computation and of each step beside its calls. On CPU, where a
 "device" is a worker process, the rates are those of this process's threads (``--threads``).
 
 The profile is cached as JSON under ``$REALHF_CACHE_DIR/plan_profiles/``, keyed by the machine (CPU model or GPU
@@ -35,14 +35,15 @@ from realhf.plan.shapes import model_config
 
 logger = logging.getLogger("realhf.plan.profile")
 
-PROFILE_VERSION = 9  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
+PROFILE_VERSION = 10  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
 # 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
 # 4: links' bandwidths past the caches, a two-rank all-reduce's own rate, the real reallocation's cost, a generation
 # call's own cost on the real interface, every timing a median (was the least); 5: the collectives' latency from a
 # real tensor-parallel decode step, shallow models fitted at their own depth, the rule-based reward's grading,
 # a batched point-to-point message's cost; 6: a generation call's cost per block and for the head; 7: the host's
 # cores (a CPU machine's processes share them); 8: the tensor-parallel decode step at two depths (a block's latency
-# apart from the step's own); 9: a real data-parallel training call
+# apart from the step's own); 9: a real data-parallel training call; 10: the control plane's costs from a real run
+# (were an MFC's bare round trip, and twice that for a step)
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
@@ -50,7 +51,6 @@ FIT_TOKENS = ((64, 1), (512, 2))  # (tokens, sequences) of the timed forward pas
 FIT_ROWS = (1, 16)  # rows of the timed decode steps
 FIT_PROMPT, FIT_STEPS = 32, (2, 18)  # prompt length; new tokens of the two timed generations (their difference)
 FIT_WHOLE_DEPTH = 8  # models of at most this many blocks are fitted at 1 block and at their own depth
-STEP_ROUND_TRIPS = 2  # a step's own requests to the workers beside its MFCs': fetching the batch, clearing it
 
 
 def machine_name(device: str) -> str:
@@ -126,7 +126,7 @@ def hardware(p: Dict) -> Hardware:
         bw, lat = p["copy_bw"] / 2, 10e-6
     o = p["overheads"]
     realloc = link.get("realloc") or {}
-    trip = p.get("mfc_round_trip")
+    ctl = p.get("control")
     return Hardware(
         name=f"{p['key']['machine']} ({p['key']['device']}, {p['key']['threads']} threads)",
         matmul_flops={dt: max(r for _, r in p["matmul_rows"])}, memory_bw=p["copy_bw"],
@@ -139,7 +139,7 @@ def hardware(p: Dict) -> Hardware:
         generate_head_overhead_s=o.get("generate_head_s", 0.0), train_call_overhead_s=o.get("train_call_s", 0.0),
         server_generate_overhead_s=o.get("server_generate_s"), server_update_s=o.get("server_update_s", 0.0),
         train_layer_overhead_s=o.get("train_layer_s", 0.0),
-        **({} if trip is None else dict(call_overhead_s=trip, step_overhead_s=STEP_ROUND_TRIPS * trip)),
+        **({} if ctl is None else dict(call_overhead_s=ctl["call_s"], step_overhead_s=ctl["step_s"])),
         optimizer_s_per_param=p["optimizer_s_per_param"], disk_bw=p["disk_bw"],
         allreduce_bw=link.get("allreduce_bw", 0.0), realloc_fixed_s=realloc.get("fixed_s", 0.0),
         realloc_bw=realloc.get("bw", 0.0), realloc_both_ways=realloc.get("both_ways", 0.0),
@@ -153,8 +153,8 @@ def hardware(p: Dict) -> Hardware:
         matmul_rows=tuple((int(r), float(v)) for r, v in p["matmul_rows"]), device=p["key"]["device"],
         sources={"all": src, "links": "measured between two local processes" if link else
                  "not measured (one device): half a copy's rate and 10 us assumed",
-                 "control plane": "an MFC's round trip measured on the request/reply stream" if trip is not None else
-                 "not measured: the tabled GPUs' figures"},
+                 "control plane": "an MFC's and a step's own costs measured on a real run's steps" if ctl is not None
+                 else "not measured: the tabled GPUs' figures"},
     )
 
 
@@ -339,9 +339,10 @@ def _rollout_probe(data: Dict, probe: Callable) -> None:
 
 
 def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
-            round_trip: Optional[Callable[[], float]] = None) -> Dict:
-    """Every figure of a profile (seconds: a few on CPU for a small model; longer for a 7B block); ``round_trip``:
-    the control plane's probe (seconds of an MFC's round trip), which lives with the transport above this layer."""
+            control_probe: Optional[Callable[[], Dict]] = None) -> Dict:
+    """Every figure of a profile (seconds: a few on CPU for a small model; longer for a 7B block); ``control_probe``:
+    the control plane's (``{"call_s", "step_s", ...}``: :func:`realhf.apps.control_probe.control_plane_costs`), which
+    launches a run from a layer above this one."""
     import torch
 
     from realhf.plan import probes
@@ -356,8 +357,8 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
                optimizer_s_per_param=probes.optimizer_seconds_per_param(dt, device),
                disk_bw=probes.disk_bandwidth(realhf_cache_dir()), memory_bytes=_memory_bytes(device))
     out["comm"] = _measure_comm(cfg, dtype, device) if comm else None
-    if round_trip is not None:
-        out["mfc_round_trip"] = round_trip()
+    if control_probe is not None:
+        out["control"] = control_probe()
     out["measured_at"] = datetime.datetime.now().isoformat(timespec="seconds")
     out["host_cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     zero = dict(layer_s=0.0, elementwise_s=0.0, decode_layer_s=0.0, decode_elementwise_s=0.0, pass_s=0.0,
@@ -460,16 +461,16 @@ def _zero_hw() -> Hardware:
 
 def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] = None, comm: bool = True,
             refresh: bool = False, cache_dir: Optional[str] = None,
-            round_trip: Optional[Callable[[], float]] = None, server_probe: Optional[Callable] = None,
+            control_probe: Optional[Callable[[], Dict]] = None, server_probe: Optional[Callable] = None,
             rollout_probe: Optional[Callable] = None) -> Dict:
     """This machine's profile for ``model`` (a shape name, a model folder, a config.json dict or a
     ``ReaLModelConfig``): read from the cache when there, else measured and cached. ``comm=False`` skips the two-
     process link probe (a cached profile without it is completed when asked with ``comm=True``); ``cache_dir``: where
-    profiles are kept (default ``$REALHF_CACHE_DIR/plan_profiles``); ``round_trip``: the control plane's probe
-    (:func:`realhf.system.transport.call_probe.mfc_round_trip`, passed in by the layers above), run when given and not
-    cached (without it the control plane's fixed costs are the tabled ones); ``server_probe``: a generation server's
-    (:func:`realhf.gen_server.probe.served_generate_overhead`: a server process on this machine, a few seconds), run
-    likewise; ``rollout_probe``: the rollout side's cost per episode
+    profiles are kept (default ``$REALHF_CACHE_DIR/plan_profiles``); ``control_probe``: the control plane's
+    (:func:`realhf.apps.control_probe.control_plane_costs`, passed in by the layers above: a run of a few seconds), run
+    when given and not cached (without it the control plane's fixed costs are the tabled ones); ``server_probe``: a
+    generation server's (:func:`realhf.gen_server.probe.served_generate_overhead`: a server process on this machine, a
+    few seconds), run likewise; ``rollout_probe``: the rollout side's cost per episode
     (:func:`realhf.system.rollout.probe.rollout_episode_overhead`, about 10 s), likewise."""
     import torch
 
@@ -479,22 +480,23 @@ def profile(model="smollm2-135m", dtype: str = "float32", device: Optional[str] 
     path = cache_path(key, cache_dir)
     data = None if refresh else _read(path, key)
     need_comm = comm and (data is None or data.get("comm") is None)
-    need_trip = round_trip is not None and (data is None or data.get("mfc_round_trip") is None)
+    need_control = control_probe is not None and (data is None or data.get("control") is None)
     need_server = server_probe is not None and (data is None or "server_generate_s" not in data["overheads"])
     need_rollout = rollout_probe is not None and (data is None or "rollout_episode_s" not in data["overheads"])
-    if data is not None and not (need_comm or need_trip or need_server or need_rollout):
+    if data is not None and not (need_comm or need_control or need_server or need_rollout):
         return data
     if data is None:
         logger.info(f"profiling this machine ({key['machine']}, {device}, {key['threads']} threads, {dtype}) "
                     f"at {json.dumps(key['shape'])}: a few seconds")
-        data = dict(measure(cfg, dtype, device, comm, round_trip), key=key)
+        data = dict(measure(cfg, dtype, device, comm, control_probe), key=key)
     else:  # cached without the link probe or the control plane's: add them
         if need_comm:
             logger.info("profile: measuring the links between two local processes")
             data["comm"] = _measure_comm(cfg, dtype, device)
             _fit_link(data, cfg, dtype, device)
-        if need_trip:
-            data["mfc_round_trip"] = round_trip()
+        if need_control:
+            logger.info("profile: measuring the control plane's costs (a few steps of a tiny run)")
+            data["control"] = control_probe()
     if need_server:  # a fresh profile, or a cached one without them: the server's and the rollout side's probes
         logger.info("profile: measuring a generation server's own cost (a server process)")
         _server_probe(data, cfg, dtype, device, server_probe)

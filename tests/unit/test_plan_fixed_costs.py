@@ -1,8 +1,8 @@
 """What the cost model and the step simulator count beside a model's products: the tensor-parallel collectives a
 decode step and a training pass really run, the pipelined generation's token packets, a generation's and a training
 call's own host-side work, a training call's small data-parallel reductions, and the control plane's fixed costs of a
-call and of a step; and the probes that measure them on this machine (a real two-process link, the real request/reply
-stream, the real PPO training call)."""
+call and of a step; and the probes that measure them on this machine (a real two-process link, a real run's steps,
+the real PPO training call)."""
 from __future__ import annotations
 
 import dataclasses
@@ -309,22 +309,51 @@ def test_hf_tensor_count_is_the_checkpoints(family):
     assert comm_cost.hf_tensor_count(cfg) == len(stage_hf_state(_model(cfg, torch.float32, "cpu")))
 
 
-def test_call_probe_times_a_real_round_trip_and_the_profile_uses_it():
-    from realhf.system.transport.call_probe import mfc_round_trip
-    from realhf.plan.profile import STEP_ROUND_TRIPS, hardware as hw_of
+def _stats_row(step: float, mfcs: dict) -> dict:
+    """A run's stats row: ``mfcs`` {name: (time, compute_time)}."""
+    row = {"step_time": step}
+    for name, (t, c) in mfcs.items():
+        row[f"{name}/time"], row[f"{name}/compute_time"] = t, c
+    return row
 
-    t = mfc_round_trip(reps=5)
-    assert 0 < t < 5.0
+
+def test_control_costs_are_a_runs_time_beyond_its_computation():
+    """An MFC's cost is its time less its worker's computation, a step's its time less its MFCs' (medians over the
+    steps after the first, the call's also over the MFCs); a run whose stats lack a figure is refused by name."""
+    from realhf.apps.control_probe import costs
+
+    rows = [_stats_row(9.0, dict(actor_gen=(5.0, 1.0), rew_inf=(1.0, 0.0), actor_train=(2.0, 1.0))),  # warm-up
+            _stats_row(0.060, dict(actor_gen=(0.020, 0.018), rew_inf=(0.003, 0.001), actor_train=(0.030, 0.029))),
+            _stats_row(0.070, dict(actor_gen=(0.022, 0.019), rew_inf=(0.004, 0.002), actor_train=(0.040, 0.038))),
+            _stats_row(0.065, dict(actor_gen=(0.021, 0.018), rew_inf=(0.003, 0.002), actor_train=(0.035, 0.034)))]
+    got = costs(rows)
+    # per call over 3 steps x 3 MFCs: 2,2,1 / 3,2,2 / 3,1,1 ms -> median 2 ms; per step: 7, 4, 6 ms -> 6 ms
+    assert got["call_s"] == pytest.approx(0.002) and got["step_s"] == pytest.approx(0.006)
+    assert got["steps"] == 3 and got["mfcs"] == pytest.approx(dict(actor_gen=0.003, rew_inf=0.002, actor_train=0.001))
+    with pytest.raises(ValueError, match="rew_inf/compute_time"):
+        costs([{k: v for k, v in r.items() if k != "rew_inf/compute_time"} for r in rows])
+
+
+def test_control_probe_measures_a_real_run_and_the_profile_uses_it():
+    """The probe launches a real run (``ppo-math`` on the tiny model, one worker) and reads its steps: each MFC
+    costs more than nothing beside its computation and far less than a step; the profile's hardware takes them."""
+    from realhf.apps.control_probe import MFCS, control_plane_costs
+    from realhf.plan.profile import hardware as hw_of
+
+    c = control_plane_costs(steps=4)
+    assert c["steps"] == 3 and set(c["mfcs"]) == set(MFCS)
+    assert 0 < c["call_s"] < 0.5 and 0 <= c["step_s"] < 1.0
     p = dict(key=dict(dtype="float32", machine="m", device="cpu", threads=1), measured_at="now",
              matmul_rows=[(1, 1e9)], copy_bw=1e10, attention_flops=1e9, optimizer_s_per_param=1e-9, disk_bw=1e9,
-             memory_bytes=1e9, comm=dict(bw=1e9, lat=1e-4), mfc_round_trip=t,
+             memory_bytes=1e9, comm=dict(bw=1e9, lat=1e-4), control=c,
              overheads=dict(layer_s=0.0, elementwise_s=0.0, decode_layer_s=0.0, decode_elementwise_s=0.0, pass_s=0.0,
                             decode_step_s=0.0, generate_s=0.002, train_call_s=0.003, train_layer_s=0.004,
                             generate_layer_s=0.005, generate_head_s=0.006))
     hw = hw_of(p)
-    assert hw.call_overhead_s == t and hw.step_overhead_s == pytest.approx(STEP_ROUND_TRIPS * t)
+    assert (hw.call_overhead_s, hw.step_overhead_s) == (c["call_s"], c["step_s"])
     assert (hw.generate_overhead_s, hw.train_call_overhead_s, hw.train_layer_overhead_s) == (0.002, 0.003, 0.004)
     assert (hw.generate_layer_overhead_s, hw.generate_head_overhead_s) == (0.005, 0.006)
+    assert hw_of({k: v for k, v in p.items() if k != "control"}).call_overhead_s == hardware.CALL_OVERHEAD_S
 
 
 def test_train_call_probe_runs_the_real_ppo_training_call():
