@@ -19,6 +19,9 @@ from realhf.plan.hardware import Hardware
 
 PROBE_PROMPTS, PROBE_GROUP = 8, 4  # a small batch of answers: prompts x answers per prompt
 PROBE_PROMPT_LEN, PROBE_ANSWER_LEN = 4, 16
+# idle before each timed call, as a model worker waits for its next request between a step's calls: the tiny model's
+# generation took 1-2 ms (~10%) more after 30 ms idle or after a training call than back to back (AMD EPYC, 2 cores)
+CALL_GAP_S = 0.03
 
 
 def _batch(vocab: int, prompts: int = PROBE_PROMPTS):
@@ -49,8 +52,8 @@ def _batch(vocab: int, prompts: int = PROBE_PROMPTS):
 
 def time_train_call(cfg: ReaLModelConfig, grid, prompts: int, dtype: str, device: str, reps: int = 5) -> float:
     """Median seconds of the PPO actor's real ``train_step`` on a model of ``cfg`` laid out on ``grid`` (this
-    process's rank of it; every rank of the grid calls this at once) over ``prompts`` prompts of the probe's batch;
-    the two warm-up calls build the optimizer's state and warm the kernels."""
+    process's rank of it; every rank of the grid calls this at once) over ``prompts`` prompts of the probe's batch,
+    each after ``CALL_GAP_S`` idle; the two warm-up calls build the optimizer's state and warm the kernels."""
     import torch
 
     from realhf.api.core.config import OptimizerConfig
@@ -69,7 +72,7 @@ def time_train_call(cfg: ReaLModelConfig, grid, prompts: int, dtype: str, device
     iface = PPOActorInterface(PPOHyperparameters(ppo_n_minibatches=1, kl_ctl=0.0), group_size=PROBE_GROUP,
                               use_critic=False, seed=1)
     batch, mb = _batch(cfg.vocab_size, prompts), MicroBatchSpec()
-    return timed(lambda: iface.train_step(model, batch, mb), device, reps=reps, budget_s=math.inf)
+    return timed(lambda: iface.train_step(model, batch, mb), device, reps=reps, budget_s=math.inf, gap_s=CALL_GAP_S)
 
 
 def dp_train_call(device: str, cfg: Dict, dtype: str, prompts: int) -> Dict:
@@ -105,9 +108,9 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
                            reps: int = 5) -> Tuple[float, dict]:
     """(seconds a generation call spends beside its prefill and decode steps: the median of the real PPO actor's
     ``generate`` (``PROBE_PROMPTS`` prompts of ``PROBE_PROMPT_LEN`` tokens, ``PROBE_GROUP`` answers each of exactly
-    ``PROBE_ANSWER_LEN`` tokens, sampled with the default sampling options) less the cost model's generation on
-    ``hw`` without its own setup costs (at least 0), the figures behind it). ``cfg``: a small model (the profiler's
-    proxy)."""
+    ``PROBE_ANSWER_LEN`` tokens, sampled with the default sampling options; each call after ``CALL_GAP_S`` idle)
+    less the cost model's generation on ``hw`` without its own setup costs (at least 0), the figures behind it).
+    ``cfg``: a small model (the profiler's proxy)."""
     import types
 
     import torch
@@ -139,7 +142,8 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
                           seqlens={"packed_prompts": [[P] for _ in range(PROBE_PROMPTS)]},
                           trailing_shapes={"packed_prompts": ()}, dtypes={"packed_prompts": torch.long},
                           data={"packed_prompts": prompts})
-    measured = timed(lambda: iface.generate(model, data, MicroBatchSpec()), device, reps=reps, budget_s=math.inf)
+    measured = timed(lambda: iface.generate(model, data, MicroBatchSpec()), device, reps=reps, budget_s=math.inf,
+                     gap_s=CALL_GAP_S)
     passes = generation_passes(cfg, hw, dtype)
     return max(0.0, measured - passes), dict(measured_s=measured, passes_s=passes)
 

@@ -24,17 +24,19 @@ def _sync(device: str):
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[[], object], device: str, reps: int = 5, budget_s: float = 0.5) -> float:
+def timed(fn: Callable[[], object], device: str, reps: int = 5, budget_s: float = 0.5, gap_s: float = 0.0) -> float:
     """Median seconds of ``fn`` after two warm-up calls (the first calls pay one-off costs), over at most ``reps``
-    calls and about ``budget_s``. The median, not the least: a run pays the typical call, and on a 2-core host the
-    least figure of the passes put SmolLM2-135M's training and generation 20-40% below what the same passes took
-    inside a run (the median: within 10% for training)."""
+    calls and about ``budget_s``, each timed call after ``gap_s`` idle. The median, not the least: a run pays the
+    typical call, and on a 2-core host the least figure of the passes put SmolLM2-135M's training and generation
+    20-40% below what the same passes took inside a run (the median: within 10% for training)."""
     for _ in range(2):
         fn()
     _sync(device)
     ts: List[float] = []
     start = time.perf_counter()
     while len(ts) < reps and (len(ts) < 2 or time.perf_counter() - start < budget_s):
+        if gap_s > 0:
+            time.sleep(gap_s)
         t = time.perf_counter()
         fn()
         _sync(device)

@@ -35,7 +35,7 @@ from realhf.plan.shapes import model_config
 
 logger = logging.getLogger("realhf.plan.profile")
 
-PROFILE_VERSION = 10  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
+PROFILE_VERSION = 11  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
 # 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
 # 4: links' bandwidths past the caches, a two-rank all-reduce's own rate, the real reallocation's cost, a generation
 # call's own cost on the real interface, every timing a median (was the least); 5: the collectives' latency from a
@@ -43,7 +43,7 @@ PROFILE_VERSION = 10  # 2: collectives' latency as a step pays it, the control p
 # a batched point-to-point message's cost; 6: a generation call's cost per block and for the head; 7: the host's
 # cores (a CPU machine's processes share them); 8: the tensor-parallel decode step at two depths (a block's latency
 # apart from the step's own); 9: a real data-parallel training call; 10: the control plane's costs from a real run
-# (were an MFC's bare round trip, and twice that for a step)
+# (were an MFC's bare round trip, and twice that for a step); 11: a call's probes timed after an idle gap, as in a run
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024

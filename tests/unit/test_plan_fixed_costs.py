@@ -356,6 +356,26 @@ def test_control_probe_measures_a_real_run_and_the_profile_uses_it():
     assert hw_of({k: v for k, v in p.items() if k != "control"}).call_overhead_s == hardware.CALL_OVERHEAD_S
 
 
+def test_a_calls_probe_times_each_call_after_an_idle_gap():
+    """The call probes' timing (``probes.timed`` with ``gap_s``): two warm-up calls back to back, then each timed call
+    after the gap, as a model worker's call follows its wait for the request."""
+    import time
+
+    from realhf.plan.interface_probe import CALL_GAP_S
+    from realhf.plan.probes import timed
+
+    spans = []
+
+    def fn():
+        spans.append([time.perf_counter(), None])
+        spans[-1][1] = time.perf_counter()
+
+    timed(fn, "cpu", reps=3, budget_s=math.inf, gap_s=0.02)
+    assert len(spans) == 5
+    assert all(spans[i][0] - spans[i - 1][1] >= 0.02 for i in range(2, 5))
+    assert CALL_GAP_S > 0
+
+
 def test_train_call_probe_runs_the_real_ppo_training_call():
     """The PPO actor's train_step on a one-block model: timed whole, with the cost model's passes beside it."""
     from realhf.plan.interface_probe import train_call_overhead
