@@ -240,9 +240,12 @@ class CostModel:
         s, e = stage_layer_range(self.cfg.n_layers, pp, pp - 1)
         stage = max(self.stage_layers(pp) * blk + self.embed_comm(r, tp), (e - s) * blk + head)
         # each group's slot: its activations to the next stage, and its sampled (token, log-prob) pairs (float64) from
-        # the last stage back to the first
-        packet = comm_cost.send(self.hw, r * 16.0, pp * tp <= self.hw.devices_per_node)
-        return pp * (stage + self._send(r, pp, tp) + packet) + self.hw.decode_step_overhead_s
+        # the last stage back to the first (each message at the pipelined decode's own latency where measured)
+        intra = pp * tp <= self.hw.devices_per_node
+        msgs = self._send(r, pp, tp) + comm_cost.send(self.hw, r * 16.0, intra)
+        if self.hw.pp_decode_lat is not None:
+            msgs += 2 * (self.hw.pp_decode_lat - self.hw.link(intra)[1])
+        return pp * (stage + msgs) + self.hw.decode_step_overhead_s
 
     def weights_setup(self, tp: int = 1, pp: int = 1) -> float:
         """What a rank's generation pays for its weights before decoding with them (``Hardware.generate_layer_/

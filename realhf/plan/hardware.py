@@ -86,6 +86,10 @@ class Hardware:
     a tensor-parallel decode step pays once beside its blocks' and head's collectives, where measured;
     ``dp_train_call_overhead_s``: what a data-parallel training call takes beyond its passes, collectives and
     host-side work as counted (the ranks waiting for each other at every collective), where measured (0: not counted);
+    ``pp_train_call_overhead_s``: the same for a pipelined training call (the stages waiting for each other's
+    activations and gradients beyond the schedule as counted), where measured (0: not counted); ``pp_decode_lat``:
+    seconds per message between the stages of a pipelined decode step (its activations, its sampled tokens back),
+    where measured (None: the link's latency);
     ``reward_s_per_answer``: the rule-based reward's grading of one answer on the host where measured (0: not
     counted); ``p2p_msg_s``: seconds per
     small message of a batch of point-to-point messages where measured (0: the link's latency);
@@ -130,6 +134,8 @@ class Hardware:
     broadcast_lat: float = 0.0
     tp_decode_step_overhead_s: float = 0.0
     dp_train_call_overhead_s: float = 0.0
+    pp_train_call_overhead_s: float = 0.0
+    pp_decode_lat: Optional[float] = None
     reward_s_per_answer: float = 0.0
     p2p_msg_s: float = 0.0
     rollout_episode_s: float = 0.0
@@ -148,9 +154,12 @@ class Hardware:
                              f"got {self.matmul_flops!r}")
         for k in ("generate_overhead_s", "call_overhead_s", "step_overhead_s", "train_call_overhead_s",
                   "train_layer_overhead_s", "generate_layer_overhead_s", "generate_head_overhead_s",
-                  "tp_decode_step_overhead_s", "dp_train_call_overhead_s"):
+                  "tp_decode_step_overhead_s", "dp_train_call_overhead_s", "pp_train_call_overhead_s"):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"Hardware {self.name!r}: {k} must be >= 0 seconds, got {getattr(self, k)!r}")
+        if self.pp_decode_lat is not None and not self.pp_decode_lat >= 0:
+            raise ValueError(f"Hardware {self.name!r}: pp_decode_lat must be >= 0 seconds or None, "
+                             f"got {self.pp_decode_lat!r}")
         if self.devices_per_node < 1:
             raise ValueError(f"Hardware {self.name!r}: devices_per_node must be >= 1, got {self.devices_per_node}")
 

@@ -104,13 +104,11 @@ def train_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: 
     return max(0.0, measured - passes), dict(measured_s=measured, passes_s=passes)
 
 
-def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: str,
-                           reps: int = 5) -> Tuple[float, dict]:
-    """(seconds a generation call spends beside its prefill and decode steps: the median of the real PPO actor's
-    ``generate`` (``PROBE_PROMPTS`` prompts of ``PROBE_PROMPT_LEN`` tokens, ``PROBE_GROUP`` answers each of exactly
-    ``PROBE_ANSWER_LEN`` tokens, sampled with the default sampling options; each call after ``CALL_GAP_S`` idle)
-    less the cost model's generation on ``hw`` without its own setup costs (at least 0), the figures behind it).
-    ``cfg``: a small model (the profiler's proxy)."""
+def time_generate_call(cfg: ReaLModelConfig, grid, dtype: str, device: str, reps: int = 5) -> float:
+    """Median seconds of the PPO actor's real ``generate`` on a model of ``cfg`` laid out on ``grid`` (this process's
+    rank of it; every rank of the grid calls this at once): ``PROBE_PROMPTS`` prompts of ``PROBE_PROMPT_LEN`` tokens,
+    ``PROBE_GROUP`` answers each of exactly ``PROBE_ANSWER_LEN`` tokens, sampled with the default sampling options,
+    each call after ``CALL_GAP_S`` idle."""
     import types
 
     import torch
@@ -119,13 +117,11 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
     from realhf.api.core.dfg import MicroBatchSpec
     from realhf.api.core.model_api import Model
     from realhf.api.quickstart.ppo_config import PPOHyperparameters
-    from realhf.base.topology import single_process_grid
     from realhf.impl.model.backend.engine import InferenceEngine
     from realhf.impl.model.interface.ppo_interface import PPOActorInterface
     from realhf.impl.model.nn.real_model import ReaLModel
     from realhf.plan.probes import timed
 
-    grid = single_process_grid()
     m = ReaLModel(cfg, grid=grid, dtype=getattr(torch, dtype), device=device)
     m.init_random(seed=1)
     # the interface reads the tokenizer's end-of-sequence id alone: a run's tokenizer has one, and generation then
@@ -142,10 +138,42 @@ def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, devic
                           seqlens={"packed_prompts": [[P] for _ in range(PROBE_PROMPTS)]},
                           trailing_shapes={"packed_prompts": ()}, dtypes={"packed_prompts": torch.long},
                           data={"packed_prompts": prompts})
-    measured = timed(lambda: iface.generate(model, data, MicroBatchSpec()), device, reps=reps, budget_s=math.inf,
-                     gap_s=CALL_GAP_S)
+    return timed(lambda: iface.generate(model, data, MicroBatchSpec()), device, reps=reps, budget_s=math.inf,
+                 gap_s=CALL_GAP_S)
+
+
+def generate_call_overhead(cfg: ReaLModelConfig, hw: Hardware, dtype: str, device: str,
+                           reps: int = 5) -> Tuple[float, dict]:
+    """(seconds a generation call spends beside its prefill and decode steps: the median of the real PPO actor's
+    ``generate`` in this process (:func:`time_generate_call`) less the cost model's generation on ``hw`` without its
+    own setup costs (at least 0), the figures behind it). ``cfg``: a small model (the profiler's proxy)."""
+    from realhf.base.topology import single_process_grid
+
+    measured = time_generate_call(cfg, single_process_grid(), dtype, device, reps)
     passes = generation_passes(cfg, hw, dtype)
     return max(0.0, measured - passes), dict(measured_s=measured, passes_s=passes)
+
+
+def pp_generate_call(device: str, cfg: Dict, dtype: str) -> Dict:
+    """On each of two ranks of a process group (the link probe's, :func:`realhf.plan.probes.comm`): the PPO actor's
+    real generation with model ``cfg`` (a config dict) in two pipeline stages (d1m1p2), the probe's batch; what a
+    pipelined generation takes with its stages' messages (each decode step's activations forward, its sampled tokens
+    back to the first stage)."""
+    from realhf.base.topology import ParallelDims, ParallelGrid
+
+    grid = ParallelGrid(ParallelDims.parse("d1m1p2"), ranks=[0, 1])
+    return dict(layers=cfg["n_layers"], measured_s=time_generate_call(ReaLModelConfig(**cfg), grid, dtype, device))
+
+
+def pp_train_call(device: str, cfg: Dict, dtype: str, prompts: int) -> Dict:
+    """On each of two ranks of a process group: the PPO actor's real training call with model ``cfg`` in two pipeline
+    stages (d1m1p2) over ``prompts`` of the probe's prompts; what a pipelined training call takes with its stages'
+    activations and gradients and their waits."""
+    from realhf.base.topology import ParallelDims, ParallelGrid
+
+    grid = ParallelGrid(ParallelDims.parse("d1m1p2"), ranks=[0, 1])
+    return dict(layers=cfg["n_layers"], prompts=prompts,
+                measured_s=time_train_call(ReaLModelConfig(**cfg), grid, prompts, dtype, device))
 
 
 def generation_passes(cfg: ReaLModelConfig, hw: Hardware, dtype: str) -> float:

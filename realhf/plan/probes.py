@@ -140,7 +140,7 @@ def disk_bandwidth(folder: str, nbytes: int = 64 << 20) -> float:
 
 
 def _comm_worker(rank: int, world: int, store_path: str, backend: str, sizes: Sequence[int], q,
-                 tp_model: Optional[Dict] = None, dp_probe: Optional[Tuple[Callable, Dict]] = None) -> None:
+                 tp_model: Optional[Dict] = None, calls: Optional[Dict[str, Tuple[Callable, Dict]]] = None) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -169,9 +169,8 @@ def _comm_worker(rank: int, world: int, store_path: str, backend: str, sizes: Se
         if tp_model is not None:  # one point per depth of the model (``cfgs``)
             kw = dict(tp_model)
             res["tp_decode"] = [dict(_tp_decode_probe(device, c, **kw), layers=c["n_layers"]) for c in kw.pop("cfgs")]
-        if dp_probe is not None:
-            fn, kw = dp_probe
-            res["dp_train"] = fn(device, **kw)
+        for name, (fn, kw) in (calls or {}).items():  # real calls over both ranks, in turn
+            res[name] = fn(device, **kw)
         dist.destroy_process_group()
         q.put((rank, res, None))
     except Exception as e:  # reported to the parent, which decides
@@ -342,17 +341,17 @@ def realloc_rates(points: Sequence[Dict]) -> Dict[str, float]:
 
 
 def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeout: float = 180.0,
-         tp_model: Optional[Dict] = None, dp_probe: Optional[Tuple[Callable, Dict]] = None) -> Optional[Dict]:
+         tp_model: Optional[Dict] = None, calls: Optional[Dict[str, Tuple[Callable, Dict]]] = None) -> Optional[Dict]:
     """All-reduce and send/recv times between two local processes (gloo; NCCL between two GPUs) at ``sizes``
     bytes, small collectives as they run between computation (``in_step``, :func:`_collectives_in_step`), and the
     fitted link: bandwidth from the two largest sends' difference in size (``bw``; ``allreduce_bw`` likewise from the
     all-reduces), latency per collective step from the mean small all-reduce between computation (at least the least
     one-way send), and the real parameter reallocation's cost (``realloc``: :func:`realloc_rates`); with
     ``tp_model`` (``cfgs``: a model's configs at a few depths, and :func:`_tp_decode_probe`'s other arguments) a real
-    tensor-parallel decode step at each depth (``tp_decode``: a list, each with its ``layers``); with ``dp_probe``
-    (a function of the device and its keyword arguments, run on both ranks: a data-parallel training call,
-    :func:`realhf.plan.interface_probe.dp_train_call`) its figures, the slower rank's (``dp_train``). None where two
-    devices are not here (one GPU)."""
+    tensor-parallel decode step at each depth (``tp_decode``: a list, each with its ``layers``); with ``calls``
+    (by name, a function of the device and its keyword arguments, run on both ranks: a data-parallel training call,
+    :func:`realhf.plan.interface_probe.dp_train_call`, a pipelined one or a pipelined generation) each one's figures
+    under its name, the slower rank's (by ``measured_s``). None where two devices are not here (one GPU)."""
     import multiprocessing as mp
 
     backend = "gloo"
@@ -364,7 +363,7 @@ def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeo
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="realhf-comm-probe-") as d:
         store = os.path.join(d, "store")
-        procs = [ctx.Process(target=_comm_worker, args=(r, 2, store, backend, list(sizes), q, tp_model, dp_probe),
+        procs = [ctx.Process(target=_comm_worker, args=(r, 2, store, backend, list(sizes), q, tp_model, calls),
                              daemon=True)
                  for r in range(2)]
         for p in procs:
@@ -394,8 +393,8 @@ def comm(device: str, sizes: Sequence[int] = (4 << 10, 4 << 20, 64 << 20), timeo
     if "tp_decode" in res:  # per depth, the slower rank's
         out["tp_decode"] = [max((r["tp_decode"][i] for r in got.values()), key=lambda d: d["step_s"])
                             for i in range(len(res["tp_decode"]))]
-    if "dp_train" in res:  # the slower rank's
-        out["dp_train"] = max((r["dp_train"] for r in got.values()), key=lambda d: d["measured_s"])
+    for name in calls or {}:  # the slower rank's
+        out[name] = max((r[name] for r in got.values()), key=lambda d: d["measured_s"])
     # the latency per step of a collective (a ring all-reduce of n ranks takes 2 (n - 1) steps) as a model's step pays
     # it: from the mean small all-reduce between computation, over both ranks (each waits for the later one)
     in_step = {k: max(r["in_step"][k] for r in got.values()) for k in got[0]["in_step"]}

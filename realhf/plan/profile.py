@@ -7,8 +7,10 @@ NCCL between two GPUs); then a whole forward pass and a whole decode step of the
 the model's own depth up to ``FIT_WHOLE_DEPTH``; a 1,024-token vocabulary) timed, and what the products and attention
 do not explain fitted as a cost per block, per token x hidden element of a block, and per pass
 (:func:`fit_overheads`), a generation call's and a training call's own work on the real PPO interface
-(:mod:`realhf.plan.interface_probe`), and the latency a collective pays inside a real tensor-parallel decode step over
-the two processes (:func:`_decode_latency`); and, where the caller passes the control plane's probe
+(:mod:`realhf.plan.interface_probe`), the latency a collective pays inside a real tensor-parallel decode step over
+the two processes (:func:`_decode_latency`), what real data-parallel and pipelined training calls over the two take
+beyond their count (:func:`_dp_train`, :func:`_pp_train`) and the latency of a message between the stages of a real
+pipelined generation (:func:`_pp_decode_latency`); and, where the caller passes the control plane's probe
 (:mod:`realhf.apps.control_probe`, a layer above this one: a few steps of a real run on a tiny model), the fixed cost
 of each model function call beside its computation and of each step beside its calls. On CPU, where a
 "device" is a worker process, the rates are those of this process's threads (``--threads``).
@@ -35,7 +37,7 @@ from realhf.plan.shapes import model_config
 
 logger = logging.getLogger("realhf.plan.profile")
 
-PROFILE_VERSION = 11  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
+PROFILE_VERSION = 12  # 2: collectives' latency as a step pays it, the control plane's and a generation's fixed costs;
 # 3: that latency as the median of several rounds' means (one round's mean moved 3x between profiles of one host)
 # 4: links' bandwidths past the caches, a two-rank all-reduce's own rate, the real reallocation's cost, a generation
 # call's own cost on the real interface, every timing a median (was the least); 5: the collectives' latency from a
@@ -43,7 +45,9 @@ PROFILE_VERSION = 11  # 2: collectives' latency as a step pays it, the control p
 # a batched point-to-point message's cost; 6: a generation call's cost per block and for the head; 7: the host's
 # cores (a CPU machine's processes share them); 8: the tensor-parallel decode step at two depths (a block's latency
 # apart from the step's own); 9: a real data-parallel training call; 10: the control plane's costs from a real run
-# (were an MFC's bare round trip, and twice that for a step); 11: a call's probes timed after an idle gap, as in a run
+# (were an MFC's bare round trip, and twice that for a step); 11: a call's probes timed after an idle gap, as in a run;
+# 12: a real pipelined generation and training call (the stages' message latency in a decode step, a pipelined
+# training call's excess)
 CPU_ROWS = (1, 4, 16, 64, 256, 1024)
 CUDA_ROWS = (1, 16, 128, 1024, 8192)
 FIT_VOCAB = 1024
@@ -146,6 +150,7 @@ def hardware(p: Dict) -> Hardware:
         broadcast_lat=(link.get("in_step") or {}).get("broadcast", 0.0),
         tp_decode_step_overhead_s=link.get("tp_decode_step_s", 0.0),
         dp_train_call_overhead_s=link.get("dp_train_call_s", 0.0),
+        pp_train_call_overhead_s=link.get("pp_train_call_s", 0.0), pp_decode_lat=link.get("pp_decode_lat"),
         reward_s_per_answer=o.get("reward_s", 0.0), rollout_episode_s=o.get("rollout_episode_s", 0.0),
         host_cores=p.get("host_cores") if p["key"]["device"] == "cpu" else None,
         device_threads=max(1, int(p["key"]["threads"])),
@@ -376,22 +381,33 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
 TP_PROBE_ROWS = 16  # the tensor-parallel decode probe's rows
 
 
+def _fits(cfg: ReaLModelConfig, tp: int, pp: int) -> bool:
+    try:
+        cfg.check_layout(tp, pp)
+    except ValueError:
+        return False
+    return True
+
+
 def _measure_comm(cfg: ReaLModelConfig, dtype: str, device: str) -> Optional[Dict]:
-    """The link probe between two processes, with a real data-parallel training call of ``cfg``'s deepest fitted
-    proxy (each rank half the probe's prompts) and a real tensor-parallel decode step at the fits' two depths when its
-    heads split in two (else without it)."""
+    """The link probe between two processes, with real calls of ``cfg``'s deepest fitted proxy over both: a
+    data-parallel training call (each rank half the probe's prompts) and, where its blocks split in two stages, a
+    pipelined generation and training call (the probe's batch); and a real tensor-parallel decode step at the fits' two
+    depths when its heads split in two."""
     from realhf.plan import probes
-    from realhf.plan.interface_probe import PROBE_PROMPTS, dp_train_call
+    from realhf.plan.interface_probe import PROBE_PROMPTS, dp_train_call, pp_generate_call, pp_train_call
 
     proxies = [_proxy(cfg, L) for L in _fit_layers(cfg, dtype)]
-    dp_probe = (dp_train_call, dict(cfg=dataclasses.asdict(proxies[-1]), dtype=dtype, prompts=PROBE_PROMPTS // 2))
-    try:
-        proxies[0].check_layout(2, 1)
-    except ValueError:
-        return probes.comm(device, dp_probe=dp_probe)
+    deepest = dict(cfg=dataclasses.asdict(proxies[-1]), dtype=dtype)
+    calls = {"dp_train": (dp_train_call, dict(deepest, prompts=PROBE_PROMPTS // 2))}
+    if _fits(proxies[-1], 1, 2):
+        calls["pp_generate"] = (pp_generate_call, deepest)
+        calls["pp_train"] = (pp_train_call, dict(deepest, prompts=PROBE_PROMPTS))
+    if not _fits(proxies[0], 2, 1):
+        return probes.comm(device, calls=calls)
     tp_model = dict(cfgs=[dataclasses.asdict(p) for p in proxies], dtype=dtype, rows=TP_PROBE_ROWS,
                     prompt=FIT_PROMPT, steps=FIT_STEPS)
-    return probes.comm(device, tp_model=tp_model, dp_probe=dp_probe)
+    return probes.comm(device, tp_model=tp_model, calls=calls)
 
 
 def _decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
@@ -426,10 +442,12 @@ def _decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -
 
 def _fit_link(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
     """What the link probe's real calls (``data["comm"]``) give beyond the fitted computation, once the profile's
-    overheads are fitted: the collectives' latency in a tensor-parallel decode step, then a data-parallel training
-    call's excess (at that latency)."""
+    overheads are fitted: the collectives' latency in a tensor-parallel decode step, then a data-parallel and a
+    pipelined training call's excess (at that latency), and the stages' message latency in a pipelined generation."""
     _decode_latency(data, cfg, dtype, device)
     _dp_train(data, cfg, dtype, device)
+    _pp_train(data, cfg, dtype, device)
+    _pp_decode_latency(data, cfg, dtype, device)
 
 
 def _dp_train(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
@@ -451,6 +469,51 @@ def _dp_train(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None
     model = PlanModel("actor", _proxy(cfg, point["layers"]), Mesh(dp=2), dtype, trains=True)
     point["simulated_s"] = compute_time(hw, model, PlanCall("train", "actor", work=work))
     link["dp_train_call_s"] = max(0.0, point["measured_s"] - point["simulated_s"])
+
+
+def _pp_train(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
+    """What a pipelined training call (two stages) takes beyond what the simulator counts for it (the 1F1B schedule
+    of its passes, the stages' sends, the call's host-side work), from the real call (``comm["pp_train"]``): kept as
+    ``comm["pp_train_call_s"]`` (at least 0), paid once per training call under pipeline parallelism."""
+    from realhf.plan.comm_cost import Mesh
+    from realhf.plan.fit import Workload
+    from realhf.plan.interface_probe import PROBE_ANSWER_LEN, PROBE_GROUP, PROBE_PROMPT_LEN
+    from realhf.plan.simulate import PlanCall, PlanModel, compute_time
+
+    link = data.get("comm") or {}
+    point = link.get("pp_train")
+    if point is None:
+        return
+    hw = dataclasses.replace(_measured_hardware(data, dtype, device), pp_train_call_overhead_s=0.0)
+    work = Workload("train", seqs=point["prompts"] * PROBE_GROUP, seq_len=PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
+    model = PlanModel("actor", _proxy(cfg, point["layers"]), Mesh(pp=2), dtype, trains=True)
+    point["simulated_s"] = compute_time(hw, model, PlanCall("train", "actor", work=work))
+    link["pp_train_call_s"] = max(0.0, point["measured_s"] - point["simulated_s"])
+
+
+def _pp_decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
+    """The latency per message between the stages of a pipelined decode step (its activations forward, its sampled
+    tokens back), from the real two-stage generation (``comm["pp_generate"]``): what the call takes beyond the cost
+    model's generation without those latencies, over the messages it counts (at least 0). Kept as
+    ``comm["pp_decode_lat"]``; a decode step's messages between stages then cost that, not the collectives' latency
+    of a tensor-parallel step (``comm["lat"]``), which includes the ranks' waits for each other inside a step."""
+    from realhf.plan.cost import CostModel
+    from realhf.plan.interface_probe import PROBE_ANSWER_LEN, PROBE_GROUP, PROBE_PROMPT_LEN, PROBE_PROMPTS
+
+    link = data.get("comm") or {}
+    point = link.get("pp_generate")
+    if point is None:
+        return
+    hw = _measured_hardware(data, dtype, device)
+    proxy = _proxy(cfg, point["layers"])
+
+    def gen(lat: float) -> float:
+        return CostModel(proxy, dataclasses.replace(hw, pp_decode_lat=lat), dtype).generate(
+            PROBE_PROMPTS, PROBE_PROMPT_LEN, PROBE_GROUP, PROBE_ANSWER_LEN, 1, 2)
+
+    g0, g1 = gen(0.0), gen(1e-3)
+    point["simulated_s_at_zero"] = g0
+    link["pp_decode_lat"] = max(0.0, (point["measured_s"] - g0) / ((g1 - g0) / 1e-3)) if g1 > g0 else 0.0
 
 
 def _zero_hw() -> Hardware:

@@ -14,7 +14,8 @@ launcher's spec becomes one with :func:`plan_of`, and a search builds them direc
   over its workload, :class:`realhf.plan.fit.Workload`); and the master's fixed cost of a call.
   A training call pays its host-side work (``Hardware.train_call_overhead_s``); under data parallelism also its
   small all-reduces beside the gradients' (token counts, statistics, advantage moments: ``TRAIN_DP_REDUCTIONS``)
-  and what a real data-parallel call takes beyond all that (``Hardware.dp_train_call_overhead_s``).
+  and what a real data-parallel call takes beyond all that (``Hardware.dp_train_call_overhead_s``; a pipelined one,
+  ``Hardware.pp_train_call_overhead_s``).
 * The step adds the master's fixed cost of a step (fetching the batch, clearing it, logging). The fixed costs are the
   hardware's (``Hardware.call_overhead_s``, ``step_overhead_s``): measured on a profiled machine, tabled for a GPU.
 
@@ -238,7 +239,8 @@ def compute_time(hw: Hardware, m: PlanModel, call: PlanCall, cm: Optional[CostMo
     one = (cm.train(tokens * w.body_share, mbs, w.seq_len, tokens * w.head_share, tp, pp, w.checkpointing)
            + comm_cost.grad_allreduce(hw, per_rank, 4, m.mesh) + cm.optimizer_step(per_rank)
            + train_reductions(hw, m.mesh))
-    return k * one + hw.train_call_overhead_s + (hw.dp_train_call_overhead_s if m.mesh.dp > 1 else 0.0)
+    return (k * one + hw.train_call_overhead_s + (hw.dp_train_call_overhead_s if m.mesh.dp > 1 else 0.0)
+            + (hw.pp_train_call_overhead_s if m.mesh.pp > 1 else 0.0))
 
 
 def train_reductions(hw: Hardware, mesh) -> float:

@@ -133,6 +133,12 @@ def test_profile_measures_once_then_reads_its_cache(tmp_path):
     assert point["layers"] == max(profile._fit_layers(cfg, "float32")) and point["measured_s"] > 0
     assert hw.dp_train_call_overhead_s == p["comm"]["dp_train_call_s"] == pytest.approx(
         max(0.0, point["measured_s"] - point["simulated_s"]))
+    # a real pipelined training call and generation of that proxy over two stages: their fits in the hardware
+    pt, pg = p["comm"]["pp_train"], p["comm"]["pp_generate"]
+    assert pt["layers"] == pg["layers"] == point["layers"] >= 2 and pt["measured_s"] > 0 and pg["measured_s"] > 0
+    assert hw.pp_train_call_overhead_s == p["comm"]["pp_train_call_s"] == pytest.approx(
+        max(0.0, pt["measured_s"] - pt["simulated_s"]))
+    assert hw.pp_decode_lat == p["comm"]["pp_decode_lat"] >= 0
     again = profile.profile(cfg, "float32", "cpu", comm=True, cache_dir=str(tmp_path))
     assert (os.stat(path).st_mtime_ns, open(path).read()) == before  # read back, not measured again
     assert again["measured_at"] == p["measured_at"] and again["comm"] == p["comm"]

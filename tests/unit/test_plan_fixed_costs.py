@@ -155,17 +155,22 @@ def test_the_step_pays_the_hardwares_control_plane_costs():
 def test_link_latency_is_a_collectives_mean_between_computation():
     """Two real gloo processes: the small collectives timed as a step runs them (after computation), and the link's
     latency per ring step at least half such an all-reduce (it was the least back-to-back send before)."""
-    from realhf.plan.interface_probe import dp_train_call
+    from realhf.plan.interface_probe import dp_train_call, pp_generate_call, pp_train_call
     from realhf.plan.probes import comm
     from realhf.plan.profile import FIT_PROMPT, FIT_STEPS, _proxy
 
     cfgs = [dataclasses.asdict(_proxy(model_config("smollm2-135m"), L)) for L in (1, 2)]
     c = comm("cpu", tp_model=dict(cfgs=cfgs, dtype="float32", rows=4, prompt=FIT_PROMPT, steps=FIT_STEPS),
-             dp_probe=(dp_train_call, dict(cfg=cfgs[0], dtype="float32", prompts=2)))
-    # a real decode step over the two ranks at each depth; a real data-parallel training call
+             calls={"dp_train": (dp_train_call, dict(cfg=cfgs[0], dtype="float32", prompts=2)),
+                    "pp_generate": (pp_generate_call, dict(cfg=cfgs[1], dtype="float32")),
+                    "pp_train": (pp_train_call, dict(cfg=cfgs[1], dtype="float32", prompts=2))})
+    # a real decode step over the two ranks at each depth; a real data-parallel training call; a real pipelined
+    # generation and training call (one block a stage)
     assert [(d["layers"], d["rows"]) for d in c["tp_decode"]] == [(1, 4), (2, 4)]
     assert all(d["step_s"] > 0 for d in c["tp_decode"])
     assert c["dp_train"]["layers"] == 1 and c["dp_train"]["prompts"] == 2 and c["dp_train"]["measured_s"] > 0
+    assert c["pp_generate"]["layers"] == 2 and c["pp_generate"]["measured_s"] > 0
+    assert c["pp_train"]["layers"] == 2 and c["pp_train"]["prompts"] == 2 and c["pp_train"]["measured_s"] > 0
     assert 0 < c["p2p_message"] < c["sendrecv"][-1][1]  # a batched small message, well under a 64 MB send
     assert set(c["in_step"]) == {"allreduce", "allgather", "broadcast"}
     assert all(v > 0 for v in c["in_step"].values())
@@ -258,6 +263,80 @@ def test_dp_train_call_is_what_the_real_call_takes_beyond_the_simulated_one():
     p["comm"]["dp_train"]["measured_s"] = counted / 2  # faster than counted: nothing added, nothing taken
     _dp_train(p, cfg, "float32", "cpu")
     assert p["comm"]["dp_train_call_s"] == 0.0
+
+
+def _fit_profile(cfg_lat: float = 1e-4) -> dict:
+    return dict(key=dict(dtype="float32", machine="m", device="cpu", threads=1), measured_at="now",
+                matmul_rows=[(1, 1e9), (64, 5e10)], copy_bw=1e10, attention_flops=1e10, optimizer_s_per_param=1e-9,
+                disk_bw=1e9, memory_bytes=1e10, comm=dict(bw=1e9, lat=cfg_lat, allreduce_bw=3e8),
+                overheads=dict(layer_s=1e-5, elementwise_s=0.0, decode_layer_s=2e-5, decode_elementwise_s=0.0,
+                               pass_s=0.0, decode_step_s=1e-4, train_call_s=2e-3, train_layer_s=1e-4))
+
+
+def test_pp_train_call_is_what_the_real_pipelined_call_takes_beyond_the_simulated_one():
+    """The real two-stage training call against the simulator's 1F1B schedule for the same work: its excess is paid
+    once by every pipelined training call and by no other, so that the simulator gives back the probed call."""
+    from realhf.plan.interface_probe import PROBE_ANSWER_LEN, PROBE_GROUP, PROBE_PROMPT_LEN
+    from realhf.plan.profile import _pp_train, _proxy, hardware as hw_of
+
+    cfg = model_config("smollm2-135m")
+    p = _fit_profile()
+    _pp_train(p, cfg, "float32", "cpu")
+    assert "pp_train_call_s" not in p["comm"] and hw_of(p).pp_train_call_overhead_s == 0.0  # not probed
+    work = Workload("train", seqs=8 * PROBE_GROUP, seq_len=PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
+    proxy = _proxy(cfg, 2)
+    pp2, pp1, dp2 = (PlanModel("a", proxy, Mesh(dp, 1, pp, 0), "float32", trains=True)
+                     for dp, pp in ((1, 2), (1, 1), (2, 1)))
+    call = PlanCall("t", "a", (), work)
+    counted = compute_time(hw_of(p), pp2, call)
+    extra = 5e-3
+    p["comm"]["pp_train"] = dict(layers=2, prompts=8, measured_s=counted + extra)
+    _pp_train(p, cfg, "float32", "cpu")
+    assert p["comm"]["pp_train_call_s"] == pytest.approx(extra)
+    fitted = hw_of(p)
+    assert fitted.pp_train_call_overhead_s == pytest.approx(extra)
+    assert compute_time(fitted, pp2, call) == pytest.approx(counted + extra)  # gives back the probed call
+    unfitted = dataclasses.replace(fitted, pp_train_call_overhead_s=0.0)
+    for m in (pp1, dp2):  # no pipeline: nothing of it
+        assert compute_time(fitted, m, call) == compute_time(unfitted, m, call)
+    p["comm"]["pp_train"]["measured_s"] = counted / 2
+    _pp_train(p, cfg, "float32", "cpu")
+    assert p["comm"]["pp_train_call_s"] == 0.0
+
+
+def test_pp_decode_latency_inverts_the_cost_models_pipelined_generation():
+    """The stages' message latency in a pipelined decode step, from the real two-stage generation: a call that took
+    what the cost model gives at latency X yields X, and the fitted profile gives the call back; it moves pipelined
+    decode steps only (not a single stage's, not a tensor-parallel one's); a call faster than the model's without
+    any latency yields 0; without the probe the link's latency stays."""
+    from realhf.plan.cost import CostModel
+    from realhf.plan.interface_probe import PROBE_ANSWER_LEN, PROBE_GROUP, PROBE_PROMPT_LEN, PROBE_PROMPTS
+    from realhf.plan.profile import _pp_decode_latency, _proxy, hardware as hw_of
+
+    cfg, lat = model_config("smollm2-135m"), 6e-4
+    p = _fit_profile(lat)
+    _pp_decode_latency(p, cfg, "float32", "cpu")
+    assert "pp_decode_lat" not in p["comm"] and hw_of(p).pp_decode_lat is None
+    proxy, x = _proxy(cfg, 2), 5e-5
+    args = (PROBE_PROMPTS, PROBE_PROMPT_LEN, PROBE_GROUP, PROBE_ANSWER_LEN)
+    at_x = CostModel(proxy, dataclasses.replace(hw_of(p), pp_decode_lat=x), "float32").generate(*args, 1, 2)
+    at_link = CostModel(proxy, hw_of(p), "float32").generate(*args, 1, 2)
+    assert at_link > at_x  # the link's latency (a collective's, waits included) on every message
+    p["comm"]["pp_generate"] = dict(layers=2, measured_s=at_x)
+    _pp_decode_latency(p, cfg, "float32", "cpu")
+    assert p["comm"]["pp_decode_lat"] == pytest.approx(x)
+    fitted = hw_of(p)
+    assert fitted.pp_decode_lat == pytest.approx(x)
+    cm, plain = CostModel(proxy, fitted, "float32"), CostModel(proxy, dataclasses.replace(fitted, pp_decode_lat=None),
+                                                               "float32")
+    assert cm.generate(*args, 1, 2) == pytest.approx(at_x)
+    # each of a step's pp slots sends two messages (activations forward, tokens back)
+    assert plain.decode_step(16, 30, 1, 2) - cm.decode_step(16, 30, 1, 2) == pytest.approx(2 * 2 * (lat - x))
+    assert cm.decode_step(16, 30, 1, 1) == plain.decode_step(16, 30, 1, 1)
+    assert cm.decode_step(16, 30, 2, 1) == plain.decode_step(16, 30, 2, 1)
+    p["comm"]["pp_generate"]["measured_s"] = at_x / 10  # faster than any latency explains
+    _pp_decode_latency(p, cfg, "float32", "cpu")
+    assert p["comm"]["pp_decode_lat"] == 0.0
 
 
 def test_realloc_rates_from_one_way_and_two_way_reallocations():
