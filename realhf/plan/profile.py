@@ -450,45 +450,48 @@ def _fit_link(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None
     _pp_decode_latency(data, cfg, dtype, device)
 
 
-def _dp_train(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
-    """What a data-parallel training call takes beyond what the simulator counts for it (its passes, the gradients'
-    all-reduce, the small ones at the fitted latency, the call's host-side work), from the real two-rank call
-    (``comm["dp_train"]``): the ranks wait for each other at every collective, and each pays gloo's own work. Kept as
-    ``comm["dp_train_call_s"]`` (at least 0), paid once per training call under data parallelism."""
-    from realhf.plan.comm_cost import Mesh
+def _train_excess(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str, probe: str, mesh, prompts: int,
+                  field: str) -> None:
+    """What the link probe's real training call ``comm[probe]`` (over ``prompts`` of the probe's prompts, laid out as
+    ``mesh``) took beyond the simulator's count for the same work with ``field`` at 0: kept as
+    ``comm[probe + "_call_s"]`` (at least 0), which the hardware's ``field`` pays once per such call."""
     from realhf.plan.fit import Workload
     from realhf.plan.interface_probe import PROBE_ANSWER_LEN, PROBE_GROUP, PROBE_PROMPT_LEN
     from realhf.plan.simulate import PlanCall, PlanModel, compute_time
 
     link = data.get("comm") or {}
-    point = link.get("dp_train")
+    point = link.get(probe)
     if point is None:
         return
-    hw = dataclasses.replace(_measured_hardware(data, dtype, device), dp_train_call_overhead_s=0.0)
-    work = Workload("train", seqs=2 * point["prompts"] * PROBE_GROUP, seq_len=PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
-    model = PlanModel("actor", _proxy(cfg, point["layers"]), Mesh(dp=2), dtype, trains=True)
+    hw = dataclasses.replace(_measured_hardware(data, dtype, device), **{field: 0.0})
+    work = Workload("train", seqs=prompts * PROBE_GROUP, seq_len=PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
+    model = PlanModel("actor", _proxy(cfg, point["layers"]), mesh, dtype, trains=True)
     point["simulated_s"] = compute_time(hw, model, PlanCall("train", "actor", work=work))
-    link["dp_train_call_s"] = max(0.0, point["measured_s"] - point["simulated_s"])
+    link[probe + "_call_s"] = max(0.0, point["measured_s"] - point["simulated_s"])
+
+
+def _dp_train(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
+    """What a data-parallel training call takes beyond what the simulator counts for it (its passes, the gradients'
+    all-reduce, the small ones at the fitted latency, the call's host-side work), from the real two-rank call
+    (``comm["dp_train"]``, its ``prompts`` on each rank): the ranks wait for each other at every collective, and each
+    pays gloo's own work. Kept as ``comm["dp_train_call_s"]``, paid once per training call under data parallelism."""
+    from realhf.plan.comm_cost import Mesh
+
+    point = (data.get("comm") or {}).get("dp_train")
+    if point is not None:
+        _train_excess(data, cfg, dtype, device, "dp_train", Mesh(dp=2), 2 * point["prompts"],
+                      "dp_train_call_overhead_s")
 
 
 def _pp_train(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
     """What a pipelined training call (two stages) takes beyond what the simulator counts for it (the 1F1B schedule
     of its passes, the stages' sends, the call's host-side work), from the real call (``comm["pp_train"]``): kept as
-    ``comm["pp_train_call_s"]`` (at least 0), paid once per training call under pipeline parallelism."""
+    ``comm["pp_train_call_s"]``, paid once per training call under pipeline parallelism."""
     from realhf.plan.comm_cost import Mesh
-    from realhf.plan.fit import Workload
-    from realhf.plan.interface_probe import PROBE_ANSWER_LEN, PROBE_GROUP, PROBE_PROMPT_LEN
-    from realhf.plan.simulate import PlanCall, PlanModel, compute_time
 
-    link = data.get("comm") or {}
-    point = link.get("pp_train")
-    if point is None:
-        return
-    hw = dataclasses.replace(_measured_hardware(data, dtype, device), pp_train_call_overhead_s=0.0)
-    work = Workload("train", seqs=point["prompts"] * PROBE_GROUP, seq_len=PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
-    model = PlanModel("actor", _proxy(cfg, point["layers"]), Mesh(pp=2), dtype, trains=True)
-    point["simulated_s"] = compute_time(hw, model, PlanCall("train", "actor", work=work))
-    link["pp_train_call_s"] = max(0.0, point["measured_s"] - point["simulated_s"])
+    point = (data.get("comm") or {}).get("pp_train")
+    if point is not None:
+        _train_excess(data, cfg, dtype, device, "pp_train", Mesh(pp=2), point["prompts"], "pp_train_call_overhead_s")
 
 
 def _pp_decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
