@@ -251,10 +251,18 @@ def interpolate_rate(points: Tuple[Tuple[int, float], ...], rows: float, default
     return points[-1][1]
 
 
-def describe(hw: Hardware, dtype: Optional[str] = None) -> Dict[str, float]:
-    """A JSON-able summary (TFLOP/s, TB/s, GB/s, us, GB)."""
+def describe(hw: Hardware, dtype: Optional[str] = None) -> Dict[str, object]:
+    """A JSON-able summary (TFLOP/s, TB/s, GB/s, us, GB), with the fixed costs a call or a step pays in ms
+    (``fixed_ms``: the control plane's per MFC and per step, a training call's host-side work, and what
+    tensor-parallel decode steps and data-parallel and pipelined training calls pay beyond their count; a pipelined
+    decode step's message latency in us where measured)."""
     dt = dtype or next(iter(hw.matmul_flops))
-    return dict(name=hw.name, dtype=dt, matmul_tflops=round(hw.matmul_rate(dt) / 1e12, 4),
-                memory_tbs=round(hw.memory_bw / TB, 4), intra_gbs=round(hw.intra_bw / GB, 3),
-                intra_lat_us=round(hw.intra_lat * 1e6, 1), inter_gbs=round(hw.inter_bw / GB, 3),
-                inter_lat_us=round(hw.inter_lat * 1e6, 1), memory_gb=round(hw.memory_bytes / GB, 1))
+    ms = {k: round(getattr(hw, k + "_overhead_s") * 1e3, 3)
+          for k in ("call", "step", "train_call", "tp_decode_step", "dp_train_call", "pp_train_call")}
+    out = dict(name=hw.name, dtype=dt, matmul_tflops=round(hw.matmul_rate(dt) / 1e12, 4),
+               memory_tbs=round(hw.memory_bw / TB, 4), intra_gbs=round(hw.intra_bw / GB, 3),
+               intra_lat_us=round(hw.intra_lat * 1e6, 1), inter_gbs=round(hw.inter_bw / GB, 3),
+               inter_lat_us=round(hw.inter_lat * 1e6, 1), memory_gb=round(hw.memory_bytes / GB, 1), fixed_ms=ms)
+    if hw.pp_decode_lat is not None:
+        out["pp_decode_lat_us"] = round(hw.pp_decode_lat * 1e6, 1)
+    return out

@@ -502,3 +502,19 @@ def test_inputs_from_another_mesh_pay_a_message_per_sample_and_key():
     assert comm_cost.data_transfer(h, 1000, 8.0, src, dst, messages=64) == pytest.approx(plain + 63 * 1e-5)
     assert comm_cost.data_transfer(h, 1000, 8.0, src, Mesh(2, 1, 1, 2), messages=64) > plain
     assert comm_cost.data_transfer(h, 1000, 8.0, src, src, messages=64) == 0.0
+
+
+def test_the_hardware_summary_reports_the_fixed_costs():
+    """``python -m realhf.apps.profile`` prints the fixed costs the simulator adds (ms), and a pipelined decode
+    step's message latency where it was measured."""
+    import json
+
+    hw = dataclasses.replace(hardware.get("h100"), call_overhead_s=0.002, pp_train_call_overhead_s=0.001,
+                             dp_train_call_overhead_s=0.0035)
+    d = hardware.describe(hw, "bfloat16")
+    assert d["fixed_ms"] == dict(call=2.0, step=round(hardware.STEP_OVERHEAD_S * 1e3, 3),
+                                 train_call=round(hardware.TRAIN_CALL_OVERHEAD_S * 1e3, 3), tp_decode_step=0.0,
+                                 dp_train_call=3.5, pp_train_call=1.0)
+    assert "pp_decode_lat_us" not in d  # not measured: the link's latency
+    assert hardware.describe(dataclasses.replace(hw, pp_decode_lat=2.5e-4))["pp_decode_lat_us"] == 250.0
+    json.dumps(d)
