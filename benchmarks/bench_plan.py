@@ -34,14 +34,12 @@ PLANS = (("d2m1p1", 2), ("d1m2p1", 2), ("d1m1p2", 2), ("actor_gen:d2m1p1,*:d1m2p
 
 def run_args(model: str, data: str, root: str, layout: str, n_dev: int, steps: int, prompts: int = 8,
              group: int = 4, answer: int = 16, extra=()) -> list:
-    """The quickstart options of one tiny ppo-math (GRPO) launch: answers of exactly ``answer`` tokens."""
+    """The quickstart options of one tiny ppo-math (GRPO) launch (:func:`realhf.apps.control_probe.run_args`),
+    named after its layout: answers of exactly ``answer`` tokens."""
+    from realhf.apps.control_probe import run_args as tiny_grpo_args
+
     name = "plan-" + "".join(ch if ch.isalnum() else "-" for ch in "_".join((layout, *extra)))
-    return ["ppo-math", f"actor.path={model}", f"dataset.path={data}", f"dataset.train_bs_n_seqs={prompts}",
-            f"group_size={group}", f"ppo.gen.max_new_tokens={answer}", f"ppo.gen.min_new_tokens={answer}",
-            "ppo.ppo_n_minibatches=1", "use_chat_template=false", "prompt_template={prompt}",
-            "reward.allow_last_number=true", "use_critic=false", "ppo.kl_ctl=0", f"fileroot={root}",
-            f"experiment_name={name}", f"allocation_mode={layout}", f"n_devices_per_node={n_dev}",
-            f"exp_ctrl.benchmark_steps={steps}", "seed=1", *extra]
+    return tiny_grpo_args(model, data, root, name, layout, n_dev, steps, prompts, group, answer, extra)
 
 
 def measure_and_simulate(model: str, data: str, root: str, layout: str, n_dev: int, steps: int = 6,

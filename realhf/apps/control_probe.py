@@ -42,13 +42,17 @@ def costs(rows: Sequence[Dict], mfcs: Sequence[str] = MFCS) -> Dict:
                       for m in mfcs})
 
 
-def _args(model: str, data: str, root: str, trial: str, steps: int) -> List[str]:
-    return ["ppo-math", f"actor.path={model}", f"dataset.path={data}", f"dataset.train_bs_n_seqs={PROBE_PROMPTS}",
-            f"group_size={PROBE_GROUP}", f"ppo.gen.max_new_tokens={PROBE_ANSWER}",
-            f"ppo.gen.min_new_tokens={PROBE_ANSWER}", "ppo.ppo_n_minibatches=1", "use_chat_template=false",
-            "prompt_template={prompt}", "reward.allow_last_number=true", "use_critic=false", "ppo.kl_ctl=0",
-            f"fileroot={root}", "experiment_name=control-probe", f"trial_name={trial}", "allocation_mode=d1m1p1",
-            "n_devices_per_node=1", f"exp_ctrl.benchmark_steps={steps}", "seed=1", "-q"]
+def run_args(model: str, data: str, root: str, name: str, layout: str, n_dev: int, steps: int,
+             prompts: int = PROBE_PROMPTS, group: int = PROBE_GROUP, answer: int = PROBE_ANSWER, extra=()) -> List[str]:
+    """The quickstart options of a tiny ``ppo-math`` (GRPO) launch of ``steps`` steps on ``layout`` over ``n_dev``
+    devices: ``prompts`` prompts a step, ``group`` answers each of exactly ``answer`` tokens, no KL, the rule-based
+    reward (this probe's run, and ``benchmarks/bench_plan.py``'s)."""
+    return ["ppo-math", f"actor.path={model}", f"dataset.path={data}", f"dataset.train_bs_n_seqs={prompts}",
+            f"group_size={group}", f"ppo.gen.max_new_tokens={answer}", f"ppo.gen.min_new_tokens={answer}",
+            "ppo.ppo_n_minibatches=1", "use_chat_template=false", "prompt_template={prompt}",
+            "reward.allow_last_number=true", "use_critic=false", "ppo.kl_ctl=0", f"fileroot={root}",
+            f"experiment_name={name}", f"allocation_mode={layout}", f"n_devices_per_node={n_dev}",
+            f"exp_ctrl.benchmark_steps={steps}", "seed=1", *extra]
 
 
 def control_plane_costs(steps: int = PROBE_STEPS, timeout: float = 300.0) -> Dict:
@@ -64,7 +68,8 @@ def control_plane_costs(steps: int = PROBE_STEPS, timeout: float = 300.0) -> Dic
     with tempfile.TemporaryDirectory(prefix="realhf_control_probe_") as root:
         data, trial = os.path.join(root, "math.jsonl"), f"probe-{uuid.uuid4().hex[:8]}"  # its own names
         write_math_jsonl(make_arithmetic_problems(64, seed=3, kind="easy"), data)
-        p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *_args(model, data, root, trial, steps)],
+        args = run_args(model, data, root, "control-probe", "d1m1p1", 1, steps, extra=(f"trial_name={trial}", "-q"))
+        p = subprocess.run([sys.executable, "-m", "realhf.apps.quickstart", *args],
                            cwd=source_root(), capture_output=True, text=True, timeout=timeout,
                            env=env_with_source_path())
         stats = os.path.join(root, "control-probe", trial, "logs", "stats.jsonl")
