@@ -95,11 +95,7 @@ def splits(n_devices: int, per_node: int) -> List[int]:
 def _tp_choices(s: AsyncSetting, size: int, per_node: int) -> List[int]:
     out = []
     for tp in (1, 2, 4, 8):
-        if tp > per_node or size % tp:
-            continue
-        try:
-            s.cfg.check_layout(tp, 1)
-        except ValueError:
+        if tp > per_node or size % tp or not s.cfg.fits_layout(tp, 1):
             continue
         out.append(tp)
     return out

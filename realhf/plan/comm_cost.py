@@ -30,11 +30,12 @@ def allreduce(hw: Hardware, nbytes: float, n: int, intra: bool = True) -> float:
     return 2.0 * (n - 1) / n * nbytes / bw + 2.0 * (n - 1) * lat
 
 
-def send(hw: Hardware, nbytes: float, intra: bool = True) -> float:
+def send(hw: Hardware, nbytes: float, intra: bool = True, lat: Optional[float] = None) -> float:
+    """One message of ``nbytes`` over the link: its latency (``lat``, default the link's) and its bytes."""
     if nbytes <= 0:
         return 0.0
-    bw, lat = hw.link(intra)
-    return lat + nbytes / bw
+    bw, link_lat = hw.link(intra)
+    return (link_lat if lat is None else lat) + nbytes / bw
 
 
 @dataclasses.dataclass(frozen=True)

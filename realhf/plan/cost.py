@@ -169,11 +169,11 @@ class CostModel:
         pipeline's fill and drain pass each other stage once ((mb + pp - 1) slots when the stages are equal)."""
         return (mb - 1) * max(slots) + sum(slots)
 
-    def _send(self, tokens: float, pp: int, tp: int) -> float:
+    def _send(self, tokens: float, pp: int, tp: int, lat: Optional[float] = None) -> float:
         if pp <= 1:
             return 0.0
         intra = pp * tp <= self.hw.devices_per_node
-        return comm_cost.send(self.hw, tokens * self.cfg.hidden_dim * self.b, intra)
+        return comm_cost.send(self.hw, tokens * self.cfg.hidden_dim * self.b, intra, lat)
 
     # ------------------------------------------------------------------------------------------ passes
 
@@ -241,11 +241,9 @@ class CostModel:
         stage = max(self.stage_layers(pp) * blk + self.embed_comm(r, tp), (e - s) * blk + head)
         # each group's slot: its activations to the next stage, and its sampled (token, log-prob) pairs (float64) from
         # the last stage back to the first (each message at the pipelined decode's own latency where measured)
-        intra = pp * tp <= self.hw.devices_per_node
-        msgs = self._send(r, pp, tp) + comm_cost.send(self.hw, r * 16.0, intra)
-        if self.hw.pp_decode_lat is not None:
-            msgs += 2 * (self.hw.pp_decode_lat - self.hw.link(intra)[1])
-        return pp * (stage + msgs) + self.hw.decode_step_overhead_s
+        lat = self.hw.pp_decode_lat
+        packet = comm_cost.send(self.hw, r * 16.0, pp * tp <= self.hw.devices_per_node, lat)
+        return pp * (stage + self._send(r, pp, tp, lat) + packet) + self.hw.decode_step_overhead_s
 
     def weights_setup(self, tp: int = 1, pp: int = 1) -> float:
         """What a rank's generation pays for its weights before decoding with them (``Hardware.generate_layer_/

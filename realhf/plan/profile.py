@@ -381,14 +381,6 @@ def measure(cfg: ReaLModelConfig, dtype: str, device: str, comm: bool = True,
 TP_PROBE_ROWS = 16  # the tensor-parallel decode probe's rows
 
 
-def _fits(cfg: ReaLModelConfig, tp: int, pp: int) -> bool:
-    try:
-        cfg.check_layout(tp, pp)
-    except ValueError:
-        return False
-    return True
-
-
 def _measure_comm(cfg: ReaLModelConfig, dtype: str, device: str) -> Optional[Dict]:
     """The link probe between two processes, with real calls of ``cfg``'s deepest fitted proxy over both: a
     data-parallel training call (each rank half the probe's prompts) and, where its blocks split in two stages, a
@@ -400,10 +392,10 @@ def _measure_comm(cfg: ReaLModelConfig, dtype: str, device: str) -> Optional[Dic
     proxies = [_proxy(cfg, L) for L in _fit_layers(cfg, dtype)]
     deepest = dict(cfg=dataclasses.asdict(proxies[-1]), dtype=dtype)
     calls = {"dp_train": (dp_train_call, dict(deepest, prompts=PROBE_PROMPTS // 2))}
-    if _fits(proxies[-1], 1, 2):
+    if proxies[-1].fits_layout(1, 2):
         calls["pp_generate"] = (pp_generate_call, deepest)
         calls["pp_train"] = (pp_train_call, dict(deepest, prompts=PROBE_PROMPTS))
-    if not _fits(proxies[0], 2, 1):
+    if not proxies[0].fits_layout(2, 1):
         return probes.comm(device, calls=calls)
     tp_model = dict(cfgs=[dataclasses.asdict(p) for p in proxies], dtype=dtype, rows=TP_PROBE_ROWS,
                     prompt=FIT_PROMPT, steps=FIT_STEPS)
@@ -450,11 +442,10 @@ def _fit_link(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None
     _pp_decode_latency(data, cfg, dtype, device)
 
 
-def _train_excess(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str, probe: str, mesh, prompts: int,
-                  field: str) -> None:
-    """What the link probe's real training call ``comm[probe]`` (over ``prompts`` of the probe's prompts, laid out as
-    ``mesh``) took beyond the simulator's count for the same work with ``field`` at 0: kept as
-    ``comm[probe + "_call_s"]`` (at least 0), which the hardware's ``field`` pays once per such call."""
+def _train_excess(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str, probe: str, mesh, field: str) -> None:
+    """What the link probe's real training call ``comm[probe]`` (laid out as ``mesh``, its ``prompts`` of the probe's
+    prompts on each data-parallel rank) took beyond the simulator's count for the same work with ``field`` at 0: kept
+    as ``comm[probe + "_call_s"]`` (at least 0), which the hardware's ``field`` pays once per such call."""
     from realhf.plan.fit import Workload
     from realhf.plan.interface_probe import PROBE_ANSWER_LEN, PROBE_GROUP, PROBE_PROMPT_LEN
     from realhf.plan.simulate import PlanCall, PlanModel, compute_time
@@ -464,7 +455,7 @@ def _train_excess(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str, pro
     if point is None:
         return
     hw = dataclasses.replace(_measured_hardware(data, dtype, device), **{field: 0.0})
-    work = Workload("train", seqs=prompts * PROBE_GROUP, seq_len=PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
+    work = Workload("train", seqs=mesh.dp * point["prompts"] * PROBE_GROUP, seq_len=PROBE_PROMPT_LEN + PROBE_ANSWER_LEN)
     model = PlanModel("actor", _proxy(cfg, point["layers"]), mesh, dtype, trains=True)
     point["simulated_s"] = compute_time(hw, model, PlanCall("train", "actor", work=work))
     link[probe + "_call_s"] = max(0.0, point["measured_s"] - point["simulated_s"])
@@ -473,14 +464,11 @@ def _train_excess(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str, pro
 def _dp_train(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
     """What a data-parallel training call takes beyond what the simulator counts for it (its passes, the gradients'
     all-reduce, the small ones at the fitted latency, the call's host-side work), from the real two-rank call
-    (``comm["dp_train"]``, its ``prompts`` on each rank): the ranks wait for each other at every collective, and each
-    pays gloo's own work. Kept as ``comm["dp_train_call_s"]``, paid once per training call under data parallelism."""
+    (``comm["dp_train"]``): the ranks wait for each other at every collective, and each pays gloo's own work. Kept as
+    ``comm["dp_train_call_s"]``, paid once per training call under data parallelism."""
     from realhf.plan.comm_cost import Mesh
 
-    point = (data.get("comm") or {}).get("dp_train")
-    if point is not None:
-        _train_excess(data, cfg, dtype, device, "dp_train", Mesh(dp=2), 2 * point["prompts"],
-                      "dp_train_call_overhead_s")
+    _train_excess(data, cfg, dtype, device, "dp_train", Mesh(dp=2), "dp_train_call_overhead_s")
 
 
 def _pp_train(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:
@@ -489,9 +477,7 @@ def _pp_train(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None
     ``comm["pp_train_call_s"]``, paid once per training call under pipeline parallelism."""
     from realhf.plan.comm_cost import Mesh
 
-    point = (data.get("comm") or {}).get("pp_train")
-    if point is not None:
-        _train_excess(data, cfg, dtype, device, "pp_train", Mesh(pp=2), point["prompts"], "pp_train_call_overhead_s")
+    _train_excess(data, cfg, dtype, device, "pp_train", Mesh(pp=2), "pp_train_call_overhead_s")
 
 
 def _pp_decode_latency(data: Dict, cfg: ReaLModelConfig, dtype: str, device: str) -> None:

@@ -210,9 +210,7 @@ def layouts(size: int, cfg: ReaLModelConfig, work: Optional[Workload], per_node:
             if (size // tp) % pp:
                 continue
             dp = size // tp // pp
-            try:
-                cfg.check_layout(tp, pp)
-            except ValueError:
+            if not cfg.fits_layout(tp, pp):
                 continue
             if work is not None:
                 feed = work.seqs // max(1, work.minibatches) if work.kind == "train" else work.seqs

@@ -62,6 +62,16 @@ class ReaLModelConfig:
 
     def check_layout(self, tp: int, pp: int):
         """Raise a ValueError naming every model dimension that the layout does not divide."""
+        problems = self.layout_problems(tp, pp)
+        if problems:
+            raise ValueError(f"layout m{tp}p{pp} does not fit this model: " + "; ".join(problems))
+
+    def fits_layout(self, tp: int, pp: int) -> bool:
+        """Whether tensor parallel size ``tp`` and ``pp`` pipeline stages divide this model (:meth:`check_layout`)."""
+        return not self.layout_problems(tp, pp)
+
+    def layout_problems(self, tp: int, pp: int) -> List[str]:
+        """Every model dimension that the layout does not divide, in words."""
         problems = []
         # attention heads are split by key/value head groups, unevenly if need be (9 q / 3 kv heads over
         # tp=2 -> 6 + 3); every rank needs at least one key/value head
@@ -74,8 +84,7 @@ class ReaLModelConfig:
             problems.append(f"vocabulary size {self.vocab_size} is not divisible by tensor parallel size {tp}")
         if pp > self.n_layers:
             problems.append(f"{self.n_layers} layers cannot fill {pp} pipeline stages")
-        if problems:
-            raise ValueError(f"layout m{tp}p{pp} does not fit this model: " + "; ".join(problems))
+        return problems
 
 
 def even_range(total: int, parts: int, i: int) -> Tuple[int, int]:
