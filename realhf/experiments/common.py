@@ -136,11 +136,16 @@ def replica_specs(role: str, replicas: Dict[str, Tuple[ParallelDims, Tuple[int, 
 
 def gen_servers_spec(cfg, max_len: int, model_dtype: str = "auto"):
     """The ``GenServersSpec`` of a decoupled allocation (``vllm.``/``sglang.``/``gen.``), checked before anything
-    starts: the backend can run here, and its layout is one a server can hold (tensor parallel only)."""
+    starts: the backend can run here, its layout is one a server can hold (tensor parallel only), and shared weights
+    (``gen_server.weight_transport=shared``) go to servers that take them."""
     from realhf.api.core.system_api import GenServersSpec
 
     mode = cfg.allocation()
     layout = mode.gen
+    gs = cfg.gen_server
+    if gs.weight_transport == "shared" and mode.gen_backend != "gen":
+        raise ValueError(f"gen_server.weight_transport=shared: only realhf's own servers (gen.) take shared "
+                         f"weights, this run serves with {mode.gen_backend}.; use group or auto")
     if layout.pp > 1:
         fix = ParallelDims(layout.dp, layout.tp * layout.pp, 1)
         raise ValueError(f"allocation_mode={cfg.allocation_mode!r}: a generation server holds tensor-parallel ranks "
@@ -150,12 +155,11 @@ def gen_servers_spec(cfg, max_len: int, model_dtype: str = "auto"):
         fix = ParallelDims(layout.dp * layout.tp, 1, 1)
         raise ValueError(f"allocation_mode={cfg.allocation_mode!r}: realhf's own server (gen.) runs one replica with "
                          f"tp=1 per server; use gen.{fix}, or vllm./sglang. for tensor parallelism")
-    gs = cfg.gen_server
     max_num_seqs = gs.max_num_seqs if gs.max_num_seqs != "auto" else server_rows_in_flight(cfg, layout.dp)
     return GenServersSpec(backend=mode.gen_backend, n_servers=layout.dp, tp=layout.tp, first_slot=mode.rest_n_devices(),
                           dtype=model_dtype, max_model_len=max_len, max_num_seqs=max_num_seqs,
                           param_realloc=getattr(cfg, "param_realloc", "disk"), shares_gpus=bool(cfg.gpus_per_node),
-                          routing=gs.routing,
+                          weight_transport=gs.weight_transport, routing=gs.routing,
                           startup_timeout_secs=gs.startup_timeout_secs, request_timeout_secs=gs.request_timeout_secs,
                           health_timeout_secs=gs.health_timeout_secs,
                           cpus_per_worker=cfg.cpus_per_worker, extra=gs.extra_dict())

@@ -130,9 +130,24 @@ def capacity(config, spec) -> Capacity:
     served = spec.served()
     procs = spec.device_slots() if config.n_nodes == 1 else config.n_devices_per_node
     servers = served.gen_servers.n_servers if served is not None and config.n_nodes == 1 else 0
-    share = (total * HOST_USABLE - (procs + 1) * PROCESS_BASE) / max(1, workers + servers)
+    buffer = _shared_weights_buffer(served) if servers else 0.0
+    share = (total * HOST_USABLE - (procs + 1) * PROCESS_BASE - buffer) / max(1, workers + servers)
     return Capacity(device, share, f"{source}: {total / GiB:.1f} GiB shared by {workers} model worker(s)"
-                                    + (f" and {servers} generation server(s)" if servers else ""))
+                                    + (f" and {servers} generation server(s)" if servers else "")
+                                    + (f", less {buffer / GiB:.2f} GiB of weights shared with them" if buffer else ""))
+
+
+def _shared_weights_buffer(served) -> float:
+    """Bytes of host memory a CPU run's weight publisher keeps for the servers on its host
+    (``gen_server.weight_transport`` shared, auto's choice there: the served model's weights, one copy)."""
+    from realhf.plan.fit import model_dtype
+    from realhf.plan.memory import Shard, dtype_bytes, params
+
+    fleet = served.gen_servers
+    if fleet.param_realloc != "memory" or fleet.backend != "gen" or fleet.weight_transport == "group":
+        return 0.0
+    size = dtype_bytes(model_dtype(fleet, "cpu"))
+    return float(params(Shard(shape_of(served.path), 1, 1, 0, size)) * size)
 
 
 def model_configs(spec) -> Dict[str, object]:

@@ -11,8 +11,9 @@ What a request and a result hold (:class:`SamplingParams`, :class:`GenerateReque
 contract of ``realhf.api.core.generation``, with the conventions every engine keeps (token ids in and out, a
 sample's random stream from :func:`sample_seed`, log-probs before truncation, per-token versions); it is
 re-exported here. Weight updates take Hugging Face tensor names and layouts (``model.embed_tokens.weight`` ...):
-from an HF folder on disk, or as named tensors broadcast over a torch.distributed group the trainer joins
-(:mod:`realhf.gen_server.weight_group`).
+from an HF folder on disk, as named tensors broadcast over a torch.distributed group the trainer joins
+(:mod:`realhf.gen_server.weight_group`), or, on the trainer's host, as tensors it shares by reference (CUDA IPC
+handles, a shared-memory file on CPU: :mod:`realhf.gen_server.weight_share`).
 """
 from __future__ import annotations
 
@@ -94,6 +95,14 @@ class GenerationEngine(abc.ABC):
     @abc.abstractmethod
     async def update_weights_from_group(self, tensors: List[TensorMeta], version: int) -> None:
         """Receive ``tensors`` (broadcast by the trainer, in this order) over the weight group and load them."""
+
+    shared_weights: bool = False  # whether update_weights_from_shared is implemented
+
+    async def update_weights_from_shared(self, parts: List[dict], version: int) -> None:
+        """Load tensors the trainer shares on this host (:mod:`realhf.gen_server.weight_share`: CUDA IPC handles, or
+        a shared-memory file on CPU), one part per sharing trainer rank."""
+        raise RequestError(f"the {self.backend} engine does not take shared weights; "
+                           "use gen_server.weight_transport=group")
 
     @abc.abstractmethod
     async def logprobs(self, sequences: List[List[int]]) -> List[List[float]]:

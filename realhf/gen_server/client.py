@@ -179,6 +179,17 @@ class GenClient:
             s.version = version
         return out
 
+    async def update_weights_from_shared(self, parts: List[dict], version: int) -> List[dict]:
+        """Every server loads the tensors shared on its host (``realhf.gen_server.weight_share``); realhf's servers
+        only."""
+        fn = getattr(self.dialect, "update_weights_from_shared", None)
+        if fn is None:
+            raise GenServerError("*", f"{type(self.dialect).__name__} servers do not take shared weights")
+        out = await self._all(fn, parts, version)
+        for s in self.servers:
+            s.version = version
+        return out
+
     async def pause(self):
         return await self._all(self.dialect.pause)
 

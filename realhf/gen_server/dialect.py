@@ -70,6 +70,10 @@ class RealhfDialect:
                                  {"tensors": [dataclasses.asdict(m) for m in metas], "version": version},
                                  self.c.weight_timeout)
 
+    async def update_weights_from_shared(self, s: ServerState, parts: List[dict], version: int) -> dict:
+        return await self.c.post(s, "/update_weights_from_shared", {"parts": parts, "version": version},
+                                 self.c.weight_timeout)
+
     async def pause(self, s: ServerState) -> dict:
         return await self.c.post(s, "/pause", {}, self.c.control_timeout)
 

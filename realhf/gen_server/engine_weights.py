@@ -143,19 +143,17 @@ class EngineWeights:
             raise ValueError(f"the model at {path!r} is not the served architecture: its config differs in "
                              + ", ".join(f"{k} ({getattr(new, k)!r}, served: {getattr(cur, k)!r})" for k in diff))
 
-    def _load_from_group(self, metas: List[TensorMeta], version: int):
-        """Receive every tensor of ``metas`` (always all of them, so the group stays in step with the trainer
-        even when one is unusable), copying each into its parameter; raise after the last one if any was
-        unusable (those are checked from ``metas`` before anything is copied)."""
+    def _plan_tensors(self, metas: List[TensorMeta]) -> Tuple[List[List[Tuple[str, str]]], List[str]]:
+        """What each HF tensor of an in-memory update becomes, from names and shapes alone: per tensor
+        ``[(real name, target parameter)]``, and the problems found (a tensor the served model does not have, a
+        shape that does not fit)."""
         from realhf.api.core.model_api import get_hf_family
-        from realhf.gen_server.weight_group import receive
         from realhf.impl.model.nn.real_model import tied_source_name
 
         model, cfg = self.model, self.model.config
         fam = get_hf_family(cfg.family)
         local = model.param_spec
-        # what each HF tensor becomes: [(real name, target parameter)], checked against the metas first
-        plans: List[List[tuple]] = []
+        plans: List[List[Tuple[str, str]]] = []
         errors: List[str] = []
         sent_real = set()
         conv_meta = []
@@ -191,13 +189,21 @@ class EngineWeights:
                     else:
                         plan.append((real, n))
             plans.append(plan)
-        stale = int(version) < self._version  # refused after the receive (raised by _check_version)
+        return plans, errors
+
+    def _copy_in(self, received, plans: List[List[Tuple[str, str]]], skip: bool):
+        """Copy each ``(HF name, tensor)`` of ``received`` into its parameters by ``plans`` (``skip``: only take
+        them, e.g. to stay in step with a weight group); a failure after the first copy marks the weights broken."""
+        from realhf.api.core.model_api import get_hf_family
+
+        model, cfg = self.model, self.model.config
+        fam = get_hf_family(cfg.family)
         copied = False
         cpu_gemm.drop_packed()
         try:
-            for (name, t), m, plan in zip(receive(self._weight_group, metas), metas, plans):
-                if errors or stale or not plan:
-                    continue  # received only to stay in step with the other ranks
+            for (name, t), plan in zip(received, plans):
+                if skip or not plan:
+                    continue
                 conv = fam.hf_to_real({name: t}, cfg)
                 for real, n in plan:
                     copied = True
@@ -206,8 +212,39 @@ class EngineWeights:
             if copied:
                 self._mark_broken(e)
             raise
-        self._check_version(version)
+
+    @staticmethod
+    def _refuse(errors: List[str], how: str):
         if errors:
-            raise ValueError(f"weight update over the group: {len(errors)} unusable tensors, nothing loaded: "
+            raise ValueError(f"weight update {how}: {len(errors)} unusable tensors, nothing loaded: "
                              + "; ".join(errors[:5]) + (" ..." if len(errors) > 5 else ""))
+
+    def _load_from_group(self, metas: List[TensorMeta], version: int):
+        """Receive every tensor of ``metas`` (always all of them, so the group stays in step with the trainer
+        even when one is unusable), copying each into its parameter; raise after the last one if any was
+        unusable (those are checked from ``metas`` before anything is copied)."""
+        from realhf.gen_server.weight_group import receive
+
+        plans, errors = self._plan_tensors(metas)
+        stale = int(version) < self._version  # refused after the receive (raised by _check_version)
+        self._copy_in(receive(self._weight_group, metas), plans, skip=bool(errors) or stale)
+        self._check_version(version)
+        self._refuse(errors, "over the group")
+        self._updated(version)
+
+    def _load_from_shared(self, parts: List[dict], version: int):
+        """Copy the tensors of ``parts`` (shared by the trainer on this host: ``realhf.gen_server.weight_share``)
+        into the parameters. Everything is checked before the first copy: the version, every part, every tensor's
+        name and shape."""
+        from realhf.gen_server.weight_share import check_part, open_part
+
+        self._check_version(version)
+        if not isinstance(parts, list) or not parts:
+            raise RequestError("'parts' must be a non-empty list of shared-weight parts")
+        entries = [t for i, p in enumerate(parts) for t in check_part(p, i)]
+        metas = [TensorMeta(name=t["name"], dtype=t["dtype"], shape=t["shape"]) for t in entries]
+        plans, errors = self._plan_tensors(metas)
+        self._refuse(errors, "from shared memory")
+        received = (nt for i, p in enumerate(parts) for nt in open_part(p, i))
+        self._copy_in(received, plans, skip=False)
         self._updated(version)

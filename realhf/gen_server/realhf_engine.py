@@ -83,6 +83,7 @@ class EngineClosed(RuntimeError):
 
 class RealhfEngine(EngineWeights, EngineSteps, GenerationEngine):
     backend = "gen"
+    shared_weights = True
 
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -302,6 +303,10 @@ class RealhfEngine(EngineWeights, EngineSteps, GenerationEngine):
             raise RuntimeError("no weight group: call init_weight_group before update_weights_from_group")
         metas = list(tensors)
         await self._between_steps(lambda: self._load_from_group(metas, version))
+
+    async def update_weights_from_shared(self, parts: List[dict], version: int) -> None:
+        parts = list(parts)
+        await self._between_steps(lambda: self._load_from_shared(parts, version))
 
     async def logprobs(self, sequences: List[List[int]]) -> List[List[float]]:
         self._check_usable()

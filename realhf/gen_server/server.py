@@ -6,7 +6,9 @@
 Endpoints (POST bodies and answers are JSON; every POST must be signed, see ``realhf.gen_server.auth``):
 
 ==================================  ==============================================================================
-``GET /health``                     ``{"status": "ok", "backend", "version", "index", "pid", "stalled_s"}`` (no secret)
+``GET /health``                     ``{"status": "ok", "backend", "version", "index", "pid", "stalled_s", "host",
+                                    "gpus", "shared_weights"}`` (no secret; ``host``, ``gpus``: where weights can be
+                                    shared with it, :mod:`realhf.gen_server.weight_share`)
 ``GET /metrics``                    running/waiting requests, tokens in flight, version, generated tokens, paused
 ``POST /generate``                  ``{"rid", "input_ids", "sampling": {...}}`` -> ``{"rid", "outputs": [...]}``
 ``POST /logprobs``                  ``{"sequences": [[ids]]}`` -> ``{"logprobs": [[...]]}``
@@ -15,6 +17,8 @@ Endpoints (POST bodies and answers are JSON; every POST must be signed, see ``re
 ``POST /update_weights_from_disk``  ``{"path", "version"}``
 ``POST /init_weight_group``         a :class:`~realhf.gen_server.api.WeightGroupSpec` as JSON
 ``POST /update_weights_from_distributed``  ``{"tensors": [TensorMeta...], "version"}``
+``POST /update_weights_from_shared``  ``{"parts": [...], "version"}``: tensors the trainer shares on this host
+                                    (``realhf.gen_server.weight_share``)
 ==================================  ==============================================================================
 
 Errors: 400 with ``{"error": ...}`` for a malformed request, 401 for an unsigned, forged or replayed one, 500
@@ -38,6 +42,7 @@ from realhf.base import failpoint, logging
 from realhf.gen_server.api import (EngineConfig, GenerateRequest, GenerationEngine, RequestError, TensorMeta,
                                    WeightGroupSpec)
 from realhf.gen_server.auth import RequestVerifier
+from realhf.gen_server.weight_share import host_id, visible_gpus
 from realhf.base.wire import MAX_FRAME_BYTES, RejectionLog
 
 logger = logging.getLogger("realhf.gen_server")
@@ -82,6 +87,7 @@ class GenServer:
             "/generate": self._generate, "/logprobs": self._logprobs, "/abort": self._abort, "/pause": self._pause,
             "/continue": self._continue, "/update_weights_from_disk": self._update_disk,
             "/init_weight_group": self._init_group, "/update_weights_from_distributed": self._update_group,
+            "/update_weights_from_shared": self._update_shared,
         }
         for path, fn in routes.items():
             app.router.add_post(path, self._signed(path, fn))
@@ -104,7 +110,9 @@ class GenServer:
         progress = self.__dict__.setdefault("_progress", EngineProgress())
         stalled = progress.observe(self.engine.metrics())
         return web.json_response({"status": "ok", "backend": self.engine.backend, "version": self.engine.version,
-                                  "index": self.index, "pid": os.getpid(), "stalled_s": round(stalled, 1)})
+                                  "index": self.index, "pid": os.getpid(), "stalled_s": round(stalled, 1),
+                                  "host": host_id(), "gpus": visible_gpus(),
+                                  "shared_weights": bool(self.engine.shared_weights)})
 
     async def _metrics(self, request):
         from aiohttp import web
@@ -163,6 +171,14 @@ class GenServer:
         version = _version(d.get("version"))
         t0 = time.perf_counter()
         await self.engine.update_weights_from_group(metas, version)
+        return {"version": self.engine.version, "seconds": time.perf_counter() - t0}
+
+    async def _update_shared(self, d):
+        if not isinstance(d, dict) or not isinstance(d.get("parts"), list):
+            raise RequestError("the body must hold 'parts': a list of shared-weight parts")
+        version = _version(d.get("version"))
+        t0 = time.perf_counter()
+        await self.engine.update_weights_from_shared(d["parts"], version)
         return {"version": self.engine.version, "seconds": time.perf_counter() - t0}
 
     async def start(self, host: str, port: int) -> int:

@@ -48,21 +48,31 @@ def test_gen_and_train_on_different_layouts(tiny_math_run, single):
     assert all(s["actor_gen/realloc_time"] > 0 for s in st[1:])
 
 
+def _worker_log(d, exp, i=0):
+    with open(os.path.join(d, exp, "trial0", "logs", f"model_worker_{i}.log")) as f:
+        return f.read()
+
+
 def test_decoupled_generation_devices(tiny_math_run, single):
     """gen.d1m1p1+d1m2p1: generation by realhf's own generation server on device 2, everything else on workers
-    0-1 under tensor parallelism (the tp shards are gathered and published to the server every step)."""
+    0-1 under tensor parallelism (the tp shards are gathered and published to the server every step, here over a
+    weight group)."""
     model, d = tiny_math_run
-    st = run(model, d, "decoupled", 3, "allocation_mode=gen.d1m1p1+d1m2p1")
+    st = run(model, d, "decoupled", 3, "allocation_mode=gen.d1m1p1+d1m2p1", "gen_server.weight_transport=group")
     _same(single, st, "decoupled gen.d1m1p1+d1m2p1")
+    assert "(gloo) as rank 0" in _worker_log(d, "decoupled")
 
 
 @pytest.mark.parametrize("sync", ["memory", pytest.param("disk", marks=pytest.mark.slow)])
 def test_generation_server_fed_by_pipeline_stages(tiny_math_run, single, sync):
     """gen.d1m1p1+d1m1p2: the trainer's two pipeline stages each publish their own layers to the generation
-    server (memory: both stage writers broadcast in one weight group; disk: one checkpoint of two shards)."""
+    server (memory: each stage writer shares its tensors by reference, the server on their host maps both parts;
+    disk: one checkpoint of two shards)."""
     model, d = tiny_math_run
     st = run(model, d, f"decoupled-pp-{sync}", 3, "allocation_mode=gen.d1m1p1+d1m1p2", f"param_realloc={sync}")
     _same(single, st, f"decoupled gen.d1m1p1+d1m1p2 ({sync})")
+    if sync == "memory":  # gen_server.weight_transport=auto chose shared memory (the server is on their host)
+        assert "servers: shared (by reference: a shared-memory file)" in _worker_log(d, f"decoupled-pp-{sync}")
 
 
 def test_manual_meshes_and_disk_reallocation(tiny_math_run, single):

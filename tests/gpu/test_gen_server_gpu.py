@@ -3,7 +3,7 @@
 * the vLLM server on CUDA: greedy tokens equal ``transformers`` greedy; an update over an NCCL weight group
   makes its log-probs the trainer's; its version is the one published;
 * realhf's own server (``gen``) on CUDA in bf16: seeded outputs equal in-process generation on CUDA; in fp32 its
-  decode step replayed as CUDA graphs gives its eager step's samples;
+  decode step replayed as CUDA graphs gives its eager step's samples; weights shared with it by CUDA IPC handles;
 * SGLang's own server (when sglang is installed): generation, log-probs and an update from disk through the
   client's SGLang dialect;
 * ppo-math with ``vllm.d1m1p1+d1m1p1`` on two GPUs, weights published over NCCL.
@@ -132,6 +132,44 @@ def test_gen_server_cuda_graph_step_equals_its_eager_step(tmp_path):
         for x, y in zip(a.outputs, b.outputs):
             assert x.output_ids == y.output_ids
             assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-3
+
+
+def test_gen_server_on_cuda_takes_weights_shared_by_cuda_ipc(tmp_path):
+    """A trainer process on the server's GPU shares its HF tensors as CUDA IPC handles
+    (realhf.gen_server.weight_share): the server, which sees that GPU, copies them device to device and then
+    decodes as a model built from the same weights does; it keeps its copy when the trainer's tensors change."""
+    from safetensors.torch import load_file
+
+    from realhf.api.core.model_api import GenerationHyperparameters
+    from realhf.base.topology import single_process_grid
+    from realhf.gen_server.fleet import LocalFleet
+    from realhf.gen_server.weight_share import SharedWriter, device_uuid
+    from realhf.impl.model.conversion.hf_io import build_from_hf
+    from realhf.impl.model.nn.generation import generate
+
+    path = ensure_tiny_model("qwen2", tie_word_embeddings=True)
+    _, ppath = perturbed_model(path, tmp_path, seed=5)
+    named = {k: v.cuda() for k, v in load_file(os.path.join(ppath, "model.safetensors")).items()}
+    model = build_from_hf(ppath, grid=single_process_grid(), dtype=torch.float32, device="cuda")
+    want = generate(model, PROMPTS, GenerationHyperparameters(max_new_tokens=12, greedy=True, cuda_graph=False)).tokens
+    w = SharedWriter("gpu-test")
+    with LocalFleet("gen", path, 1, dtype="float32", device="cuda", max_model_len=256, gpus_per_server=[[0]],
+                    extra={"cuda_graph": False}) as f:
+        c = f.client()
+        (h,) = c.health()
+        assert h["shared_weights"] and device_uuid(torch.device("cuda", 0)) in h["gpus"], h
+        before = _greedy(c)
+        part = w.share(named)
+        assert part["device"] == "cuda" and all(b["kind"] == "cuda_ipc" for b in part["buffers"])
+        (r,) = c.update_weights_from_shared([part], 1)
+        print("shared update of", len(named), "tensors:", r)
+        w.release()
+        for t in named.values():  # the trainer moves on: the server holds its own copy
+            t.zero_()
+        torch.cuda.synchronize()
+        after = _greedy(c)
+    w.close()
+    assert after == want and before != want, (before, after, want)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang")

@@ -1,6 +1,7 @@
 """Shared by the gen engine's tests (test_gen_engine*.py): the tiny model, the in-process references a result is
 compared with (batched ``generate``, a fresh model's forward pass), and requests to a RealhfEngine."""
 import asyncio
+import os
 import time
 
 import pytest
@@ -84,3 +85,20 @@ def _fresh_logprobs(model, seqs):
 
 def _max_err(a, b):
     return (torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)).abs().max().item()
+
+
+def _named_hf(folder):
+    """The HF tensors of ``folder`` as a trainer would send them (the tied head included, as a HF
+    state_dict lists it)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        named = {k: f.get_tensor(k) for k in sorted(f.keys())}
+    named["lm_head.weight"] = named["model.embed_tokens.weight"].clone()
+    return named
+
+
+def _bad_named(named):
+    bad = dict(named)
+    bad["model.layers.0.mlp.extra.weight"] = torch.zeros(3)
+    return bad

@@ -225,6 +225,7 @@ GEN: Dict[str, Any] = {
     "dataset.train_bs_n_seqs": Reach("8", lambda b: b.spec.dataset.batch_size),
     **_sampling("gen", "gen"),
     **_gen_server("gen"),
+    "gen_server.weight_transport": Refused("group"),  # no trained weights to move
     "gen.temperature": Reach("0.7", _gconfig("gen", "temperature")),
     "gen.n": Reach("2", _gconfig("gen", "n")),
     **_mb_spec("mb_spec", "gen"),
@@ -256,6 +257,8 @@ PPO: Dict[str, Any] = {
     **TRAINING,
     "param_realloc": Reach("disk", _spec("param_realloc")),
     **_gen_server("actor_gen"),
+    "gen_server.weight_transport": Reach("group", lambda b: b.model_of("actor_gen").gen_servers.weight_transport,
+                                         needs=("allocation_mode=gen.d1m1p1+d1m1p1", "n_devices_per_node=2")),
     **_model_options("actor", "actor", trains=True, offload=Reach(  # the actor's generation replica
         "true", lambda b: b.model_of("actor_gen").offload,
         needs=("allocation_mode=actor_gen:d2m1p1,*:d1m1p1", "n_devices_per_node=2"))),
@@ -373,6 +376,7 @@ ASYNC: Dict[str, Any] = {
                                                          ("request_timeout_secs", "60.0"),
                                                          ("health_timeout_secs", "5.0"))},
     "gen_server.extra": Reach('{"compile_decode": true}', _fleet("extra"), expect=lambda x: json.loads(x)),
+    "gen_server.weight_transport": Refused("group"),  # weights reach the servers from disk (param_realloc above)
     # the rollout workers: prompts, sampling, rewards, workflow
     "dataset.path": Reach(lambda env: env.math2, _rollout_ds("path")),
     "dataset.max_prompt_len": Reach("128", _rollout_ds("max_prompt_len")),

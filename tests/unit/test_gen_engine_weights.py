@@ -14,7 +14,8 @@ import torch
 
 from realhf.gen_server.api import WeightGroupSpec
 
-from support.gen_engine_util import _build, _engine, _fresh_logprobs, _gen, _max_err, _prompts, _req, _until
+from support.gen_engine_util import (_bad_named, _build, _engine, _fresh_logprobs, _gen, _max_err, _named_hf,
+                                     _prompts, _req, _until)
 from support.gen_engine_util import path_fixture, ref_model_fixture  # noqa: F401 - the fixtures `path` and `ref_model`
 
 
@@ -77,23 +78,6 @@ def test_update_weights_from_disk(path, ref_model, perturbed, tmp_path):
     assert len(v) == 400 and r_in.outputs[0].finish_reason == "length"
     assert r_new.outputs[0].versions == [1] * 20
     assert r_new.outputs[0].output_ids == ref_new
-
-
-def _named_hf(folder):
-    """The HF tensors of ``folder`` as a trainer would send them (the tied head included, as a HF
-    state_dict lists it)."""
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
-        named = {k: f.get_tensor(k) for k in sorted(f.keys())}
-    named["lm_head.weight"] = named["model.embed_tokens.weight"].clone()
-    return named
-
-
-def _bad_named(named):
-    bad = dict(named)
-    bad["model.layers.0.mlp.extra.weight"] = torch.zeros(3)
-    return bad
 
 
 def _sender(spec_kw, folder, q):

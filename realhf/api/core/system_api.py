@@ -28,9 +28,10 @@ class GenServersSpec:
     max_model_len: int = 2048
     max_num_seqs: int = 64
     param_realloc: str = "disk"  # disk | memory: how trained weights reach the servers (the run's param_realloc)
-    # the servers share GPUs with model workers (``gpus_per_node``): an in-memory weight update then goes through gloo,
-    # as NCCL cannot hold two ranks of one GPU
+    # the servers share GPUs with model workers (``gpus_per_node``): an in-memory weight update then goes by CUDA IPC
+    # handles (weight_transport auto/shared) or through a gloo group (group), as NCCL cannot hold two ranks of one GPU
     shares_gpus: bool = False
+    weight_transport: str = "auto"  # auto | group | shared: how param_realloc=memory moves them (gen_server option)
     routing: str = "least_requests"
     startup_timeout_secs: float = 600.0
     request_timeout_secs: float = 3600.0

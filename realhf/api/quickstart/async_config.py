@@ -94,6 +94,8 @@ class AsyncPPOMathConfig(PPOMathConfig):
         if self.param_realloc != "disk":
             raise ValueError(f"param_realloc={self.param_realloc!r}: async-ppo-math publishes weights through the rollout "
                              "manager from disk; use param_realloc=disk")
+        self.gen_server.check_weight_transport(self.param_realloc, "async-ppo-math publishes weights from disk; "
+                                                                   "leave it auto")
         if self.allocation().kind not in ("decoupled", "search"):
             raise ValueError(f"allocation_mode={self.allocation_mode!r}: async-ppo-math generates on generation servers "
                              "on their own devices; give a decoupled allocation such as gen.d1m1p1+d1m1p1 or "

@@ -378,6 +378,12 @@ class GenServerConfig:
     health_timeout_secs: float = option(60.0, "a running server that answers no /health for this many seconds, or "
                                               "whose engine has work but makes no progress for as long, stops the "
                                               "run, named (the launcher checks every second)")
+    weight_transport: str = option(
+        "auto", "how trained weights reach the servers with param_realloc=memory: group (broadcast over a "
+                "torch.distributed group: NCCL between GPUs, gloo on CPU or where a server shares the trainer's GPU) | "
+                "shared (by reference on the trainer's host: CUDA IPC handles on a GPU, nothing through host memory; "
+                "a shared-memory file on CPU; realhf's gen. servers only) | auto (shared where every server is a gen. "
+                "server on the trainer's host and sees its GPU, else group)")
     extra: str = option("{}", "backend options as a JSON object, e.g. vLLM engine args "
                               "'{\"enable_prefix_caching\": true}'")
 
@@ -387,6 +393,7 @@ class GenServerConfig:
         if self.max_num_seqs != "auto":
             check_int("gen_server.max_num_seqs", self.max_num_seqs, 1)
         check_choice("gen_server.routing", self.routing, ("round_robin", "least_requests", "least_tokens"))
+        check_choice("gen_server.weight_transport", self.weight_transport, ("auto", "group", "shared"))
         check_number("gen_server.startup_timeout_secs", self.startup_timeout_secs, lo=0, lo_open=True)
         check_number("gen_server.request_timeout_secs", self.request_timeout_secs, lo=0, lo_open=True)
         check_number("gen_server.health_timeout_secs", self.health_timeout_secs, lo=0, lo_open=True)
@@ -401,6 +408,14 @@ class GenServerConfig:
         import json
 
         return json.loads(self.extra)
+
+    def check_weight_transport(self, param_realloc: Optional[str], fix: str = "leave it auto"):
+        """A weight transport other than ``auto`` only where trained weights move in memory (``param_realloc``
+        ``memory``; None: the experiment trains nothing)."""
+        if self.weight_transport != "auto" and param_realloc != "memory":
+            why = "this experiment trains no weights" if param_realloc is None else f"param_realloc={param_realloc}"
+            raise ValueError(f"gen_server.weight_transport={self.weight_transport} says how trained weights move in "
+                             f"memory; it has no use here ({why}): {fix}")
 
 
 @dataclasses.dataclass
@@ -425,6 +440,7 @@ class GenerationExpConfig(BaseExperimentConfig):
         _require_dir("model.path", self.model.path, "a Hugging Face model folder")
         _require_file("dataset.path", self.dataset.path, "a JSONL file of {prompt} rows")
         self._check_bs("dataset.train_bs_n_seqs", self.dataset.train_bs_n_seqs, "gen", what="prompt")
+        self.gen_server.check_weight_transport(None)
 
     def mfc_names(self) -> List[str]:
         return list(self.MFC_NAMES)
@@ -473,6 +489,7 @@ class PPOMathConfig(BaseExperimentConfig):
     def __post_init__(self):
         super().__post_init__()
         check_choice("param_realloc", self.param_realloc, ("memory", "disk"))
+        self.gen_server.check_weight_transport(self.param_realloc, "leave it auto, or set param_realloc=memory")
         _require_dir("actor.path", self.actor.path, "a Hugging Face model folder")
         if self.use_critic and self.critic.path:
             _require_dir("critic.path", self.critic.path, "a Hugging Face model folder")

@@ -6,9 +6,12 @@
   ``generate(seeds=...)``, so the ``gen`` backend samples exactly what the colocated engine would.
 * :class:`WeightPublisher` brings the trained weights of the source replica to every server after training
   (the master's ``ParamReallocHook`` asks for it before the next generation): ``disk`` — the replica writes a HF
-  checkpoint (``save_hf``, atomic) and every server loads it; ``memory`` — the replica's stage writers and
-  every server rank join one torch.distributed group (gloo on CPU, NCCL on GPU) and the writers broadcast the
-  HF-named tensors, which the servers load as they arrive. In an asynchronous run (``spec.rollout``) the
+  checkpoint (``save_hf``, atomic) and every server loads it; ``memory`` — on the servers' host, realhf's own
+  servers map the stage writers' HF-named tensors by reference (``gen_server.weight_transport=shared``, the
+  ``auto`` choice there: CUDA IPC handles on a GPU, a shared-memory file on CPU; ``realhf.gen_server.weight_share``);
+  otherwise (``group``) the replica's stage writers and every server rank join one torch.distributed group (gloo on
+  CPU or where a server shares the trainer's GPU, NCCL between GPUs) and the writers broadcast the tensors, which
+  the servers load as they arrive. In an asynchronous run (``spec.rollout``) the
   checkpoint goes to the rollout manager instead, which pauses the servers, has them load it and resumes them.
   There, a single-process replica publishes *behind* training: it copies its weights (a fraction of a second)
   and a background thread writes and announces the checkpoint while the trainer goes on with the next step; the
@@ -110,6 +113,8 @@ class WeightPublisher:
         self.on_failure = on_failure
         self.client: Optional[SyncGenClient] = None
         self.group = None
+        self.transport: Optional[str] = None  # param_realloc=memory: "group" | "shared", chosen at the first publish
+        self.sharer = None  # the shared-memory writer of the "shared" transport
         self.path = os.path.join(spec.save_dir, ".gen_weights", dst)
         self._behind: Optional[threading.Thread] = None  # the publish running behind training
         self._behind_error: Optional[BaseException] = None
@@ -195,7 +200,6 @@ class WeightPublisher:
             self._client().update_weights_from_disk(self.path, version)
 
     def _publish_memory(self, model, version: int):
-        from realhf.gen_server.weight_group import metas_of, send
         from realhf.impl.model.conversion.hf_io import stage_hf_state
 
         module, grid = model.module, model.grid
@@ -204,12 +208,90 @@ class WeightPublisher:
             return
         pp, stage = module.pp, grid.pp_rank
         writers_group = grid.pp_group if pp > 1 else None  # the stage writers: dp 0, tp 0 of every stage
+        client = self._client() if stage == 0 else None
+        if self.transport is None:
+            self.transport = self._choose_transport(client, stage, writers_group, grid, hf)
+        if self.transport == "shared":
+            self._publish_shared(client, stage, pp, writers_group, hf, version)
+        else:
+            self._publish_group(client, stage, pp, writers_group, grid, hf, version)
+
+    def _choose_transport(self, client, stage: int, writers_group, grid, hf) -> str:
+        """``shared`` or ``group`` (gen_server.weight_transport; ``auto``: shared where every stage writer and every
+        server is on one host, the servers take shared weights and see the writers' GPU), the same on every stage
+        writer. ``shared`` asked for where it cannot work raises, naming why."""
+        from realhf.gen_server import weight_share
+
+        want = self.fleet.weight_transport
+        if want == "group":
+            return "group"
+        dev = next(iter(hf.values())).device if hf else self.env.device
+        mine = dict(host=weight_share.host_id(), gpu=weight_share.device_uuid(dev),
+                    unsupported=weight_share.supported())
+        writers = [mine]
+        if writers_group is not None:
+            writers = [None] * dist.get_world_size(writers_group)
+            dist.all_gather_object(writers, mine, group=writers_group)
+        box = [None]
+        if stage == 0:
+            why = self._cannot_share(writers, client.health())
+            if why and want == "shared":
+                box[0] = f"error: gen_server.weight_transport=shared cannot work: {why}; use group or auto"
+            else:
+                box[0] = "group" if why else "shared"
+            logger.info("weights of %s to the generation servers: %s%s", self.dst, box[0],
+                        f" ({why})" if why and want == "auto" else
+                        (f" (by reference: {'CUDA IPC' if mine['gpu'] else 'a shared-memory file'})"
+                         if box[0] == "shared" else ""))
+        if writers_group is not None:
+            dist.broadcast_object_list(box, src=grid.global_rank_of(0, 0, 0), group=writers_group)
+        if box[0].startswith("error: "):
+            raise RuntimeError(box[0][len("error: "):])
+        return box[0]
+
+    @staticmethod
+    def _cannot_share(writers: List[dict], servers: List[dict]) -> Optional[str]:
+        """Why the trainer's stage writers (``host``, ``gpu``, ``unsupported``) cannot share weights with the servers
+        (their /health answers); None where they can."""
+        for i, w in enumerate(writers):
+            if w["unsupported"]:
+                return f"stage writer {i}: {w['unsupported']}"
+        for i, h in enumerate(servers):
+            if not h.get("shared_weights"):
+                return f"server {i} ({h.get('backend', '?')}) does not take shared weights"
+            for j, w in enumerate(writers):
+                if h.get("host") != w["host"]:
+                    return f"server {i} runs on {h.get('host')!r}, stage writer {j} on {w['host']!r}"
+                if w["gpu"] is not None and w["gpu"] not in (h.get("gpus") or []):
+                    return f"server {i} does not see stage writer {j}'s GPU {w['gpu']}"
+        return None
+
+    def _publish_shared(self, client, stage: int, pp: int, writers_group, hf, version: int):
+        from realhf.gen_server.weight_share import SharedWriter
+
+        if self.sharer is None:
+            self.sharer = SharedWriter(f"{self.dst}-stage{stage}")
+        part = self.sharer.share(hf)
+        parts = [part]
+        if writers_group is not None:
+            parts = [None] * pp
+            dist.all_gather_object(parts, part, group=writers_group)
+        try:
+            if stage == 0:
+                client.update_weights_from_shared(parts, version)
+        finally:
+            if writers_group is not None:  # every writer keeps its tensors until the servers have read them
+                dist.barrier(group=writers_group)
+            self.sharer.release()
+
+    def _publish_group(self, client, stage: int, pp: int, writers_group, grid, hf, version: int):
+        from realhf.gen_server.weight_group import metas_of, send
+
         metas = metas_of(hf, src=stage)
         if writers_group is not None:
             everyone: List = [None] * pp
             dist.all_gather_object(everyone, metas, group=writers_group)
             metas = [m for part in everyone for m in part]
-        client = self._client() if stage == 0 else None
         if self.group is None:
             self._join(client, stage, pp, writers_group, grid)
         pending = None
@@ -253,5 +335,7 @@ class WeightPublisher:
             self.wait()
         except RuntimeError as e:
             logger.warning("%s", e)
+        if self.sharer is not None:
+            self.sharer.close()
         if self.client is not None:
             self.client.close()
