@@ -223,3 +223,33 @@ def test_shared_weights_need_realhf_servers_and_memory_realloc(tmp_path):
                                               "param_realloc=disk.*set param_realloc=memory"):
             spec("allocation_mode=gen.d1m1p1+d1m1p1", "param_realloc=disk", f"gen_server.weight_transport={t}")
     assert spec("allocation_mode=gen.d1m1p1+d1m1p1").weight_transport == "auto"
+
+
+def test_a_cpu_runs_shared_buffer_is_counted_in_the_host_memory(tmp_path, monkeypatch):
+    """On CPU the publisher keeps one copy of the served model's weights in shared memory for the servers: the host's
+    share per process is that much smaller (and says so); not with weight_transport=group."""
+    from realhf.api.quickstart import config as qc
+    from realhf.api.quickstart.entry import load_config
+    from realhf.experiments import build_spec
+    from realhf.experiments.memory_plan import CAPACITY_ENV, capacity
+    from realhf.impl.model.tiny import ensure_tiny_model
+
+    monkeypatch.setenv(CAPACITY_ENV, "8")
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"query_id": "1", "prompt": "1+1=", "solutions": ["2"]}\n')
+    model = ensure_tiny_model("qwen2")
+    base = [f"actor.path={model}", f"dataset.path={data}", "n_devices_per_node=2",
+            "allocation_mode=gen.d1m1p1+d1m1p1"]
+
+    def cap(*extra):
+        cfg = load_config(qc.PPOMathConfig, overrides=base + list(extra))
+        return capacity(cfg, build_spec("ppo-math", cfg))
+
+    shared, group = cap(), cap("gen_server.weight_transport=group")
+    from safetensors.torch import load_file
+
+    n_params = sum(t.numel() for t in load_file(os.path.join(model, "model.safetensors")).values())
+    # the buffer is split among the worker and the server
+    assert (group.per_rank - shared.per_rank) * 2 == pytest.approx(4 * n_params, rel=0.02)
+    assert "weights shared with them" in shared.source and "weights shared" not in group.source
+    assert cap("param_realloc=disk").per_rank == group.per_rank
