@@ -17,7 +17,8 @@ Modes (``--modes``, each one launch of the quickstart per answer length):
   * ``colocated``: ``ppo-math allocation_mode=d1m1p1``: one model worker does everything in turn;
   * ``served``: ``ppo-math allocation_mode=gen.d1m1p1+d1m1p1 n_devices_per_node=2``: realhf's generation server beside
     the trainer (on a one-GPU machine on the same GPU: ``gpus_per_node=1``);
-  * ``async``: ``async-ppo-math`` on that split (weights through disk);
+  * ``async``: ``async-ppo-math`` on that split (weights shared in memory: ``--override param_realloc=disk`` for
+    the checkpoint path);
   * ``gen``: the ``gen`` experiment (generation only, ``gen.n`` answers per prompt).
 
 Floors (``_floors.py`` documents each formula): generation = per decode step the weights and the KV cache read at the
@@ -172,7 +173,7 @@ def overrides(a, mode: str, model: str, data: str, root: str, name: str, answer:
     if n_dev == 2 and n_gpus == 1:
         layout.append("gpus_per_node=1")  # the server beside the trainer on the one GPU
     if mode == "async":
-        layout.append("param_realloc=disk")
+        layout.append("param_realloc=memory")  # shared with the servers (CUDA IPC on a GPU); --override to disk
     common = [f"dataset.path={data}", f"dataset.train_bs_n_seqs={a.prompts}", f"dataset.max_prompt_len={a.max_prompt_len}",
               f"fileroot={root}", f"experiment_name={name}", f"exp_ctrl.benchmark_steps={a.steps}", "seed=1"]
     if mode == "gen":

@@ -74,7 +74,7 @@ gpu_pid=$!
 part learn "${TEST_LIMIT:-190}" $PYTEST tests/e2e/test_grpo_learns.py -k "${LEARN_K:-grpo_learns_tiny or ppo_with_critic}" -v -s &
 learn_pid=$!
 # the runs with a generation server: on a one-GPU machine it shares the GPU with the trainer (gpus_per_node=1; weights
-# go to it through a gloo group, or through disk in the asynchronous run)
+# go to it by CUDA IPC handles, gen_server.weight_transport=auto's choice there, or through disk in the asynchronous run)
 part learn_served "${TEST_LIMIT:-190}" $PYTEST tests/e2e/test_grpo_learns.py \
   -k "${LEARN_SERVED_K:-through_generation_servers or async_grpo_learns}" -v -s &
 served_pid=$!

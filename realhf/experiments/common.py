@@ -146,6 +146,9 @@ def gen_servers_spec(cfg, max_len: int, model_dtype: str = "auto"):
     if gs.weight_transport == "shared" and mode.gen_backend != "gen":
         raise ValueError(f"gen_server.weight_transport=shared: only realhf's own servers (gen.) take shared "
                          f"weights, this run serves with {mode.gen_backend}.; use group or auto")
+    if getattr(cfg, "async_rl", None) is not None and cfg.param_realloc == "memory" and mode.gen_backend != "gen":
+        raise ValueError(f"param_realloc=memory: an asynchronous run shares weights with realhf's own servers (gen.) "
+                         f"only, this run serves with {mode.gen_backend}.; use param_realloc=disk")
     if layout.pp > 1:
         fix = ParallelDims(layout.dp, layout.tp * layout.pp, 1)
         raise ValueError(f"allocation_mode={cfg.allocation_mode!r}: a generation server holds tensor-parallel ranks "

@@ -360,7 +360,7 @@ ASYNC: Dict[str, Any] = {
     "n_nodes": Reach("2", lambda b: b.spec.device_slots(), expect=4, with_=("allocation_mode=gen.d2m1p1+d2m1p1",)),
     "n_devices_per_node": Reach("4", lambda b: b.spec.device_slots(), expect=4,
                                 with_=("allocation_mode=gen.d2m1p1+d2m1p1",)),
-    "param_realloc": Refused("memory"),  # weights reach the servers through the rollout manager, from disk
+    "param_realloc": Reach("memory", _fleet("param_realloc")),  # the rollout manager has the servers map them
     "actor.offload": Refused("true"),
     "critic.offload": Reach("true", lambda b: b.model_of("critic_inf").offload,
                             needs=("n_devices_per_node=3", "allocation_mode=gen.d1m1p1+critic_inf:d2m1p1,*:d1m1p1",
@@ -376,7 +376,7 @@ ASYNC: Dict[str, Any] = {
                                                          ("request_timeout_secs", "60.0"),
                                                          ("health_timeout_secs", "5.0"))},
     "gen_server.extra": Reach('{"compile_decode": true}', _fleet("extra"), expect=lambda x: json.loads(x)),
-    "gen_server.weight_transport": Refused("group"),  # weights reach the servers from disk (param_realloc above)
+    "gen_server.weight_transport": Refused("group"),  # in memory only by sharing (param_realloc above)
     # the rollout workers: prompts, sampling, rewards, workflow
     "dataset.path": Reach(lambda env: env.math2, _rollout_ds("path")),
     "dataset.max_prompt_len": Reach("128", _rollout_ds("max_prompt_len")),

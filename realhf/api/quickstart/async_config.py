@@ -85,17 +85,19 @@ class AsyncPPOMathConfig(PPOMathConfig):
 
     decoupled_loss = True
     param_realloc: str = option("disk", "how trained weights reach the generation servers: disk (the rollout manager "
-                                        "pauses the servers, which load the checkpoint, and resumes them)")
+                                        "pauses the servers, which load the checkpoint, and resumes them) | memory "
+                                        "(the same, the servers reading the trainer's tensors shared by reference: "
+                                        "CUDA IPC handles on a GPU, a shared-memory file on CPU; realhf's gen. "
+                                        "servers on the trainer's host)")
     async_rl: AsyncRLConfig = option(help="asynchronous RL", factory=AsyncRLConfig)
     actor_inf: MFCConfig = option(help="proximal log-prob MFC (async_rl.prox_logp=recompute)", factory=MFCConfig)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.param_realloc != "disk":
-            raise ValueError(f"param_realloc={self.param_realloc!r}: async-ppo-math publishes weights through the rollout "
-                             "manager from disk; use param_realloc=disk")
-        self.gen_server.check_weight_transport(self.param_realloc, "async-ppo-math publishes weights from disk; "
-                                                                   "leave it auto")
+        if self.gen_server.weight_transport == "group":
+            raise ValueError("gen_server.weight_transport=group: async-ppo-math moves weights in memory only by sharing "
+                             "them with the servers on the trainer's host (shared, or auto); for servers elsewhere "
+                             "use param_realloc=disk")
         if self.allocation().kind not in ("decoupled", "search"):
             raise ValueError(f"allocation_mode={self.allocation_mode!r}: async-ppo-math generates on generation servers "
                              "on their own devices; give a decoupled allocation such as gen.d1m1p1+d1m1p1 or "

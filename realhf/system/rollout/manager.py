@@ -13,8 +13,8 @@ sits between the rollout workers, the generation servers and the trainer:
   and the error (naming the prompt and the cause) as the last line of its log, which the launcher reports.
 * The trainer publishes new weights (``/update_weights``): the manager pauses every live server, aborts what runs
   there (workers resubmit the rest of an aborted answer; it waits on the paused server; with
-  ``async_rl.weight_update=inflight`` nothing is aborted), loads the checkpoint folder, resumes, and raises its
-  *version*.
+  ``async_rl.weight_update=inflight`` nothing is aborted), has them load the checkpoint folder (or, with
+  ``param_realloc=memory``, the tensors the trainer shares on their host), resumes, and raises its *version*.
 * Staleness (``RolloutSpec``): a ticket of batch ``b`` is issued only while ``b <= version +
   max_head_offpolicyness``, and at most ``max_concurrent_rollouts`` run at once.
 * Order: prompts are handed out in the order a synchronous run trains them (``EpochIterator`` with
@@ -88,7 +88,9 @@ class RolloutManager:
     ``POST /server_down``       ``{"index", "reason"}`` -> ``{}``: stop routing to server ``index`` and updating it
     ``POST /worker_down``       ``{"worker", "reason"}`` -> ``{"released": n}``: the rollout worker is gone (the
                                 launcher says so); its running tickets fail and are re-issued to the others
-    ``POST /update_weights``    ``{"path", "version"}`` -> ``{"seconds", "servers": [updated indices], "version"}``
+    ``POST /update_weights``    ``{"path" | "parts", "version"}`` -> ``{"seconds", "servers": [updated indices],
+                                "version"}``: from a checkpoint folder, or from tensors the trainer shares on the
+                                servers' host (``parts``, ``realhf.gen_server.weight_share``)
     ``GET /status``             ``TicketBook.stats()`` + ``complete``, ``servers`` [{index, address, live,
                                 running_episodes, version}], ``weight_updates``, ``weight_update_seconds``,
                                 ``allocations_held`` (requests held by ``wait_s`` now),
@@ -322,15 +324,22 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ weights
     async def _update_weights(self, d):
-        d = _body(d, ["path", "version"])
-        path, version = d["path"], d["version"]
+        d = _body(d, ["version"], ["path", "parts"])
+        if ("path" in d) == ("parts" in d):
+            raise _HTTPError(400, "give one of 'path' (a checkpoint folder) or 'parts' (weights shared by reference)")
+        version = _int(d["version"], "version")
+        if "parts" in d:
+            if not isinstance(d["parts"], list) or not d["parts"]:
+                raise _HTTPError(400, "parts must be a non-empty list of shared-weight parts")
+            return await self.update_weights(d["parts"], version)
+        path = d["path"]
         if not isinstance(path, str) or not path:
             raise _HTTPError(400, f"path must name a checkpoint folder, got {path!r}")
-        version = _int(version, "version")
         return await self.update_weights(path, version)
 
-    async def update_weights(self, path: str, version: int) -> dict:
-        """Load the HF folder ``path`` as weight ``version`` on every live server (see the class docstring)."""
+    async def update_weights(self, source, version: int) -> dict:
+        """Load weight ``version`` on every live server (see the class docstring): from the HF folder ``source``, or
+        (a list) the parts the trainer shares on the servers' host (``realhf.gen_server.weight_share``)."""
         from realhf.gen_server.client import GenServerError
 
         async with self._update_lock:
@@ -340,8 +349,8 @@ class RolloutManager:
             if not live:
                 raise self._all_down()
             t0 = time.perf_counter()
-            results = await asyncio.gather(*(self._update_one(self.client.servers[i], path, version) for i in live),
-                                           return_exceptions=True)
+            results = await asyncio.gather(*(self._update_one(self.client.servers[i], source, version)
+                                             for i in live), return_exceptions=True)
             updated, errors = [], []
             for i, r in zip(live, results):
                 if isinstance(r, GenServerError) and r.status is None:  # unreachable: a transport failure
@@ -351,7 +360,8 @@ class RolloutManager:
                 else:
                     updated.append(i)
             if errors:
-                raise _HTTPError(500, f"weight update to version {version} from {path} failed on "
+                origin = source if isinstance(source, str) else "shared memory"
+                raise _HTTPError(500, f"weight update to version {version} from {origin} failed on "
                                       + "; ".join(errors))
             if not updated:
                 raise self._all_down()
@@ -365,7 +375,7 @@ class RolloutManager:
             logger.info("weights of version %d loaded on server(s) %s in %.2f s", version, updated, secs)
             return {"seconds": secs, "servers": updated, "version": version}
 
-    async def _update_one(self, s, path: str, version: int) -> None:
+    async def _update_one(self, s, source, version: int) -> None:
         from realhf.gen_server.client import GenServerError
 
         dia = self.client.dialect
@@ -377,7 +387,10 @@ class RolloutManager:
             if self.interrupt:
                 await dia.abort(s, None)
                 marks.append(("abort", time.perf_counter()))
-            await dia.update_weights_from_disk(s, path, version)
+            if isinstance(source, str):
+                await dia.update_weights_from_disk(s, source, version)
+            else:
+                await dia.update_weights_from_shared(s, source, version)
             marks.append(("load", time.perf_counter()))
             s.version = version
         except GenServerError as e:

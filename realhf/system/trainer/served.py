@@ -128,11 +128,11 @@ class WeightPublisher:
     def publish(self, model, version: int) -> dict:
         t0 = time.perf_counter()
         self.wait()
-        if self.fleet.param_realloc == "disk":
-            if self.spec.rollout is not None and model.grid.layout.world_size == 1:
-                self._publish_behind(model, version)
-            else:
-                self._publish_disk(model, version)
+        behind = self.spec.rollout is not None and model.grid.layout.world_size == 1
+        if behind:
+            self._publish_behind(model, version)
+        elif self.fleet.param_realloc == "disk":
+            self._publish_disk(model, version)
         else:
             self._publish_memory(model, version)
         return {"seconds": time.perf_counter() - t0}
@@ -158,44 +158,86 @@ class WeightPublisher:
             self._announce(version)
 
     def _publish_behind(self, model, version: int):
+        """An asynchronous run's single-process replica: a snapshot of the weights now, and the rest behind training
+        (disk: written, then announced; memory: shared — on CPU the shared buffer is the snapshot — then announced)."""
         from realhf.impl.model.conversion.hf_io import stage_hf_state
 
         hf = stage_hf_state(model.module)
+        if self.fleet.param_realloc == "memory":
+            if self.transport is None:
+                self.transport = self._choose_transport(self._client(), 0, None, model.grid, hf)
+            if self.sharer is None:
+                from realhf.gen_server.weight_share import SharedWriter
+
+                self.sharer = SharedWriter(f"{self.dst}-stage0")
+            on_cpu = all(v.device.type == "cpu" for v in hf.values())
+            part = self.sharer.share(hf if on_cpu else self._snap(hf))
+            target, args = self._share_behind, ([part], version)
+        else:
+            target, args = self._write_behind, (self._snap(hf), model.module.config, version)
+        self._behind = threading.Thread(target=target, args=args, name=f"publish-{self.dst}", daemon=True)
+        self._behind.start()
+
+    def _snap(self, hf):
+        """A copy of ``hf`` the trainer does not change, reused from one publish to the next."""
         snap = self._snapshot
         if snap is None or snap.keys() != hf.keys() or any(snap[k].shape != v.shape for k, v in hf.items()):
             snap = self._snapshot = {k: v.detach().clone() for k, v in hf.items()}
         else:
             for k, v in hf.items():
                 snap[k].copy_(v)
-        self._behind = threading.Thread(target=self._write_behind, args=(snap, model.module.config, version),
-                                        name=f"publish-{self.dst}", daemon=True)
-        self._behind.start()
+        return snap
 
     def _write_behind(self, snap, cfg, version: int):
         from realhf.impl.model.conversion.hf_io import write_hf_state
 
-        try:
-            t0 = time.perf_counter()
+        def write():
             write_hf_state(snap, cfg, self.path)
             self._announce(version)
+
+        self._behind_do(write, version, f"through {self.path}")
+
+    def _share_behind(self, parts, version: int):
+        def share():
+            try:
+                self._announce_shared(parts, version)
+            finally:
+                self.sharer.release()
+
+        self._behind_do(share, version, "shared by reference")
+
+    def _behind_do(self, fn, version: int, how: str):
+        try:
+            t0 = time.perf_counter()
+            fn()
             logger.info("published version %d of %s behind training in %.2f s", version, self.dst,
                         time.perf_counter() - t0)
         except BaseException as e:  # reported now (the run stops), raised again by the next publish (or close)
             err = RuntimeError(f"publishing version {version} of the weights of {self.dst} to the generation servers "
-                               f"(through {self.path}) failed: {type(e).__name__}: {e}")
+                               f"({how}) failed: {type(e).__name__}: {e}")
             err.__cause__ = e
             self._behind_error = err
             if self.on_failure is not None:
                 self.on_failure(str(err))
 
+    def _manager_call(self, body: dict):
+        from realhf.system.transport.manager_client import manager_call
+
+        addr = self.nr.wait(names.rollout_manager(self.spec.experiment_name, self.spec.trial_name), timeout=600)
+        manager_call(addr, self.secret, "/update_weights", body, timeout=self.fleet.startup_timeout_secs)
+
+    def _announce_shared(self, parts: List[dict], version: int):
+        """The servers load the shared ``parts`` as ``version`` (asynchronous run: through the rollout manager, which
+        pauses, updates and resumes them); the writers keep the parts alive until this returns."""
+        if self.spec.rollout is not None:
+            self._manager_call({"parts": parts, "version": version})
+        else:
+            self._client().update_weights_from_shared(parts, version)
+
     def _announce(self, version: int):
         """The checkpoint at ``self.path`` is complete: have the servers load it as ``version``."""
         if self.spec.rollout is not None:  # asynchronous run: the rollout manager pauses, updates, resumes the servers
-            from realhf.system.transport.manager_client import manager_call
-
-            addr = self.nr.wait(names.rollout_manager(self.spec.experiment_name, self.spec.trial_name), timeout=600)
-            manager_call(addr, self.secret, "/update_weights", {"path": self.path, "version": version},
-                         timeout=self.fleet.startup_timeout_secs)
+            self._manager_call({"path": self.path, "version": version})
         else:
             self._client().update_weights_from_disk(self.path, version)
 
@@ -235,7 +277,10 @@ class WeightPublisher:
         box = [None]
         if stage == 0:
             why = self._cannot_share(writers, client.health())
-            if why and want == "shared":
+            if why and self.spec.rollout is not None:  # no weight group in an asynchronous run
+                box[0] = (f"error: param_realloc=memory in an asynchronous run shares the weights with the servers, "
+                          f"which cannot work here: {why}; use param_realloc=disk")
+            elif why and want == "shared":
                 box[0] = f"error: gen_server.weight_transport=shared cannot work: {why}; use group or auto"
             else:
                 box[0] = "group" if why else "shared"
@@ -278,7 +323,7 @@ class WeightPublisher:
             dist.all_gather_object(parts, part, group=writers_group)
         try:
             if stage == 0:
-                client.update_weights_from_shared(parts, version)
+                self._announce_shared(parts, version)
         finally:
             if writers_group is not None:  # every writer keeps its tensors until the servers have read them
                 dist.barrier(group=writers_group)
