@@ -150,7 +150,10 @@ class SharedWriter:
         for name, t in named.items():
             t = t.detach()
             st = t.untyped_storage()
-            key = st.data_ptr()
+            key = st.data_ptr() if st.nbytes() else ("empty", t.device.index)
+            if key not in index and not st.nbytes():  # nothing to map (no CUDA allocation behind it)
+                index[key] = len(buffers)
+                buffers.append(dict(kind="cuda_ipc", device_uuid=device_uuid(t.device), nbytes=0))
             if key not in index:
                 (device, handle, size, offset_bytes, ref_handle, ref_offset, event_handle,
                  event_sync) = st._share_cuda_()
@@ -292,6 +295,8 @@ def _map_cuda(b: dict, what: str) -> torch.Tensor:
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}); use gen_server.weight_transport=group")
     event = b.get("event_handle")
     n = b["nbytes"]
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", local[0]))
     return rebuild_cuda_tensor(torch.Tensor, torch.Size([n]), (1,), 0, torch.UntypedStorage, torch.uint8, local[0],
                                _unb64(b.get("handle"), f"{what}: handle"), n, _field(b, "offset_bytes", int, what),
                                False, _unb64(b.get("ref_counter_handle"), f"{what}: ref_counter_handle"),
