@@ -134,6 +134,9 @@ def replica_specs(role: str, replicas: Dict[str, Tuple[ParallelDims, Tuple[int, 
     return specs
 
 
+SHARED_WEIGHTS_BACKENDS = ("gen", "vllm")  # servers whose engine takes weights shared by reference
+
+
 def gen_servers_spec(cfg, max_len: int, model_dtype: str = "auto"):
     """The ``GenServersSpec`` of a decoupled allocation (``vllm.``/``sglang.``/``gen.``), checked before anything
     starts: the backend can run here, its layout is one a server can hold (tensor parallel only), and shared weights
@@ -143,12 +146,13 @@ def gen_servers_spec(cfg, max_len: int, model_dtype: str = "auto"):
     mode = cfg.allocation()
     layout = mode.gen
     gs = cfg.gen_server
-    if gs.weight_transport == "shared" and mode.gen_backend != "gen":
-        raise ValueError(f"gen_server.weight_transport=shared: only realhf's own servers (gen.) take shared "
+    if gs.weight_transport == "shared" and mode.gen_backend not in SHARED_WEIGHTS_BACKENDS:
+        raise ValueError(f"gen_server.weight_transport=shared: only realhf's servers (gen., vllm.) take shared "
                          f"weights, this run serves with {mode.gen_backend}.; use group or auto")
-    if getattr(cfg, "async_rl", None) is not None and cfg.param_realloc == "memory" and mode.gen_backend != "gen":
-        raise ValueError(f"param_realloc=memory: an asynchronous run shares weights with realhf's own servers (gen.) "
-                         f"only, this run serves with {mode.gen_backend}.; use param_realloc=disk")
+    if (getattr(cfg, "async_rl", None) is not None and cfg.param_realloc == "memory"
+            and mode.gen_backend not in SHARED_WEIGHTS_BACKENDS):
+        raise ValueError(f"param_realloc=memory: an asynchronous run shares weights with realhf's servers (gen., "
+                         f"vllm.) only, this run serves with {mode.gen_backend}.; use param_realloc=disk")
     if layout.pp > 1:
         fix = ParallelDims(layout.dp, layout.tp * layout.pp, 1)
         raise ValueError(f"allocation_mode={cfg.allocation_mode!r}: a generation server holds tensor-parallel ranks "

@@ -120,6 +120,15 @@ class RealhfWorkerExtension:
                 pass
         return {"rank": group.rank, "tensors": n, "secs": time.perf_counter() - t0}
 
+    def realhf_update_from_shared(self, parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """Load the tensors the trainer shares on this host (``realhf.gen_server.weight_share``: a shared-memory
+        file on CPU, CUDA IPC handles on a GPU), mapped here and copied by vLLM's loader."""
+        from realhf.gen_server.weight_share import open_part
+
+        t0 = time.perf_counter()
+        n = self._realhf_load(nt for i, p in enumerate(parts) for nt in open_part(p, i))
+        return {"rank": self._realhf_tp_rank(), "tensors": n, "secs": time.perf_counter() - t0}
+
     def realhf_close_weight_group(self) -> None:
         group = getattr(self, "_realhf_weight_group", None)
         if group is not None:

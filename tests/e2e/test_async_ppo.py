@@ -116,9 +116,9 @@ def test_bad_async_options_fail_before_anything_starts(tiny_math_run, tmp_path):
         load_config(config_class("async-ppo-math"), [], base + ["allocation_mode=sglang.d1m1p1+d1m1p1",
                                                                  "async_rl.weight_update=inflight"])
     # weights in memory: shared with realhf's own servers only, never over a weight group
-    with pytest.raises(ValueError, match="param_realloc=memory: an asynchronous run shares weights with realhf's own"):
+    with pytest.raises(ValueError, match="param_realloc=memory: an asynchronous run shares weights with realhf's"):
         build_spec("async-ppo-math", load_config(config_class("async-ppo-math"), [], base + [
-            "allocation_mode=vllm.d1m1p1+d1m1p1", "param_realloc=memory"]))
+            "allocation_mode=sglang.d1m1p1+d1m1p1", "param_realloc=memory"]))
     with pytest.raises(ConfigError, match="weight_transport=group: async-ppo-math moves weights in memory only by"):
         load_config(config_class("async-ppo-math"), [], base + ["param_realloc=memory",
                                                                  "gen_server.weight_transport=group"])

@@ -48,6 +48,9 @@ def test_grpo_learns_through_a_vllm_server(recipe, start):
         assert res["batch_acc_last_quarter"] >= res["batch_acc_first_quarter"] + 0.10
     log = open(os.path.join(start["out"], "runs", "grpo-vllm", "run", "logs", "gen_server_0.log")).read()
     assert "vllm engine loaded" in log
+    # the weights reached the server through shared memory (gen_server.weight_transport=auto: it is on this host)
+    log = open(os.path.join(start["out"], "runs", "grpo-vllm", "run", "logs", "model_worker_0.log")).read()
+    assert "servers: shared (by reference: a shared-memory file)" in log
 
 
 @pytest.mark.slow

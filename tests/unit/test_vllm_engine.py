@@ -3,9 +3,9 @@
 One engine serves every test of the module (start-up takes 15-90 s on 2 cores); it runs on an event loop in a
 background thread, as it would in the server. Checked: greedy tokens equal transformers' greedy; log-probs equal
 realhf's ReaLModel forward; seeded sampling is reproducible and its log-probs are the documented quantity;
-stop/min/length/abort finish reasons; pause and resume; weight updates from disk and over a gloo weight group
-(a sender process) make log-probs equal the sender's model, with per-token versions, also mid-request; a bad
-model path or an unsupported head size fails start() with a useful message; no vLLM process outlives close().
+stop/min/length/abort finish reasons; pause and resume; weight updates from disk, over a gloo weight group (a sender
+process) and from shared memory make log-probs equal the sender's model, with per-token versions, also mid-request;
+a bad model path or an unsupported head size fails start() with a useful message; no vLLM process outlives close().
 
 The tiny model has 2 attention heads of size 32 (vLLM's CPU attention has no head size 16, the default tiny
 model's). SmolLM2-135M checks are marked slow.
@@ -459,6 +459,35 @@ def test_weight_update_over_a_weight_group(engine, loop, tiny, ref_model, tmp_pa
         assert _maxdiff([o.logprobs], [want]) < 1e-4
 
     _updates_over_group(engine, loop, tiny, tmp_path, [2, 4], check)  # two updates over one group
+    loop.run(engine.update_weights_from_disk(tiny, engine.version + 1))
+    assert _maxdiff(loop.run(engine.logprobs(SEQS)), sequence_logprobs(ref_model, SEQS)) < 1e-4
+
+
+def test_weight_update_from_shared_memory(engine, loop, tiny, ref_model, tmp_path):
+    """The trainer (this process) shares its HF tensors in a shared-memory file; vLLM's worker process maps it and
+    loads them with vLLM's own loader: the served log-probs become the trainer's. The buffer is reused for the next
+    update. A part from another host is refused in the server before any worker maps anything."""
+    from realhf.gen_server.api import RequestError
+    from realhf.gen_server.weight_share import SharedWriter
+    from realhf.impl.model.conversion.hf_io import stage_hf_state
+
+    assert engine.shared_weights
+    w = SharedWriter("vllm-test")
+    try:
+        for seed in (5, 6):
+            m, _ = perturbed_model(tiny, tmp_path, seed=seed)
+            part = w.share(stage_hf_state(m))
+            v = engine.version + 3
+            loop.run(engine.update_weights_from_shared([part], v), timeout=180)
+            w.release()
+            assert engine.version == v and engine.metrics()["version"] == v
+            assert _maxdiff(loop.run(engine.logprobs(SEQS)), sequence_logprobs(m, SEQS)) < 1e-4
+        with pytest.raises(RequestError, match="comes from host 'elsewhere/boot'"):
+            loop.run(engine.update_weights_from_shared([dict(part, host="elsewhere/boot")], v + 1))
+        assert engine.version == v
+        assert _maxdiff(loop.run(engine.logprobs(SEQS)), sequence_logprobs(m, SEQS)) < 1e-4
+    finally:
+        w.close()
     loop.run(engine.update_weights_from_disk(tiny, engine.version + 1))
     assert _maxdiff(loop.run(engine.logprobs(SEQS)), sequence_logprobs(ref_model, SEQS)) < 1e-4
 

@@ -87,7 +87,7 @@ class AsyncPPOMathConfig(PPOMathConfig):
     param_realloc: str = option("disk", "how trained weights reach the generation servers: disk (the rollout manager "
                                         "pauses the servers, which load the checkpoint, and resumes them) | memory "
                                         "(the same, the servers reading the trainer's tensors shared by reference: "
-                                        "CUDA IPC handles on a GPU, a shared-memory file on CPU; realhf's gen. "
+                                        "CUDA IPC handles on a GPU, a shared-memory file on CPU; gen. or vllm. "
                                         "servers on the trainer's host)")
     async_rl: AsyncRLConfig = option(help="asynchronous RL", factory=AsyncRLConfig)
     actor_inf: MFCConfig = option(help="proximal log-prob MFC (async_rl.prox_logp=recompute)", factory=MFCConfig)

@@ -382,8 +382,8 @@ class GenServerConfig:
         "auto", "how trained weights reach the servers with param_realloc=memory: group (broadcast over a "
                 "torch.distributed group: NCCL between GPUs, gloo on CPU or where a server shares the trainer's GPU) | "
                 "shared (by reference on the trainer's host: CUDA IPC handles on a GPU, nothing through host memory; "
-                "a shared-memory file on CPU; realhf's gen. servers only) | auto (shared where every server is a gen. "
-                "server on the trainer's host and sees its GPU, else group)")
+                "a shared-memory file on CPU; gen. and vllm. servers) | auto (shared where every server takes shared "
+                "weights, runs on the trainer's host and sees its GPU, else group)")
     extra: str = option("{}", "backend options as a JSON object, e.g. vLLM engine args "
                               "'{\"enable_prefix_caching\": true}'")
 
