@@ -95,9 +95,9 @@ class AsyncPPOMathConfig(PPOMathConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.gen_server.weight_transport == "group":
-            raise ValueError("gen_server.weight_transport=group: async-ppo-math moves weights in memory only by sharing "
-                             "them with the servers on the trainer's host (shared, or auto); for servers elsewhere "
-                             "use param_realloc=disk")
+            raise ValueError("gen_server.weight_transport=group: async-ppo-math moves weights in memory only by "
+                             "sharing them with the servers on the trainer's host (shared, or auto); for servers "
+                             "elsewhere use param_realloc=disk")
         if self.allocation().kind not in ("decoupled", "search"):
             raise ValueError(f"allocation_mode={self.allocation_mode!r}: async-ppo-math generates on generation servers "
                              "on their own devices; give a decoupled allocation such as gen.d1m1p1+d1m1p1 or "

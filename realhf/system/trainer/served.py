@@ -6,15 +6,16 @@
   ``generate(seeds=...)``, so the ``gen`` backend samples exactly what the colocated engine would.
 * :class:`WeightPublisher` brings the trained weights of the source replica to every server after training
   (the master's ``ParamReallocHook`` asks for it before the next generation): ``disk`` — the replica writes a HF
-  checkpoint (``save_hf``, atomic) and every server loads it; ``memory`` — on the servers' host, realhf's own
+  checkpoint (``save_hf``, atomic) and every server loads it; ``memory`` — on the servers' host, ``gen`` and vLLM
   servers map the stage writers' HF-named tensors by reference (``gen_server.weight_transport=shared``, the
   ``auto`` choice there: CUDA IPC handles on a GPU, a shared-memory file on CPU; ``realhf.gen_server.weight_share``);
   otherwise (``group``) the replica's stage writers and every server rank join one torch.distributed group (gloo on
   CPU or where a server shares the trainer's GPU, NCCL between GPUs) and the writers broadcast the tensors, which
-  the servers load as they arrive. In an asynchronous run (``spec.rollout``) the
-  checkpoint goes to the rollout manager instead, which pauses the servers, has them load it and resumes them.
-  There, a single-process replica publishes *behind* training: it copies its weights (a fraction of a second)
-  and a background thread writes and announces the checkpoint while the trainer goes on with the next step; the
+  the servers load as they arrive. In an asynchronous run (``spec.rollout``) the checkpoint (or, ``memory``, the
+  shared parts: there is no weight group there) goes to the rollout manager instead, which pauses the servers, has
+  them load it and resumes them. There, a single-process replica publishes *behind* training: it copies its
+  weights (a fraction of a second; on CPU with ``memory`` into the shared buffer) and a background thread writes
+  and announces the checkpoint (or announces the shared copy) while the trainer goes on with the next step; the
   next publish waits for it, so versions arrive in order. A failure is reported at once through ``on_failure``
   (the worker's heartbeats: the master stops the run with it, as no rollout of a later batch may wait for a
   version that never comes) and raised again by the next publish. The staleness bound holds as before: the
@@ -159,7 +160,7 @@ class WeightPublisher:
 
     def _publish_behind(self, model, version: int):
         """An asynchronous run's single-process replica: a snapshot of the weights now, and the rest behind training
-        (disk: written, then announced; memory: shared — on CPU the shared buffer is the snapshot — then announced)."""
+        (disk: written, then announced; memory: shared, then announced; on CPU the shared buffer is the snapshot)."""
         from realhf.impl.model.conversion.hf_io import stage_hf_state
 
         hf = stage_hf_state(model.module)
