@@ -116,14 +116,26 @@ class RecoverStore:
 
     def latest(self) -> Optional[dict]:
         """The info of the current checkpoint with ``"path"`` (its folder) and ``"finished"`` added, or None when
-        there is none. Raises RecoverError naming the file when it is damaged or truncated."""
+        there is none. Raises RecoverError naming the file when it is damaged or truncated. Read while a run goes on
+        (a monitor, a test), the checkpoint may be replaced between reading the pointer and its folder: the new one
+        is read then."""
         ptr_path = os.path.join(self.root, LATEST)
         if not os.path.exists(ptr_path):
             if os.path.isfile(os.path.join(self.root, INFO)):
                 raise RecoverError(f"{self.root} holds a recover checkpoint of an older realhf layout (no {LATEST} file); "
                                    "it cannot be resumed: move or delete it")
             return None
-        ptr = _read_json(ptr_path, "recover pointer")
+        for _ in range(10):
+            ptr = _read_json(ptr_path, "recover pointer")
+            try:
+                return self._checked(ptr, ptr_path)
+            except RecoverError:
+                if _read_json(ptr_path, "recover pointer").get("dir") == ptr.get("dir"):
+                    raise  # still the current checkpoint: it is damaged
+        return self._checked(_read_json(ptr_path, "recover pointer"), ptr_path)
+
+    def _checked(self, ptr: dict, ptr_path: str) -> dict:
+        """The checkpoint ``ptr`` names, its manifest checked against its files."""
         name = ptr.get("dir")
         if not isinstance(name, str) or not name.startswith(_PREFIX) or os.sep in name:
             raise RecoverError(f"recover pointer {ptr_path} names no checkpoint folder: {ptr!r}")

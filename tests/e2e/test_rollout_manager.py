@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import threading
 import types
 import urllib.error
 import urllib.request
@@ -21,33 +20,15 @@ from realhf.gen_server.auth import sign
 from realhf.base.run_secret import new_run_secret
 from realhf.system.rollout.manager import RolloutManager
 
+from support.thread_loop import Loop
 from support.ticket_book_util import book_of, read_log
-
-
-class Loop:
-    """An event loop in a thread: the manager, the clients and the fleet's client run on it."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=120):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def submit(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="module")
 def loop():
     lp = Loop()
     yield lp
-    lp.close()
+    lp.stop()
 
 
 @pytest.fixture(scope="module")

@@ -84,3 +84,29 @@ def test_finished_and_archived(tmp_path):
     dest = store.archive("test")
     assert not store.exists() and store.latest() is None
     assert os.path.basename(dest).startswith("recover.stale-") and RecoverStore(dest).latest()["global_step"] == 4
+
+
+def test_a_reader_during_a_run_gets_the_checkpoint_that_replaced_the_one_it_found(tmp_path, monkeypatch):
+    """A reader (a monitor, a test) that finds checkpoint 2 current while the run commits checkpoint 3, which removes
+    2, reads 3 rather than failing on 2's missing files; a checkpoint damaged while still current is refused."""
+    from realhf.base import recover
+
+    root = str(tmp_path / "recover")
+    assert _commit(root, 2).returncode == 0
+    store = RecoverStore(root)
+    real = recover._read_json
+    raced = []
+
+    def racing(path, what):
+        if what == "recover checkpoint info" and not raced:  # the run commits 3 after the pointer was read
+            raced.append(path)
+            assert _commit(root, 3).returncode == 0
+        return real(path, what)
+
+    monkeypatch.setattr(recover, "_read_json", racing)
+    _check(store, 3)
+    assert raced and "ckpt-00000002" in raced[0] and not os.path.exists(os.path.dirname(raced[0]))
+    monkeypatch.setattr(recover, "_read_json", real)
+    os.remove(os.path.join(store.latest()["path"], "actor", "weights.bin"))
+    with pytest.raises(RecoverError, match=r"weights\.bin is missing"):
+        store.latest()

@@ -11,13 +11,11 @@ The tiny model has 2 attention heads of size 32 (vLLM's CPU attention has no hea
 model's). SmolLM2-135M checks are marked slow.
 """
 import asyncio
-import concurrent.futures
 import json
 import multiprocessing as mp
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -30,50 +28,12 @@ from realhf.base.process import source_root
 from realhf.testing import perturbed_model, sequence_logprobs  # noqa: E402
 from realhf.gen_server.api import EngineConfig, GenerateRequest, SamplingParams, WeightGroupSpec  # noqa: E402
 
+from support.thread_loop import Loop  # noqa: E402
+from support.vllm_procs import vllm_children, wait_gone  # noqa: E402
+
 TINY_KW = dict(tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=1)  # head_dim 32
 SEQS = [[3, 8, 20, 41, 7, 99], [11, 12, 13], [250, 4, 4, 4, 90, 1, 2, 3], [500, 600]]
 PROMPTS = [[5, 17, 33, 2], [9, 1], [100, 200, 300, 400, 500, 7], [42], [77, 78, 79, 80, 81, 82, 83, 84, 85]]
-
-
-class Loop:
-    """An asyncio loop in a thread: ``run(coro)`` waits for it from the test's thread."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=600):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def submit(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-def vllm_children():
-    import psutil
-
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.name().startswith("VLLM") or "vllm" in " ".join(p.cmdline()).lower():
-                out.append((p.pid, p.name()))
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def wait_gone(before=(), timeout=30):
-    """vLLM processes of this test process not in ``before`` that are still there after up to ``timeout`` s."""
-    left = lambda: [c for c in vllm_children() if c[0] not in set(p for p, _ in before)]  # noqa: E731
-    t0 = time.time()
-    while left() and time.time() - t0 < timeout:
-        time.sleep(0.2)
-    return left()
 
 
 @pytest.fixture(scope="module")
