@@ -62,7 +62,8 @@ def _check_server_placement(res, weights=None):
     assert "engine loaded" in server and " on cuda in bfloat16 " in server, server[-2000:]
     if weights:
         with open(os.path.join(logs, "model_worker_0.log")) as f:
-            assert weights in f.read()
+            log = f.read()
+        assert weights in log and "falling back to the weight group" not in log, log[-3000:]
 
 
 @pytest.mark.slow  # test_grpo_learns_through_generation_servers is this run with generation served (the same samples,

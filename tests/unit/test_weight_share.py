@@ -4,6 +4,7 @@ bit, in every dtype, the buffer reused from one update to the next; a malformed,
 refused before anything is mapped; the gen engine loads shared weights as it loads a folder, refusing an update that
 does not fit or is stale with nothing changed."""
 import asyncio
+import logging
 import multiprocessing as mp
 import os
 import tempfile
@@ -252,3 +253,58 @@ def test_a_cpu_runs_shared_buffer_is_counted_in_the_host_memory(tmp_path, monkey
     assert (group.per_rank - shared.per_rank) * 2 == pytest.approx(4 * n_params, rel=0.02)
     assert "weights shared with them" in shared.source and "weights shared" not in group.source
     assert cap("param_realloc=disk").per_rank == group.per_rank
+
+
+def test_auto_falls_back_to_the_weight_group_until_a_shared_update_has_worked(tmp_path, monkeypatch):
+    """The publisher with gen_server.weight_transport=auto, against a real gen server process: a first shared update
+    the server refuses (here: the parts claim another host) falls back to the weight group, which loads the weights
+    (the server's log-probs become the trainer's) and stays the run's transport. Once a shared update has worked, a
+    later failure is the run's: raised, not hidden."""
+    import types
+
+    from realhf.api.core.system_api import GenServersSpec
+    from realhf.gen_server.client import GenServerError
+    from realhf.gen_server.fleet import LocalFleet
+    from realhf.impl.model.tiny import ensure_tiny_model
+    from realhf.system.trainer.served import WeightPublisher
+    from realhf.testing import perturbed_model, sequence_logprobs
+
+    tiny = ensure_tiny_model("qwen2", tie_word_embeddings=True)
+    seqs = _prompts(lens=[7, 4], seed=3)
+    spec = types.SimpleNamespace(save_dir=str(tmp_path), rollout=None, experiment_name="e", trial_name="t")
+    fleet_spec = GenServersSpec(backend="gen", n_servers=1, param_realloc="memory", weight_transport="auto")
+    env = types.SimpleNamespace(device=torch.device("cpu"))
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("realhf.system.trainer.served").addHandler(handler)
+
+    def trainer(seed):
+        m, _ = perturbed_model(tiny, str(tmp_path), seed=seed)
+        return types.SimpleNamespace(module=m, grid=m.grid), m
+
+    try:
+        with LocalFleet("gen", tiny, 1, dtype="float32", device="cpu", max_model_len=128) as f:
+            c = f.client()
+            for first_works in (False, True):
+                pub = WeightPublisher(spec, fleet_spec, b"s" * 32, None, env, f"actor@{int(first_works)}")
+                pub.client = c
+                model, m = trainer(seed=11 + first_works)
+                if not first_works:  # the parts claim another host: the server refuses them
+                    monkeypatch.setattr(weight_share, "host_id", lambda: "elsewhere/boot")
+                    pub.transport = "shared"  # as auto chose it
+                pub.publish(model, 1 + 2 * first_works)
+                monkeypatch.undo()
+                assert _max_err(c.logprobs(seqs)[0], sequence_logprobs(m, seqs)[0]) < 1e-4
+                if not first_works:
+                    assert pub.transport == "group" and pub.group is not None
+                    assert any("falling back to the weight group" in w and "comes from host 'elsewhere/boot'" in w
+                               for w in warned), warned
+                else:
+                    assert pub.transport == "shared"
+                    monkeypatch.setattr(weight_share, "host_id", lambda: "elsewhere/boot")
+                    with pytest.raises(GenServerError, match="comes from host 'elsewhere/boot'"):
+                        pub.publish(model, 4)
+                    monkeypatch.undo()
+    finally:
+        logging.getLogger("realhf.system.trainer.served").removeHandler(handler)

@@ -116,6 +116,7 @@ class WeightPublisher:
         self.group = None
         self.transport: Optional[str] = None  # param_realloc=memory: "group" | "shared", chosen at the first publish
         self.sharer = None  # the shared-memory writer of the "shared" transport
+        self._shared_worked = False  # a shared update has reached the servers (auto no longer falls back)
         self.path = os.path.join(spec.save_dir, ".gen_weights", dst)
         self._behind: Optional[threading.Thread] = None  # the publish running behind training
         self._behind_error: Optional[BaseException] = None
@@ -255,7 +256,7 @@ class WeightPublisher:
         if self.transport is None:
             self.transport = self._choose_transport(client, stage, writers_group, grid, hf)
         if self.transport == "shared":
-            self._publish_shared(client, stage, pp, writers_group, hf, version)
+            self._publish_shared(client, stage, pp, writers_group, grid, hf, version)
         else:
             self._publish_group(client, stage, pp, writers_group, grid, hf, version)
 
@@ -312,23 +313,57 @@ class WeightPublisher:
                     return f"server {i} does not see stage writer {j}'s GPU {w['gpu']}"
         return None
 
-    def _publish_shared(self, client, stage: int, pp: int, writers_group, hf, version: int):
+    def _publish_shared(self, client, stage: int, pp: int, writers_group, grid, hf, version: int):
+        """Every stage writer shares its tensors; stage 0 has the servers load all the parts. Until one such update
+        has worked, ``auto`` falls back to the weight group when it fails (e.g. a container that forbids CUDA IPC),
+        with a warning naming the cause; the group's complete update also repairs a server left half-updated."""
         from realhf.gen_server.weight_share import SharedWriter
 
         if self.sharer is None:
             self.sharer = SharedWriter(f"{self.dst}-stage{stage}")
-        part = self.sharer.share(hf)
+        try:
+            part = self.sharer.share(hf)
+        except Exception as e:
+            if not self._may_fall_back():
+                raise
+            part = f"stage writer {stage} cannot share: {type(e).__name__}: {e}"
         parts = [part]
         if writers_group is not None:
             parts = [None] * pp
             dist.all_gather_object(parts, part, group=writers_group)
+        failed = [None]
         try:
             if stage == 0:
-                self._announce_shared(parts, version)
+                failed[0] = next((p for p in parts if isinstance(p, str)), None)
+                if failed[0] is None:
+                    try:
+                        self._announce_shared(parts, version)
+                    except Exception as e:
+                        if not self._may_fall_back():
+                            raise
+                        failed[0] = f"the servers could not load them: {type(e).__name__}: {e}"
         finally:
             if writers_group is not None:  # every writer keeps its tensors until the servers have read them
                 dist.barrier(group=writers_group)
             self.sharer.release()
+        if writers_group is not None:
+            dist.broadcast_object_list(failed, src=grid.global_rank_of(0, 0, 0), group=writers_group)
+        if failed[0] is None:
+            self._shared_worked = True
+            return
+        logger.warning("weights of %s: sharing them with the generation servers failed (%s); falling back to the "
+                       "weight group for this run (gen_server.weight_transport=group skips the attempt)", self.dst,
+                       failed[0])
+        self.transport = "group"
+        self.sharer.close()
+        self.sharer = None
+        self._publish_group(client, stage, pp, writers_group, grid, hf, version)
+
+    def _may_fall_back(self) -> bool:
+        """Whether a failed shared update may fall back to the weight group: ``auto``, a synchronous run (an
+        asynchronous one has no group), and no shared update has worked yet (after one, a failure is the run's)."""
+        return (self.fleet.weight_transport == "auto" and self.spec.rollout is None
+                and not self._shared_worked)
 
     def _publish_group(self, client, stage: int, pp: int, writers_group, grid, hf, version: int):
         from realhf.gen_server.weight_group import metas_of, send
