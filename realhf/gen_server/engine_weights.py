@@ -236,15 +236,12 @@ class EngineWeights:
         """Copy the tensors of ``parts`` (shared by the trainer on this host: ``realhf.gen_server.weight_share``)
         into the parameters. Everything is checked before the first copy: the version, every part, every tensor's
         name and shape."""
-        from realhf.gen_server.weight_share import check_part, open_part
+        from realhf.gen_server.weight_share import check_parts, open_parts
 
         self._check_version(version)
-        if not isinstance(parts, list) or not parts:
-            raise RequestError("'parts' must be a non-empty list of shared-weight parts")
-        entries = [t for i, p in enumerate(parts) for t in check_part(p, i)]
+        entries = check_parts(parts)
         metas = [TensorMeta(name=t["name"], dtype=t["dtype"], shape=t["shape"]) for t in entries]
         plans, errors = self._plan_tensors(metas)
         self._refuse(errors, "from shared memory")
-        received = (nt for i, p in enumerate(parts) for nt in open_part(p, i))
-        self._copy_in(received, plans, skip=False)
+        self._copy_in(open_parts(parts), plans, skip=False)
         self._updated(version)

@@ -351,12 +351,10 @@ class VLLMEngine(VLLMLaunch, GenerationEngine):
                     time.perf_counter() - t0)
 
     async def update_weights_from_shared(self, parts: List[dict], version: int) -> None:
-        from realhf.gen_server.weight_share import check_part
+        from realhf.gen_server.weight_share import check_parts
 
         self._check()
-        if not isinstance(parts, list) or not parts:
-            raise RequestError("'parts' must be a non-empty list of shared-weight parts")
-        n = sum(len(check_part(p, i)) for i, p in enumerate(parts))  # refused here, before any worker maps anything
+        n = len(check_parts(parts))  # refused here, before any worker maps anything
         t0 = time.perf_counter()
         await self._update("realhf_update_from_shared", (list(parts),), version)
         logger.info("vLLM weights <- shared memory, %d tensors (version %d) in %.3fs", n, version,

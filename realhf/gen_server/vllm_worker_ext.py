@@ -123,10 +123,10 @@ class RealhfWorkerExtension:
     def realhf_update_from_shared(self, parts: List[Dict[str, Any]]) -> Dict[str, Any]:
         """Load the tensors the trainer shares on this host (``realhf.gen_server.weight_share``: a shared-memory
         file on CPU, CUDA IPC handles on a GPU), mapped here and copied by vLLM's loader."""
-        from realhf.gen_server.weight_share import open_part
+        from realhf.gen_server.weight_share import open_parts
 
         t0 = time.perf_counter()
-        n = self._realhf_load(nt for i, p in enumerate(parts) for nt in open_part(p, i))
+        n = self._realhf_load(open_parts(parts))
         return {"rank": self._realhf_tp_rank(), "tensors": n, "secs": time.perf_counter() - t0}
 
     def realhf_close_weight_group(self) -> None:

@@ -16,7 +16,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 import torch.distributed as dist
 
-from realhf.gen_server.api import TensorMeta, WeightGroupSpec
+from realhf.gen_server.api import RequestError, TensorMeta, WeightGroupSpec
 
 
 class WeightGroup:
@@ -52,16 +52,20 @@ class WeightGroup:
         self.store = None
 
 
-def _dtype(name: str) -> torch.dtype:
-    d = getattr(torch, name, None)
+def dtype_name(d: torch.dtype) -> str:
+    """A dtype as weight updates name it (``float32``): :func:`dtype_of` reads it back."""
+    return str(d).replace("torch.", "")
+
+
+def dtype_of(name) -> torch.dtype:
+    d = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(d, torch.dtype):
-        raise ValueError(f"unknown tensor dtype {name!r}")
+        raise RequestError(f"unknown tensor dtype {name!r}")
     return d
 
 
 def metas_of(named: Dict[str, torch.Tensor], src: int = 0) -> List[TensorMeta]:
-    return [TensorMeta(name=n, dtype=str(t.dtype).replace("torch.", ""), shape=list(t.shape), src=src)
-            for n, t in named.items()]
+    return [TensorMeta(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape), src=src) for n, t in named.items()]
 
 
 def send(group: WeightGroup, named: Dict[str, torch.Tensor], metas: List[TensorMeta]) -> None:
@@ -70,7 +74,7 @@ def send(group: WeightGroup, named: Dict[str, torch.Tensor], metas: List[TensorM
         if m.src == group.rank:
             t = named[m.name].detach().contiguous()
         else:
-            t = torch.empty(m.shape, dtype=_dtype(m.dtype), device=_device(group))
+            t = torch.empty(m.shape, dtype=dtype_of(m.dtype), device=_device(group))
         group.broadcast(t, m.src)
 
 
@@ -78,7 +82,7 @@ def receive(group: WeightGroup, metas: List[TensorMeta], device=None) -> Iterato
     """Server side: yield ``(name, tensor)`` as each broadcast of ``metas`` arrives."""
     dev = device if device is not None else _device(group)
     for m in metas:
-        t = torch.empty(m.shape, dtype=_dtype(m.dtype), device=dev)
+        t = torch.empty(m.shape, dtype=dtype_of(m.dtype), device=dev)
         group.broadcast(t, m.src)
         yield m.name, t
 

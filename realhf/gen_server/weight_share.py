@@ -25,6 +25,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from realhf.api.core.generation import RequestError
+from realhf.gen_server.weight_group import dtype_name, dtype_of
 
 _ALIGN = 64  # bytes: each tensor of a CPU buffer starts at a multiple (of every dtype's size)
 _MEMFD_NAME = "realhf-weights"
@@ -49,7 +50,7 @@ def visible_gpus() -> List[str]:
     if the trainer's GPU is among them."""
     global _GPUS
     if _GPUS is None:
-        _GPUS = ([str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        _GPUS = ([device_uuid(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
                  if torch.cuda.is_available() else [])
     return _GPUS
 
@@ -127,7 +128,7 @@ class SharedWriter:
             nb = t.numel() * t.element_size()
             buf[off:off + nb].view(t.dtype).view(t.shape).copy_(t.detach())
             stride = list(torch.empty(t.shape, device="meta").stride())
-            tensors.append(dict(name=name, dtype=_dtype_name(t.dtype), shape=list(t.shape), stride=stride, buffer=0,
+            tensors.append(dict(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), stride=stride, buffer=0,
                                 offset=off // t.element_size()))
         fd_path = f"/proc/{os.getpid()}/fd/{self._fd}"
         return dict(host=host_id(), pid=os.getpid(), device="cpu", tensors=tensors,
@@ -164,7 +165,7 @@ class SharedWriter:
                                     event_handle=_b64(event_handle) if event_handle else None,
                                     event_sync_required=bool(event_sync)))
             self._held.append(t)
-            tensors.append(dict(name=name, dtype=_dtype_name(t.dtype), shape=list(t.shape), stride=list(t.stride()),
+            tensors.append(dict(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), stride=list(t.stride()),
                                 buffer=index[key], offset=t.storage_offset()))
         return dict(host=host_id(), pid=os.getpid(), device="cuda", tensors=tensors, buffers=buffers)
 
@@ -178,17 +179,6 @@ class SharedWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _dtype_name(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
-
-
-def _dtype(name) -> torch.dtype:
-    d = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(d, torch.dtype):
-        raise RequestError(f"unknown tensor dtype {name!r}")
-    return d
 
 
 def _ints(v, what: str, n: Optional[int] = None) -> List[int]:
@@ -235,7 +225,7 @@ def check_part(part: dict, i: int = 0) -> List[dict]:
     for t in tensors:
         name = _field(t, "name", str, what)
         tw = f"{what}, tensor {name!r}"
-        dtype = _dtype(t.get("dtype"))
+        dtype = dtype_of(t.get("dtype"))
         shape = _ints(t.get("shape"), f"{tw}: shape")
         stride = _ints(t.get("stride"), f"{tw}: stride", len(shape))
         j = _field(t, "buffer", int, tw)
@@ -250,6 +240,19 @@ def check_part(part: dict, i: int = 0) -> List[dict]:
     return tensors
 
 
+def check_parts(parts) -> List[dict]:
+    """The tensors' entries of every part of an update (:func:`check_part`), which must be a non-empty list."""
+    if not isinstance(parts, list) or not parts:
+        raise RequestError("'parts' must be a non-empty list of shared-weight parts")
+    return [t for i, p in enumerate(parts) for t in check_part(p, i)]
+
+
+def open_parts(parts: List[dict]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """:func:`open_part` of every part of an update, in order."""
+    for i, p in enumerate(parts):
+        yield from open_part(p, i)
+
+
 def open_part(part: dict, i: int = 0) -> Iterator[Tuple[str, torch.Tensor]]:
     """The server's side: ``(name, tensor)`` for every tensor of ``part``, each a view of the trainer's memory
     (read-only on CPU) valid while the trainer holds the part (until the server answers). Checked first
@@ -257,7 +260,7 @@ def open_part(part: dict, i: int = 0) -> Iterator[Tuple[str, torch.Tensor]]:
     tensors = check_part(part, i)
     bufs = [_map(b, part["device"], f"shared weights, part {i}, buffer {j}") for j, b in enumerate(part["buffers"])]
     for t in tensors:
-        dtype = _dtype(t["dtype"])
+        dtype = dtype_of(t["dtype"])
         buf = bufs[t["buffer"]]
         v = torch.empty(0, dtype=dtype, device=buf.device)
         v.set_(buf.untyped_storage(), t["offset"], t["shape"], t["stride"])

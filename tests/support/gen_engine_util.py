@@ -19,6 +19,14 @@ def path_fixture():
     return ensure_tiny_model("qwen2", tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="module", name="perturbed")
+def perturbed_fixture(path, tmp_path_factory):
+    """An HF folder of the tiny model with every weight moved (the 'trained' model of the weight-update tests)."""
+    from realhf.testing import perturbed_model
+
+    return perturbed_model(path, str(tmp_path_factory.mktemp("gen_engine")), seed=123)[1]
+
+
 @pytest.fixture(scope="module", name="ref_model")
 def ref_model_fixture(path):
     return _build(path)

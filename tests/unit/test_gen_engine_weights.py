@@ -10,27 +10,12 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from realhf.gen_server.api import WeightGroupSpec
 
 from support.gen_engine_util import (_bad_named, _build, _engine, _fresh_logprobs, _gen, _max_err, _named_hf,
                                      _prompts, _req, _until)
-from support.gen_engine_util import path_fixture, ref_model_fixture  # noqa: F401 - the fixtures `path` and `ref_model`
-
-
-@pytest.fixture(scope="module")
-def perturbed(path, tmp_path_factory):
-    """An HF folder of the tiny model with every weight moved (the 'trained' model of the update tests)."""
-    from realhf.impl.model.conversion.hf_io import save_hf
-
-    m = _build(path)
-    g = torch.Generator().manual_seed(123)
-    with torch.no_grad():
-        m.flat.add_(torch.randn(m.flat.shape, generator=g) * 0.05)
-    out = str(tmp_path_factory.mktemp("gen_engine") / "v1")
-    save_hf(m, out, tokenizer_src=path)
-    return out
+from support.gen_engine_util import path_fixture, perturbed_fixture, ref_model_fixture  # noqa: F401 - fixtures
 
 
 def test_update_weights_from_disk(path, ref_model, perturbed, tmp_path):

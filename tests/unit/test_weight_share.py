@@ -17,7 +17,7 @@ from realhf.gen_server import weight_share
 from realhf.gen_server.weight_share import SharedWriter, open_part
 
 from support.gen_engine_util import _bad_named, _build, _engine, _fresh_logprobs, _max_err, _named_hf, _prompts, _req
-from support.gen_engine_util import path_fixture  # noqa: F401 - the fixture `path`
+from support.gen_engine_util import path_fixture, perturbed_fixture  # noqa: F401 - the fixtures `path`, `perturbed`
 
 
 def _tensors(seed: int, scale: int = 1):
@@ -139,19 +139,6 @@ def _share_and_wait(folder, parts_out, done):
         w.close()
     except BaseException as e:  # noqa: BLE001 - reported to the test
         parts_out.put(f"{type(e).__name__}: {e}")
-
-
-@pytest.fixture(scope="module")
-def perturbed(path, tmp_path_factory):
-    from realhf.impl.model.conversion.hf_io import save_hf
-
-    m = _build(path)
-    g = torch.Generator().manual_seed(321)
-    with torch.no_grad():
-        m.flat.add_(torch.randn(m.flat.shape, generator=g) * 0.05)
-    out = str(tmp_path_factory.mktemp("weight_share") / "v1")
-    save_hf(m, out, tokenizer_src=path)
-    return out
 
 
 def test_engine_loads_weights_shared_by_another_process(path, perturbed):

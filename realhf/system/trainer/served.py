@@ -168,12 +168,8 @@ class WeightPublisher:
         if self.fleet.param_realloc == "memory":
             if self.transport is None:
                 self.transport = self._choose_transport(self._client(), 0, None, model.grid, hf)
-            if self.sharer is None:
-                from realhf.gen_server.weight_share import SharedWriter
-
-                self.sharer = SharedWriter(f"{self.dst}-stage0")
             on_cpu = all(v.device.type == "cpu" for v in hf.values())
-            part = self.sharer.share(hf if on_cpu else self._snap(hf))
+            part = self._sharer(0).share(hf if on_cpu else self._snap(hf))
             target, args = self._share_behind, ([part], version)
         else:
             target, args = self._write_behind, (self._snap(hf), model.module.config, version)
@@ -286,10 +282,8 @@ class WeightPublisher:
                 box[0] = f"error: gen_server.weight_transport=shared cannot work: {why}; use group or auto"
             else:
                 box[0] = "group" if why else "shared"
-            logger.info("weights of %s to the generation servers: %s%s", self.dst, box[0],
-                        f" ({why})" if why and want == "auto" else
-                        (f" (by reference: {'CUDA IPC' if mine['gpu'] else 'a shared-memory file'})"
-                         if box[0] == "shared" else ""))
+            how = f"by reference: {'CUDA IPC' if mine['gpu'] else 'a shared-memory file'}" if not why else why
+            logger.info("weights of %s to the generation servers: %s (%s)", self.dst, box[0], how)
         if writers_group is not None:
             dist.broadcast_object_list(box, src=grid.global_rank_of(0, 0, 0), group=writers_group)
         if box[0].startswith("error: "):
@@ -317,12 +311,8 @@ class WeightPublisher:
         """Every stage writer shares its tensors; stage 0 has the servers load all the parts. Until one such update
         has worked, ``auto`` falls back to the weight group when it fails (e.g. a container that forbids CUDA IPC),
         with a warning naming the cause; the group's complete update also repairs a server left half-updated."""
-        from realhf.gen_server.weight_share import SharedWriter
-
-        if self.sharer is None:
-            self.sharer = SharedWriter(f"{self.dst}-stage{stage}")
         try:
-            part = self.sharer.share(hf)
+            part = self._sharer(stage).share(hf)
         except Exception as e:
             if not self._may_fall_back():
                 raise
@@ -358,6 +348,14 @@ class WeightPublisher:
         self.sharer.close()
         self.sharer = None
         self._publish_group(client, stage, pp, writers_group, grid, hf, version)
+
+    def _sharer(self, stage: int):
+        """This stage writer's shared-memory writer (one for the run: its CPU buffer is reused)."""
+        if self.sharer is None:
+            from realhf.gen_server.weight_share import SharedWriter
+
+            self.sharer = SharedWriter(f"{self.dst}-stage{stage}")
+        return self.sharer
 
     def _may_fall_back(self) -> bool:
         """Whether a failed shared update may fall back to the weight group: ``auto``, a synchronous run (an
